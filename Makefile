@@ -1,0 +1,49 @@
+# vllm-overlay: the user interface. `make help` lists every target.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VLLM ?= 0.28.0
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+TOOL_STAMP := $(VENV)/.overlay-tool
+BUILD_STAMP := $(VENV)/.overlay-build-$(VLLM)
+OVERLAY := $(PY) -m overlay
+
+.PHONY: help build test lint status workspace export bench-build
+
+help: ## list every target
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+$(TOOL_STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	@touch $@
+
+build: $(TOOL_STAMP) ## build dist/vllm-<base>+<tag>-*.whl from the pinned wheel + series, install into .venv [VLLM=0.28.0]
+	$(OVERLAY) build --vllm $(VLLM) --install $(VENV)
+	@touch $(BUILD_STAMP)
+
+$(BUILD_STAMP): $(TOOL_STAMP) $(wildcard patches/$(VLLM)/*) $(wildcard overlay/*.py)
+	$(OVERLAY) build --vllm $(VLLM) --install $(VENV)
+	@touch $@
+
+test: $(BUILD_STAMP) ## the whole CPU test suite (lint included); what .ci/run calls
+	$(PY) -m ruff check overlay tests
+	$(PY) -m pytest -m "not gpu"
+
+lint: $(TOOL_STAMP) ## ruff
+	$(PY) -m ruff check overlay tests
+
+status: $(TOOL_STAMP) ## each patch: subject, origin, kind, files, applies [VLLM=0.28.0]
+	$(OVERLAY) status --vllm $(VLLM)
+
+workspace: $(TOOL_STAMP) ## git tree .work/<VLLM> of the base + one commit per patch, to edit patches
+	$(OVERLAY) workspace --vllm $(VLLM)
+
+export: $(TOOL_STAMP) ## write .work/<VLLM>'s commits back to patches/<VLLM>/ (deterministic)
+	$(OVERLAY) export --vllm $(VLLM)
+
+bench-build: $(TOOL_STAMP) ## rebuild time from the cached wheel vs cp of that wheel, as a ratio
+	$(OVERLAY) bench-build --vllm $(VLLM)

@@ -1,0 +1,1 @@
+"""Benchmarks that print numbers: ``build`` (CPU) and ``merge`` (GPU)."""

@@ -1,0 +1,150 @@
+"""``make build``: official wheel + patch series -> patched, versioned wheel in ``dist/``.
+
+Coordinates the other modules: pin -> fetch -> series -> apply -> rewrite wheel. The wheel
+is written under a temporary name in ``dist/`` and renamed at the very end, so a failed or
+killed build leaves the previous wheel untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from overlay import __version__ as TOOL_VERSION
+from overlay.apply import apply_series
+from overlay.errors import KernelPatchError, WheelError
+from overlay.fetch import fetch_wheel
+from overlay.pins import Pin, load_pin, pin_dir
+from overlay.series import Series
+from overlay.wheel import rewrite_wheel
+
+OVERLAY_JSON = "vllm/_overlay.json"
+VERSION_PY = "vllm/_version.py"
+TAG_PREFIX = "ovl"
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """What a build produced."""
+
+    wheel: Path
+    version: str
+    tag: str
+    patches: int
+    seconds: float
+
+
+def series_tag(series: Series, pin: Pin) -> str:
+    """Local version label from the series content: same series and base, same tag."""
+    return TAG_PREFIX + series.digest(pin.sha256)[:10]
+
+
+def overlay_manifest(series: Series, pin: Pin, version: str) -> bytes:
+    """``vllm/_overlay.json``: what this wheel is made of. No timestamps."""
+    doc = {
+        "base": {"version": pin.version, "wheel": pin.wheel, "sha256": pin.sha256},
+        "version": version,
+        "patches": [
+            {
+                "name": p.name,
+                "sha256": p.sha256,
+                "subject": p.subject,
+                "origin": p.origin,
+                "kind": p.kind,
+            }
+            for p in series.patches
+        ],
+        "tool": {"name": "vllm-overlay", "version": TOOL_VERSION},
+    }
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
+def patch_version_py(text: bytes, version: str) -> bytes:
+    """Set ``__version__`` and ``__version_tuple__`` in vLLM's generated ``_version.py``."""
+    src = text.decode()
+    base, _, local = version.partition("+")
+    parts: list[int | str] = [int(x) if x.isdigit() else x for x in base.split(".")]
+    if local:
+        parts.append(local)
+    src, n1 = re.subn(r"^__version__ = version = .*$", f"__version__ = version = {version!r}", src,
+                      count=1, flags=re.M)
+    src, n2 = re.subn(r"^__version_tuple__ = version_tuple = .*$",
+                      f"__version_tuple__ = version_tuple = {tuple(parts)!r}", src, count=1, flags=re.M)
+    if n1 != 1 or n2 != 1:
+        raise WheelError(f"{VERSION_PY}: no '__version__ = version = ...' / version_tuple line to update")
+    return src.encode()
+
+
+def wheel_name(pin: Pin, version: str) -> str:
+    """The base wheel's file name with the version replaced."""
+    prefix = f"vllm-{pin.version}-"
+    return f"vllm-{version}-" + pin.wheel[len(prefix):]
+
+
+def build(
+    patches_root: Path,
+    version: str,
+    dist: Path,
+    *,
+    base_wheel: Path | None = None,
+    kernels: dict[str, Path] | None = None,
+) -> BuildResult:
+    """Build the patched wheel for release ``version`` into ``dist``.
+
+    ``base_wheel`` skips the fetch (a verified wheel already at hand). ``kernels`` maps
+    archive paths (``vllm/_C.abi3.so``) to rebuilt binaries from ``make image``'s kernel
+    stage; without them a series with kernel patches is refused.
+    """
+    start = time.perf_counter()
+    pin = load_pin(patches_root, version)
+    series = Series.load(pin_dir(patches_root, version))
+    if series.kernel_patches and not kernels:
+        names = ", ".join(p.name for p in series.kernel_patches)
+        raise KernelPatchError(
+            f"patch {names} touches compiled sources ({series.kernel_patches[0].touched[0]}); "
+            "the overlay cannot change prebuilt kernels: use `make image`, which rebuilds them"
+        )
+    wheel = base_wheel or fetch_wheel(pin)
+    tag = series_tag(series, pin)
+    full_version = f"{pin.version}+{tag}"
+    with zipfile.ZipFile(wheel) as zf:
+        members = set(zf.namelist())
+
+        def read(path: str) -> bytes | None:
+            return zf.read(path) if path in members else None
+
+        python_patches = tuple(p for p in series.patches if p.kind == "python")
+        applied = apply_series(python_patches, read, label=f"vllm {pin.version}")
+        version_py = read(VERSION_PY)
+    if version_py is None:
+        raise WheelError(f"{wheel.name}: has no {VERSION_PY}")
+    changed = dict(applied.changed)
+    changed[VERSION_PY] = patch_version_py(changed.get(VERSION_PY, version_py), full_version)
+    changed[OVERLAY_JSON] = overlay_manifest(series, pin, full_version)
+    for archive_path, binary in sorted((kernels or {}).items()):
+        changed[archive_path] = binary.read_bytes()
+    dist.mkdir(parents=True, exist_ok=True)
+    target = dist / wheel_name(pin, full_version)
+    fd, tmp_name = tempfile.mkstemp(dir=dist, prefix=".building-", suffix=".whl.tmp")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        rewrite_wheel(wheel, tmp, package="vllm", version=full_version, changed=changed,
+                      deleted=frozenset(applied.deleted))
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    elapsed = time.perf_counter() - start
+    return BuildResult(target, full_version, tag, len(series.patches), elapsed)
+
+
+def log(msg: str) -> None:
+    """Progress line on stderr."""
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,124 @@
+"""One verb per Make target: parse arguments, call one function, map errors to one line.
+
+Library code raises :class:`overlay.errors.OverlayError`; only this module prints it (one
+line, ``error: ...``) and picks the exit code. Unexpected exceptions keep their traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from overlay.errors import OverlayError
+
+DEFAULT_VLLM = "0.28.0"
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _root(ns: argparse.Namespace) -> Path:
+    return Path(ns.patches)
+
+
+def cmd_build(ns: argparse.Namespace) -> int:
+    from overlay.build import build
+    from overlay.install import install
+
+    kernels = None
+    if ns.kernels:
+        from overlay.kernels import collect_kernels
+
+        kernels = collect_kernels(Path(ns.kernels))
+    result = build(_root(ns), ns.vllm, Path(ns.dist),
+                   base_wheel=Path(ns.base_wheel) if ns.base_wheel else None, kernels=kernels)
+    print(f"built {result.wheel} ({result.version}, {result.patches} patch(es), {result.seconds:.2f} s)",
+          file=sys.stderr)
+    if ns.install:
+        install(result.wheel, Path(ns.install), with_deps=not ns.no_deps)
+        print(f"installed {result.version} into {ns.install}", file=sys.stderr)
+    print(result.wheel)
+    return 0
+
+
+def cmd_status(ns: argparse.Namespace) -> int:
+    from overlay.status import format_table, series_status
+
+    rows = series_status(_root(ns), ns.vllm)
+    if ns.json:
+        print(json.dumps([r.to_dict() for r in rows], indent=2))
+    else:
+        sys.stdout.write(format_table(rows, ns.vllm))
+    return 0 if all(r.applies for r in rows) else 1
+
+
+def cmd_workspace(ns: argparse.Namespace) -> int:
+    from overlay.workspace import create
+
+    dest = Path(ns.dest or f".work/{ns.vllm}")
+    create(_root(ns), ns.vllm, dest)
+    print(dest)
+    return 0
+
+
+def cmd_export(ns: argparse.Namespace) -> int:
+    from overlay.workspace import export
+
+    src = Path(ns.src or f".work/{ns.vllm}")
+    names = export(src, _root(ns), ns.vllm)
+    print(f"exported {len(names)} patch(es) to {_root(ns) / ns.vllm}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_build(ns: argparse.Namespace) -> int:
+    from overlay.bench.build import run
+
+    return run(_root(ns), ns.vllm, repeat=ns.repeat, json_out=Path(ns.json_out) if ns.json_out else None)
+
+
+COMMANDS: dict[str, tuple[str, Handler]] = {
+    "build": ("fetch + verify the base wheel, apply the series, write and install the wheel", cmd_build),
+    "status": ("each patch: subject, origin, kind, files, applies to the pinned base", cmd_status),
+    "workspace": ("git tree of the base with the series as commits, for editing patches", cmd_workspace),
+    "export": ("write the workspace's commits back as the series (deterministic)", cmd_export),
+    "bench-build": ("time a rebuild from the cached wheel against a plain copy of it", cmd_bench_build),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="overlay", description="patched vLLM overlay builds")
+    p.add_argument("--patches", default="patches", help="folder holding patches/<version>/")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, (help_text, handler) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        sp.set_defaults(handler=handler)
+        sp.add_argument("--vllm", default=DEFAULT_VLLM, help="pinned vLLM release (default %(default)s)")
+        if name == "build":
+            sp.add_argument("--dist", default="dist")
+            sp.add_argument("--install", metavar="VENV", help="install the wheel into this environment")
+            sp.add_argument("--no-deps", action="store_true", help="install only the wheel")
+            sp.add_argument("--base-wheel", help="use this verified base wheel instead of fetching")
+            sp.add_argument("--kernels", metavar="DIR", help="rebuilt kernel .so files (make image)")
+        elif name == "status":
+            sp.add_argument("--json", action="store_true")
+        elif name == "workspace":
+            sp.add_argument("--dest")
+        elif name == "export":
+            sp.add_argument("--src")
+        elif name == "bench-build":
+            sp.add_argument("--repeat", type=int, default=5)
+            sp.add_argument("--json-out")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
+    try:
+        return ns.handler(ns)
+    except OverlayError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130

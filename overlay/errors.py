@@ -1,0 +1,49 @@
+"""The tool's exception root and its few subclasses.
+
+Library code raises these; only ``overlay.cli`` turns them into one line on stderr and an
+exit code. Messages name the file, patch, hunk or field at fault.
+"""
+
+from __future__ import annotations
+
+
+class OverlayError(Exception):
+    """Root of every error the tool reports to a user as one line."""
+
+    exit_code = 1
+
+
+class PinError(OverlayError):
+    """A ``pin.toml`` is missing, malformed or names an unknown release."""
+
+
+class FetchError(OverlayError):
+    """A release file could not be fetched, or its digest does not match the pin."""
+
+
+class SeriesError(OverlayError):
+    """A ``series`` file or a patch file in it is malformed or missing."""
+
+
+class ApplyError(OverlayError):
+    """A patch does not apply to the base it is meant for."""
+
+
+class KernelPatchError(OverlayError):
+    """A patch touches compiled sources and cannot be overlaid on prebuilt binaries."""
+
+
+class WheelError(OverlayError):
+    """A wheel is malformed or cannot be rewritten."""
+
+
+class GitError(OverlayError):
+    """A git command failed."""
+
+    def __init__(self, cmd: list[str], returncode: int, stderr: str) -> None:
+        self.cmd = cmd
+        self.returncode = returncode
+        self.stderr = stderr
+        detail = stderr.strip().splitlines()
+        tail = detail[-1] if detail else "no output"
+        super().__init__(f"git {' '.join(cmd)!s} failed ({returncode}): {tail}")

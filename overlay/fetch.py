@@ -1,0 +1,112 @@
+"""Get a release's wheel through pip into the cache outside the repo, and verify it.
+
+The cache lives in ``$VLLM_OVERLAY_CACHE`` (default ``~/.cache/vllm-overlay``). A file is
+only ever moved into the cache after its sha256 matched the pin; a mismatching download is
+deleted and reported with both digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from overlay.errors import FetchError
+from overlay.pins import Pin
+
+Downloader = Callable[[str, Path], None]
+"""``downloader(requirement, dest_dir)`` puts the release file into ``dest_dir``."""
+
+
+def cache_dir() -> Path:
+    """Root of the download cache (never inside the repository)."""
+    root = os.environ.get("VLLM_OVERLAY_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "vllm-overlay"
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def pip_download_wheel(requirement: str, dest: Path) -> None:
+    """Download one binary wheel with pip (no dependencies), showing pip's progress on a tty."""
+    quiet = not sys.stderr.isatty()
+    cmd = [
+        sys.executable, "-m", "pip", "download",
+        "--no-deps", "--only-binary=:all:",
+        # The pinned wheel is manylinux x86_64 whatever machine builds the overlay.
+        "--platform", "manylinux_2_28_x86_64", "--implementation", "cp",
+        "--python-version", "3.11",
+        "--progress-bar", "off" if quiet else "on",
+        "-d", str(dest), requirement,
+    ]
+    if quiet:
+        cmd.insert(4, "-q")
+    proc = subprocess.run(
+        cmd, stdout=subprocess.PIPE if quiet else None,
+        stderr=subprocess.PIPE if quiet else None, check=False,
+    )
+    if proc.returncode != 0:
+        err = (proc.stderr or b"").decode(errors="replace").strip().splitlines()
+        raise FetchError(
+            f"pip download {requirement} failed ({proc.returncode})"
+            + (f": {err[-1]}" if err else "")
+        )
+
+
+def verify(path: Path, expected: str) -> None:
+    """Raise :class:`FetchError` naming both digests if ``path`` does not hash to ``expected``."""
+    actual = sha256_file(path)
+    if actual != expected:
+        raise FetchError(
+            f"{path.name}: sha256 mismatch: expected {expected}, got {actual}"
+        )
+
+
+def fetch_wheel(pin: Pin, *, cache: Path | None = None, downloader: Downloader | None = None) -> Path:
+    """Return the verified base wheel of ``pin`` from the cache, downloading it if needed."""
+    cache = cache or cache_dir()
+    wheels = cache / "wheels"
+    target = wheels / pin.wheel
+    if target.exists():
+        try:
+            verify(target, pin.sha256)
+        except FetchError:
+            target.unlink()  # a corrupted cache entry is never used; fetch it again
+        else:
+            return target
+    wheels.mkdir(parents=True, exist_ok=True)
+    download = downloader or pip_download_wheel
+    with tempfile.TemporaryDirectory(dir=wheels, prefix=".download-") as tmp:
+        tmpdir = Path(tmp)
+        print(f"fetching {pin.wheel} ...", file=sys.stderr)
+        download(f"vllm=={pin.version}", tmpdir)
+        got = tmpdir / pin.wheel
+        if not got.exists():
+            names = sorted(p.name for p in tmpdir.iterdir())
+            raise FetchError(f"pip did not produce {pin.wheel} (got {names or 'nothing'})")
+        verify(got, pin.sha256)  # the temp dir, bad file included, is removed on error
+        os.replace(got, target)
+    return target
+
+
+def copy_into_cache(src: Path, pin: Pin, *, cache: Path | None = None) -> Path:
+    """Put an already downloaded wheel into the cache after verifying it (offline use)."""
+    verify(src, pin.sha256)
+    wheels = (cache or cache_dir()) / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    target = wheels / pin.wheel
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, target)
+    return target

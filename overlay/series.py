@@ -1,0 +1,291 @@
+"""``Patch`` and ``Series``: parse a ``series`` file and the format-patch files it names.
+
+A patch file is ``git format-patch`` output (exported with ``--zero-commit --keep-subject
+--no-signature``). Its message ends in DEP-3-style trailers (``Origin:``, ``Bug:``,
+``Applied-Upstream:``, ``Last-Update:``). A patch is ``kernel`` when it touches compiled
+sources (``csrc/``, ``CMakeLists.txt``, ``*.cu``, ``*.cuh``, ``*.cpp``, ``*.h``), else ``python``.
+"""
+
+from __future__ import annotations
+
+import email.header
+import email.parser
+import email.policy
+import hashlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from overlay.errors import SeriesError
+
+TRAILER_KEYS = ("Origin", "Bug", "Applied-Upstream", "Last-Update")
+KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp", ".h")
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9._-]*\.patch$")
+_NUMBERED = re.compile(r"^\d{2,}-")
+_DIFF_GIT = re.compile(r"^diff --git a/(?P<old>\S+) b/(?P<new>\S+)$")
+_HUNK = re.compile(r"^@@ -(?P<os>\d+)(?:,(?P<ol>\d+))? \+(?P<ns>\d+)(?:,(?P<nl>\d+))? @@")
+_TRAILER = re.compile(r"^(?P<key>[A-Za-z][A-Za-z0-9-]*): (?P<value>.+)$")
+
+
+def is_kernel_path(path: str) -> bool:
+    """True for files that live in compiled extensions (rebuilt only by ``make image``)."""
+    name = path.rsplit("/", 1)[-1]
+    return path.startswith("csrc/") or "/csrc/" in path or name == "CMakeLists.txt" or name.endswith(
+        KERNEL_SUFFIXES
+    )
+
+
+@dataclass(frozen=True)
+class Hunk:
+    """One ``@@`` hunk of a file diff; ``line`` is its 1-based line in the patch file."""
+
+    old_start: int
+    old_len: int
+    new_start: int
+    new_len: int
+    line: int
+
+
+@dataclass(frozen=True)
+class FileDiff:
+    """One ``diff --git`` section."""
+
+    old_path: str | None  # None when the file is created
+    new_path: str | None  # None when the file is deleted
+    line: int
+    hunks: tuple[Hunk, ...]
+
+    @property
+    def path(self) -> str:
+        return self.new_path or self.old_path or ""
+
+
+def parse_diffs(text: str, source: str) -> tuple[FileDiff, ...]:
+    """Split the diff part of a patch into file sections and hunks (line numbers kept)."""
+    files: list[FileDiff] = []
+    cur: dict[str, object] | None = None
+    hunks: list[Hunk] = []
+
+    def close() -> None:
+        if cur is not None:
+            files.append(FileDiff(cur["old"], cur["new"], cur["line"], tuple(hunks)))  # type: ignore[arg-type]
+
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        m = _DIFF_GIT.match(line)
+        if m:
+            close()
+            cur = {"old": m["old"], "new": m["new"], "line": lineno}
+            hunks = []
+            continue
+        if cur is None:
+            continue
+        if line.startswith("new file mode"):
+            cur["old"] = None
+        elif line.startswith("deleted file mode"):
+            cur["new"] = None
+        elif line.startswith("rename from "):
+            cur["old"] = line[len("rename from "):]
+        elif line.startswith("rename to "):
+            cur["new"] = line[len("rename to "):]
+        elif line.startswith("@@"):
+            h = _HUNK.match(line)
+            if not h:
+                raise SeriesError(f"{source}:{lineno}: malformed hunk header {line!r}")
+            hunks.append(
+                Hunk(int(h["os"]), int(h["ol"] or 1), int(h["ns"]), int(h["nl"] or 1), lineno)
+            )
+    close()
+    return tuple(files)
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One patch file of a series, parsed."""
+
+    name: str
+    path: Path
+    subject: str
+    author: str
+    body: str
+    trailers: dict[str, str]
+    files: tuple[FileDiff, ...]
+    sha256: str
+    raw: bytes = field(repr=False)
+
+    @property
+    def origin(self) -> str:
+        return self.trailers.get("Origin", "")
+
+    @property
+    def bug(self) -> str:
+        return self.trailers.get("Bug", "")
+
+    @property
+    def applied_upstream(self) -> str:
+        return self.trailers.get("Applied-Upstream", "")
+
+    @property
+    def last_update(self) -> str:
+        return self.trailers.get("Last-Update", "")
+
+    @property
+    def touched(self) -> tuple[str, ...]:
+        """Every path the patch reads or writes, sorted, without duplicates."""
+        paths = {p for f in self.files for p in (f.old_path, f.new_path) if p}
+        return tuple(sorted(paths))
+
+    @property
+    def kind(self) -> str:
+        return "kernel" if any(is_kernel_path(p) for p in self.touched) else "python"
+
+    @classmethod
+    def from_bytes(cls, name: str, raw: bytes, path: Path) -> Patch:
+        """Parse a format-patch file; every problem names the file."""
+        source = str(path)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise SeriesError(f"{source}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        if not text.startswith("From "):
+            raise SeriesError(f"{source}: not a git format-patch file (no 'From ' line)")
+        head, sep, rest = text.partition("\n\n")
+        if not sep:
+            raise SeriesError(f"{source}: no blank line after the mail headers")
+        msg = email.parser.HeaderParser(policy=email.policy.compat32).parsestr(
+            head.split("\n", 1)[1] + "\n\n"
+        )
+        subject_raw = msg.get("Subject")
+        if not subject_raw:
+            raise SeriesError(f"{source}: no 'Subject:' header")
+        subject = str(email.header.make_header(email.header.decode_header(subject_raw)))
+        subject = " ".join(subject.split())
+        subject = re.sub(r"^\[PATCH[^\]]*\]\s*", "", subject)
+        author = str(email.header.make_header(email.header.decode_header(msg.get("From", ""))))
+        diff_at = rest.find("\ndiff --git ")
+        if not rest.startswith("diff --git ") and diff_at < 0:
+            raise SeriesError(f"{source}: contains no 'diff --git' section")
+        message = "" if rest.startswith("diff --git ") else rest[:diff_at]
+        # The commit message ends at the '---' line before the diffstat, if there is one.
+        message = re.split(r"^---$", message, maxsplit=1, flags=re.M)[0].strip("\n")
+        paragraphs = [p for p in re.split(r"\n\s*\n", message) if p.strip()]
+        trailers: dict[str, str] = {}
+        body = message
+        if paragraphs:
+            last = paragraphs[-1].splitlines()
+            parsed = [_TRAILER.match(line) for line in last]
+            if all(parsed):
+                for m in parsed:
+                    assert m is not None
+                    trailers[m["key"]] = m["value"].strip()
+                body = "\n\n".join(paragraphs[:-1])
+        head_lines = head.count("\n") + 2
+        diff_offset = head_lines + (rest[: max(diff_at, 0) + 1].count("\n") if diff_at >= 0 else 0)
+        diff_text = rest[diff_at + 1:] if diff_at >= 0 else rest
+        files = parse_diffs(diff_text, source)
+        # Re-base hunk line numbers onto the patch file so errors point into it.
+        files = tuple(
+            FileDiff(
+                f.old_path, f.new_path, f.line + diff_offset - 1,
+                tuple(Hunk(h.old_start, h.old_len, h.new_start, h.new_len, h.line + diff_offset - 1)
+                      for h in f.hunks),
+            )
+            for f in files
+        )
+        if not files:
+            raise SeriesError(f"{source}: contains no 'diff --git' section")
+        return cls(
+            name=name, path=path, subject=subject, author=author, body=body.strip(),
+            trailers=trailers, files=files, sha256=hashlib.sha256(raw).hexdigest(), raw=raw,
+        )
+
+    @classmethod
+    def load(cls, path: Path) -> Patch:
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raise SeriesError(f"{path}: patch file not found") from None
+        return cls.from_bytes(path.name, raw, path)
+
+    def check_trailers(self) -> list[str]:
+        """Convention problems: missing ``Origin``/``Last-Update``, unknown trailer keys."""
+        problems = [f"{self.name}: missing trailer {k!r}" for k in ("Origin", "Last-Update")
+                    if k not in self.trailers]
+        problems += [f"{self.name}: unknown trailer {k!r}" for k in self.trailers
+                     if k not in TRAILER_KEYS and k not in ("Signed-off-by", "Co-authored-by")]
+        return problems
+
+
+@dataclass(frozen=True)
+class Series:
+    """The ordered patches of one release folder (``patches/<version>/``)."""
+
+    directory: Path
+    patches: tuple[Patch, ...]
+
+    @property
+    def series_file(self) -> Path:
+        return self.directory / "series"
+
+    @staticmethod
+    def parse_names(text: str, source: str) -> list[str]:
+        """Patch names in order; '#' starts a comment; errors name the line."""
+        names: list[str] = []
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            entry = line.split("#", 1)[0].strip()
+            if not entry:
+                continue
+            where = f"{source}:{lineno}"
+            if " " in entry or "\t" in entry:
+                raise SeriesError(f"{where}: one patch name per line, got {entry!r}")
+            if "/" in entry:
+                raise SeriesError(f"{where}: patch name must not contain '/': {entry!r}")
+            if not _NAME.match(entry):
+                raise SeriesError(f"{where}: not a patch file name (want 'topic-name.patch'): {entry!r}")
+            if _NUMBERED.match(entry):
+                raise SeriesError(
+                    f"{where}: {entry!r} has a numeric prefix; order lives in the series file"
+                )
+            if entry in names:
+                raise SeriesError(f"{where}: {entry!r} is listed twice")
+            names.append(entry)
+        return names
+
+    @classmethod
+    def load(cls, directory: Path) -> Series:
+        """Read ``directory/series`` and every patch it names."""
+        series_file = directory / "series"
+        try:
+            text = series_file.read_text()
+        except FileNotFoundError:
+            raise SeriesError(f"{series_file}: no series file") from None
+        names = cls.parse_names(text, str(series_file))
+        patches: list[Patch] = []
+        for lineno, name in _with_lines(text, names):
+            path = directory / name
+            if not path.is_file():
+                raise SeriesError(f"{series_file}:{lineno}: names {name!r}, which does not exist")
+            patches.append(Patch.load(path))
+        return cls(directory, tuple(patches))
+
+    @property
+    def kernel_patches(self) -> tuple[Patch, ...]:
+        return tuple(p for p in self.patches if p.kind == "kernel")
+
+    def digest(self, base_sha256: str) -> str:
+        """sha256 over the base wheel digest and each patch's name and digest, in order."""
+        h = hashlib.sha256()
+        h.update(f"base {base_sha256}\n".encode())
+        for p in self.patches:
+            h.update(f"patch {p.name} {p.sha256}\n".encode())
+        return h.hexdigest()
+
+
+def _with_lines(text: str, names: list[str]) -> list[tuple[int, str]]:
+    wanted = iter(names)
+    out: list[tuple[int, str]] = []
+    nxt = next(wanted, None)
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if nxt is not None and line.split("#", 1)[0].strip() == nxt:
+            out.append((lineno, nxt))
+            nxt = next(wanted, None)
+    return out

@@ -1,0 +1,82 @@
+"""``make status``: one row per patch: name, subject, origin, kind, files, applies or not."""
+
+from __future__ import annotations
+
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from overlay.apply import apply_series
+from overlay.errors import ApplyError
+from overlay.fetch import fetch_wheel
+from overlay.pins import load_pin, pin_dir
+from overlay.series import Series
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    """The state of one patch against the pinned base."""
+
+    name: str
+    subject: str
+    origin: str
+    kind: str
+    files: tuple[str, ...]
+    applies: bool
+    detail: str
+    applied_upstream: str
+
+    def to_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d["files"] = list(self.files)
+        return d
+
+
+def series_status(patches_root: Path, version: str, *, base_wheel: Path | None = None) -> list[PatchStatus]:
+    """Apply the series cumulatively and report, per patch, whether it applies."""
+    pin = load_pin(patches_root, version)
+    series = Series.load(pin_dir(patches_root, version))
+    wheel = base_wheel or fetch_wheel(pin)
+    rows: list[PatchStatus] = []
+    with zipfile.ZipFile(wheel) as zf:
+        members = set(zf.namelist())
+
+        def read(path: str) -> bytes | None:
+            return zf.read(path) if path in members else None
+
+        good: list = []
+        for patch in series.patches:
+            if patch.kind == "kernel":
+                # Compiled sources are not in the wheel; make image applies them to the sdist.
+                ok, detail = True, "kernel patch: applied by `make image` to the source"
+            else:
+                try:
+                    apply_series((*good, patch), read, label=f"vllm {pin.version}")
+                    ok, detail = True, ""
+                    good.append(patch)
+                except ApplyError as exc:
+                    ok, detail = False, str(exc)
+            rows.append(PatchStatus(patch.name, patch.subject, patch.origin, patch.kind,
+                                    patch.touched, ok, detail, patch.applied_upstream))
+    return rows
+
+
+def format_table(rows: list[PatchStatus], version: str) -> str:
+    """A plain-text table for the terminal."""
+    if not rows:
+        return f"vllm {version}: the series is empty\n"
+    header = ("patch", "kind", "applies", "upstream", "origin", "subject")
+    body = [
+        (r.name, r.kind, "yes" if r.applies else "NO", r.applied_upstream or "-", r.origin or "-", r.subject)
+        for r in rows
+    ]
+    widths = [max(len(str(x[i])) for x in (header, *body)) for i in range(len(header) - 1)]
+    lines = []
+    for row in (header, *body):
+        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths, strict=True)]
+        lines.append("  ".join([*cells, str(row[-1])]).rstrip())
+    for r in rows:
+        lines.append(f"  {r.name}: {', '.join(r.files)}")
+        if r.detail and not r.applies:
+            lines.append(f"    {r.detail}")
+    return "\n".join(lines) + "\n"

@@ -131,6 +131,8 @@ def build(
     for archive_path, binary in sorted((kernels or {}).items()):
         changed[archive_path] = binary.read_bytes()
     dist.mkdir(parents=True, exist_ok=True)
+    for stale in dist.glob(".building-*.whl.tmp"):  # left by a build that was killed
+        stale.unlink(missing_ok=True)
     target = dist / wheel_name(pin, full_version)
     fd, tmp_name = tempfile.mkstemp(dir=dist, prefix=".building-", suffix=".whl.tmp")
     os.close(fd)

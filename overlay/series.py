@@ -178,7 +178,7 @@ class Patch:
                     assert m is not None
                     trailers[m["key"]] = m["value"].strip()
                 body = "\n\n".join(paragraphs[:-1])
-        head_lines = head.count("\n") + 2
+        head_lines = head.count("\n") + 3  # the first line of `rest`
         diff_offset = head_lines + (rest[: max(diff_at, 0) + 1].count("\n") if diff_at >= 0 else 0)
         diff_text = rest[diff_at + 1:] if diff_at >= 0 else rest
         files = parse_diffs(diff_text, source)
@@ -239,12 +239,12 @@ class Series:
                 raise SeriesError(f"{where}: one patch name per line, got {entry!r}")
             if "/" in entry:
                 raise SeriesError(f"{where}: patch name must not contain '/': {entry!r}")
-            if not _NAME.match(entry):
-                raise SeriesError(f"{where}: not a patch file name (want 'topic-name.patch'): {entry!r}")
             if _NUMBERED.match(entry):
                 raise SeriesError(
                     f"{where}: {entry!r} has a numeric prefix; order lives in the series file"
                 )
+            if not _NAME.match(entry):
+                raise SeriesError(f"{where}: not a patch file name (want 'topic-name.patch'): {entry!r}")
             if entry in names:
                 raise SeriesError(f"{where}: {entry!r} is listed twice")
             names.append(entry)

@@ -1,0 +1,50 @@
+"""Where vLLM symbols live, per release, so a patch's tests can run on other releases.
+
+Tests ask ``compat.module("dcp")`` instead of importing ``vllm.v1.attention.ops.dcp_utils``
+directly; the rebase tool runs a patch's own tests against a newer base to find out whether
+upstream absorbed the fix in its own way (0.29.0 renamed ``dcp_utils.py`` to ``ops/dcp.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from packaging.version import Version
+
+# logical name -> [(first release with this location, module path)], newest last.
+LOCATIONS: dict[str, list[tuple[str, str]]] = {
+    "dcp": [("0.28.0", "vllm.v1.attention.ops.dcp_utils"), ("0.29.0", "vllm.v1.attention.ops.dcp")],
+    "dcp_alltoall": [("0.28.0", "vllm.v1.attention.ops.dcp_alltoall"), ("0.29.0", "vllm.v1.attention.ops.dcp")],
+    "ops_common": [("0.28.0", "vllm.v1.attention.ops.common"), ("0.29.0", "vllm.v1.attention.ops.dcp")],
+    "mla_attention": [("0.28.0", "vllm.model_executor.layers.attention.mla_attention")],
+    "flashmla_sparse": [("0.28.0", "vllm.v1.attention.backends.mla.flashmla_sparse")],
+    "flashinfer_mla_sparse": [("0.28.0", "vllm.v1.attention.backends.mla.flashinfer_mla_sparse")],
+    "cp_utils": [("0.28.0", "vllm.v1.worker.cp_utils")],
+}
+
+
+def vllm_version() -> Version:
+    """The release of the vLLM being tested (local label dropped)."""
+    import vllm
+
+    return Version(Version(vllm.__version__).base_version)
+
+
+def module_path(name: str, version: Version | None = None) -> str:
+    """The module path of logical ``name`` in ``version`` (default: the imported vLLM)."""
+    version = version or vllm_version()
+    candidates = [path for first, path in LOCATIONS[name] if Version(first) <= version]
+    if not candidates:
+        raise LookupError(f"{name!r} has no known location in vllm {version}")
+    return candidates[-1]
+
+
+def module(name: str) -> ModuleType:
+    """Import logical module ``name`` for the vLLM under test."""
+    return importlib.import_module(module_path(name))
+
+
+def symbol(name: str, attr: str) -> object:
+    """``getattr(module(name), attr)``."""
+    return getattr(module(name), attr)

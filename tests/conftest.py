@@ -1,0 +1,46 @@
+"""Shared fixtures. ``OVERLAY_VLLM_TREE=<dir>`` makes ``import vllm`` load that tree.
+
+The patch tests use it to run against the unpatched base tree (see
+``tests/test_patches_against_base.py``); without it they test the installed patched wheel.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PATCHES = REPO / "patches"
+DEFAULT_VLLM = "0.28.0"
+
+_tree = os.environ.get("OVERLAY_VLLM_TREE")
+if _tree:
+    sys.path.insert(0, _tree)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``gpu`` tests when CUDA is not available."""
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except Exception:  # torch missing or broken: no GPU tests either way
+        has_cuda = False
+    if has_cuda:
+        return
+    skip = pytest.mark.skip(reason="needs CUDA GPUs")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def base_wheel() -> Path:
+    """The real, verified vLLM base wheel (downloaded once into the cache)."""
+    from overlay.fetch import fetch_wheel
+    from overlay.pins import load_pin
+
+    return fetch_wheel(load_pin(PATCHES, DEFAULT_VLLM))

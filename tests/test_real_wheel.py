@@ -1,0 +1,71 @@
+"""The main path on the real vLLM 0.28.0 wheel: build, RECORD, install, version."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from overlay.build import build, series_tag
+from overlay.pins import load_pin
+from overlay.series import Series
+from overlay.wheel import verify_record
+
+REPO = Path(__file__).resolve().parent.parent
+PATCHES = REPO / "patches"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def built(base_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(PATCHES, "0.28.0", tmp_path_factory.mktemp("dist"), base_wheel=base_wheel).wheel
+
+
+def expected_version() -> str:
+    pin = load_pin(PATCHES, "0.28.0")
+    return f"{pin.version}+{series_tag(Series.load(PATCHES / '0.28.0'), pin)}"
+
+
+def test_real_wheel_record_verifies(built: Path, base_wheel: Path) -> None:
+    with zipfile.ZipFile(base_wheel) as zf:
+        base_members = len([i for i in zf.infolist() if not i.filename.endswith("RECORD")])
+    count = verify_record(built)
+    assert count >= base_members + 1  # + vllm/_overlay.json (and any files the patches create)
+    assert built.name == f"vllm-{expected_version()}-cp38-abi3-manylinux_2_28_x86_64.whl"
+
+
+def test_real_wheel_keeps_compiled_members_byte_for_byte(built: Path, base_wheel: Path) -> None:
+    with zipfile.ZipFile(base_wheel) as a, zipfile.ZipFile(built) as b:
+        for name in ("vllm/_C_stable_libtorch.abi3.so", "vllm/_flashmla_C.abi3.so"):
+            ia, ib = a.getinfo(name), b.getinfo(name)
+            assert (ia.CRC, ia.compress_size, ia.file_size) == (ib.CRC, ib.compress_size, ib.file_size)
+
+
+def test_installed_package_reports_the_overlay_version() -> None:
+    """`make build` installed the patched wheel into the environment running these tests."""
+    import vllm
+
+    want = expected_version()
+    assert vllm.__version__ == want
+    assert importlib.metadata.version("vllm") == want
+    manifest = json.loads((Path(vllm.__file__).parent / "_overlay.json").read_text())
+    series = Series.load(PATCHES / "0.28.0")
+    assert [p["name"] for p in manifest["patches"]] == [p.name for p in series.patches]
+    assert [p["sha256"] for p in manifest["patches"]] == [p.sha256 for p in series.patches]
+    assert manifest["base"]["sha256"] == load_pin(PATCHES, "0.28.0").sha256
+
+
+def test_vllm_cli_reports_the_overlay_version() -> None:
+    exe = shutil.which("vllm", path=str(Path(sys.executable).parent))
+    assert exe, "the vllm console script is not installed"
+    # Without a GPU, vLLM cannot infer its device unless told (VLLM_TARGET_DEVICE=cpu).
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=300, check=True, env=env)
+    assert out.stdout.strip().splitlines()[-1] == expected_version()

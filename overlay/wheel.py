@@ -81,8 +81,7 @@ class _Writer:
                 csize: int, usize: int, external_attr: int) -> None:
         raw_name = name.encode("utf-8")
         flags = 0 if name.isascii() else _UTF8_FLAG
-        if self.offset > _ZIP64_LIMIT or csize > _ZIP64_LIMIT or usize > _ZIP64_LIMIT:
-            raise WheelError(f"{name!r}: member or archive needs zip64, which is not supported")
+        self._check_size(name, csize, usize)
         header_offset = self.offset
         self._write(_LOCAL.pack(0x04034B50, 20, flags, method, dostime, dosdate, crc, csize,
                                 usize, len(raw_name), 0) + raw_name)
@@ -100,15 +99,41 @@ class _Writer:
         self._write(payload)
 
     def add_raw(self, name: str, src_fd: int, info: zipfile.ZipInfo) -> None:
-        local = os.pread(src_fd, _LOCAL.size, info.header_offset)
-        fields = _LOCAL.unpack(local)
-        if fields[0] != 0x04034B50:
-            raise WheelError(f"{info.filename!r}: bad local header in the base wheel")
-        start = info.header_offset + _LOCAL.size + fields[9] + fields[10]
+        """Copy one member's compressed bytes under a (possibly new) name."""
+        start = _data_start(src_fd, info)
         dostime, dosdate = _dos_time(info)
         self._header(name, info.compress_type, dostime, dosdate, info.CRC, info.compress_size,
                      info.file_size, info.external_attr)
-        remaining, pos = info.compress_size, start
+        self._copy(src_fd, start, info.compress_size)
+
+    def add_verbatim(self, src_fd: int, run: list[zipfile.ZipInfo]) -> None:
+        """Copy members that keep their names as one byte range: local headers and data alike.
+
+        ``run`` must be contiguous in the source (each member starts where the last ended);
+        only their central-directory entries are written anew, with shifted offsets.
+        """
+        first = run[0].header_offset
+        end = _data_start(src_fd, run[-1]) + run[-1].compress_size
+        shift = self.offset - first
+        for info in run:
+            dostime, dosdate = _dos_time(info)
+            self._check_size(info.filename, info.compress_size, info.file_size)
+            raw_name = info.filename.encode("utf-8")
+            flags = 0 if info.filename.isascii() else _UTF8_FLAG
+            self.central.append(
+                _CENTRAL.pack(0x02014B50, 0x031E, 20, flags, info.compress_type, dostime, dosdate, info.CRC,
+                              info.compress_size, info.file_size, len(raw_name), 0, 0, 0, 0,
+                              info.external_attr, info.header_offset + shift)
+                + raw_name
+            )
+        self._copy(src_fd, first, end - first)
+
+    def _check_size(self, name: str, csize: int, usize: int) -> None:
+        if self.offset > _ZIP64_LIMIT or csize > _ZIP64_LIMIT or usize > _ZIP64_LIMIT:
+            raise WheelError(f"{name!r}: member or archive needs zip64, which is not supported")
+
+    def _copy(self, src_fd: int, pos: int, length: int) -> None:
+        remaining = length
         while remaining:
             try:
                 n = os.copy_file_range(src_fd, self.fd, remaining, pos)
@@ -117,7 +142,7 @@ class _Writer:
             if n <= 0:  # not supported here (or EOF): plain read/write
                 chunk = os.pread(src_fd, min(remaining, 1 << 20), pos)
                 if not chunk:
-                    raise WheelError(f"{info.filename!r}: truncated in the base wheel")
+                    raise WheelError(f"base wheel truncated at byte {pos}")
                 self._write(chunk)
                 n = len(chunk)
             else:
@@ -133,6 +158,16 @@ class _Writer:
         if count > 0xFFFF or cd_offset > _ZIP64_LIMIT:
             raise WheelError("archive needs zip64, which is not supported")
         self._write(_EOCD.pack(0x06054B50, 0, 0, count, count, len(blob), cd_offset, 0))
+
+
+def _data_start(src_fd: int, info: zipfile.ZipInfo) -> int:
+    """Offset of a member's compressed bytes (after its local header, whose extra may differ)."""
+    fields = _LOCAL.unpack(os.pread(src_fd, _LOCAL.size, info.header_offset))
+    if fields[0] != 0x04034B50:
+        raise WheelError(f"{info.filename!r}: bad local header in the base wheel")
+    if fields[2] & 0x8:
+        raise WheelError(f"{info.filename!r}: uses a data descriptor, which the raw copy does not support")
+    return info.header_offset + _LOCAL.size + fields[9] + fields[10]
 
 
 def dist_info_name(infos: list[zipfile.ZipInfo], wheel: Path) -> str:
@@ -238,15 +273,31 @@ def rewrite_wheel(
         src_fd = os.open(base, os.O_RDONLY)
         try:
             writer = _Writer(fd)
+            run: list[zipfile.ZipInfo] = []
             for e in entries:
-                if e.source is not None:
-                    digest, size = base_record[e.source.filename]
-                    writer.add_raw(e.name, src_fd, e.source)
+                src = e.source
+                if src is not None and src.filename == e.name:
+                    # Same name: copy header and data as they are, batching contiguous members.
+                    if run and run[-1].header_offset + _entry_span(src_fd, run[-1]) != src.header_offset:
+                        writer.add_verbatim(src_fd, run)
+                        run = []
+                    run.append(src)
+                    digest, size = base_record[src.filename]
+                    record_rows.append(_csv_row(e.name, digest, str(size)))
+                    continue
+                if run:
+                    writer.add_verbatim(src_fd, run)
+                    run = []
+                if src is not None:
+                    digest, size = base_record[src.filename]
+                    writer.add_raw(e.name, src_fd, src)
                 else:
                     assert e.data is not None
                     digest, size = record_hash(e.data), len(e.data)
                     writer.add_bytes(e.name, e.data, e.external_attr)
                 record_rows.append(_csv_row(e.name, digest, str(size)))
+            if run:
+                writer.add_verbatim(src_fd, run)
             record_name = f"{new_dist_info}/RECORD"
             record_rows.append(_csv_row(record_name, "", ""))
             writer.add_bytes(record_name, "".join(record_rows).encode(), 0o100644 << 16)
@@ -255,6 +306,11 @@ def rewrite_wheel(
         finally:
             os.close(src_fd)
             os.close(fd)
+
+
+def _entry_span(src_fd: int, info: zipfile.ZipInfo) -> int:
+    """Bytes a member takes in its archive: local header, name, extra and data."""
+    return _data_start(src_fd, info) - info.header_offset + info.compress_size
 
 
 def _csv_row(*fields: str) -> str:

@@ -1,0 +1,68 @@
+"""``status`` rows and the CLI's one-line errors and exit codes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from overlay.status import format_table, series_status
+from tests.wheelkit import format_patch, make_release, make_wheel
+
+REPO = Path(__file__).resolve().parent.parent
+A = b"".join(f"a{i} = {i}\n".encode() for i in range(20))
+
+
+def _release(tmp_path: Path) -> tuple[Path, Path]:
+    d = tmp_path / "base"
+    d.mkdir()
+    wheel = make_wheel(d, {"vllm/a.py": A})
+    good = format_patch({"vllm/a.py": A}, {"vllm/a.py": A.replace(b"a3 = 3", b"a3 = 33")}, "Fix a3",
+                        "Origin: vendor\nApplied-Upstream: 0.29.0\nLast-Update: 2026-11-30", work=tmp_path)
+    stale = format_patch({"vllm/a.py": A.replace(b"a9 = 9", b"a9 = 7")},
+                         {"vllm/a.py": A.replace(b"a9 = 9", b"a9 = 99")}, "Fix a9", work=tmp_path)
+    kern = format_patch({"csrc/k.cu": b"a\n"}, {"csrc/k.cu": b"b\n"}, "Fix kernel", work=tmp_path)
+    return make_release(tmp_path, wheel, patches={"good.patch": good, "stale.patch": stale, "kern.patch": kern}), wheel
+
+
+def test_status_rows(tmp_path: Path) -> None:
+    root, wheel = _release(tmp_path)
+    rows = series_status(root, "0.28.0", base_wheel=wheel)
+    assert [(r.name, r.kind, r.applies, r.applied_upstream) for r in rows] == [
+        ("good.patch", "python", True, "0.29.0"),
+        ("stale.patch", "python", False, ""),
+        ("kern.patch", "kernel", True, ""),
+    ]
+    assert rows[1].detail.startswith("patch stale.patch: vllm/a.py: hunk #1")
+    table = format_table(rows, "0.28.0")
+    assert "good.patch   python  yes      0.29.0    vendor  Fix a3" in table
+    assert "stale.patch  python  NO" in table
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "overlay", *args], cwd=cwd, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, check=False)
+
+
+def test_cli_reports_one_line_and_exit_code(tmp_path: Path) -> None:
+    root, wheel = _release(tmp_path)
+    (root / "0.28.0" / "series").write_text("good.patch\nstale.patch\n")
+    proc = _cli("--patches", str(root), "build", "--base-wheel", str(wheel), "--dist", str(tmp_path / "d"),
+                cwd=tmp_path)
+    assert proc.returncode == 1
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: patch stale.patch: vllm/a.py: hunk #1")
+    assert not (tmp_path / "d").exists()
+
+
+def test_cli_status_exit_code(tmp_path: Path) -> None:
+    root, wheel = _release(tmp_path)
+    (root / "0.28.0" / "series").write_text("good.patch\n")
+    cache = tmp_path / "cache" / "wheels"
+    cache.mkdir(parents=True)
+    (cache / wheel.name).write_bytes(wheel.read_bytes())
+    proc = subprocess.run([sys.executable, "-m", "overlay", "--patches", str(root), "status"], cwd=tmp_path,
+                          capture_output=True, text=True, check=False,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin",
+                               "VLLM_OVERLAY_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr
+    assert "good.patch" in proc.stdout

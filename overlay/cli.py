@@ -77,12 +77,34 @@ def cmd_bench_build(ns: argparse.Namespace) -> int:
     return run(_root(ns), ns.vllm, repeat=ns.repeat, json_out=Path(ns.json_out) if ns.json_out else None)
 
 
+def cmd_image(ns: argparse.Namespace) -> int:
+    from overlay.image import build_image, format_plan, plan_image, prepare_kernel_source
+
+    if ns.kernel_source:
+        kernels = prepare_kernel_source(_root(ns), ns.vllm, Path(ns.kernel_source))
+        for path, targets, why in kernels.reasons:
+            print(f"{path} -> {' '.join(targets)} ({why})", file=sys.stderr)
+        print("\n".join(kernels.targets))
+        return 0
+    plan = plan_image(
+        _root(ns), ns.vllm, dist=Path(ns.dist), image=ns.image, extra_tags=tuple(ns.tag),
+        arch_list=ns.arch, max_jobs=ns.max_jobs, nvcc_threads=ns.nvcc_threads,
+        base_digest=ns.base_digest, push=ns.push,
+    )
+    if ns.dry_run:
+        sys.stdout.write(format_plan(plan))
+        return 0
+    return build_image(plan, _root(ns), Path(ns.dist))
+
+
 COMMANDS: dict[str, tuple[str, Handler]] = {
     "build": ("fetch + verify the base wheel, apply the series, write and install the wheel", cmd_build),
     "status": ("each patch: subject, origin, kind, files, applies to the pinned base", cmd_status),
     "workspace": ("git tree of the base with the series as commits, for editing patches", cmd_workspace),
     "export": ("write the workspace's commits back as the series (deterministic)", cmd_export),
     "bench-build": ("time a rebuild from the cached wheel against a plain copy of it", cmd_bench_build),
+    "image": ("Docker image over the official vLLM image; kernels rebuilt only for kernel patches",
+              cmd_image),
 }
 
 
@@ -106,6 +128,19 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--dest")
         elif name == "export":
             sp.add_argument("--src")
+        elif name == "image":
+            sp.add_argument("--dist", default="dist")
+            sp.add_argument("--dry-run", action="store_true", help="print the plan, build nothing")
+            sp.add_argument("--image", default="vllm-overlay", help="image name (default %(default)s)")
+            sp.add_argument("--tag", action="append", default=[], help="another full image tag")
+            sp.add_argument("--arch", default="9.0a", help="TORCH_CUDA_ARCH_LIST (default %(default)s)")
+            sp.add_argument("--max-jobs", default="", help="MAX_JOBS of the kernel build")
+            sp.add_argument("--nvcc-threads", default="", help="NVCC_THREADS of the kernel build")
+            sp.add_argument("--base-digest", default="", help="pin the base image: sha256:<64 hex>")
+            sp.add_argument("--push", action="store_true", help="push the tags after building")
+            sp.add_argument("--kernel-source", metavar="DIR",
+                            help="kernel stage: unpack the verified sdist into DIR, apply the series, "
+                                 "print the targets to rebuild")
         elif name == "bench-build":
             sp.add_argument("--repeat", type=int, default=5)
             sp.add_argument("--json-out")

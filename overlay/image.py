@@ -1,0 +1,497 @@
+"""``make image``: plan and build the Docker image over the official vLLM image.
+
+The plan follows the patch kinds. A series of ``python`` patches only needs the wheel that
+``make build`` writes: the runtime stage installs it over the base image's vLLM. A series with
+``kernel`` patches adds the kernel stage: the pinned source distribution (sha256-verified), the
+series applied, and only the CMake extension targets that compile the touched sources rebuilt;
+the overlay build then writes those ``.so`` files into the wheel.
+
+Which targets a touched source belongs to is read from the release's own ``CMakeLists.txt``
+(and the ``cmake/`` files it includes): ``define_extension_target(NAME ... SOURCES ...)`` with
+the ``set`` / ``list(APPEND)`` variables expanded in order, branches that cannot be taken on a
+CUDA build skipped. A touched source that no target lists (a header) rebuilds every in-tree
+target; a touched build file (``CMakeLists.txt``, ``cmake/``) rebuilds every target.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from overlay.errors import OverlayError
+from overlay.pins import Pin, load_pin, pin_dir
+from overlay.series import Series
+
+DOCKERFILE = "docker/Dockerfile"
+BASE_IMAGE = "vllm/vllm-openai"
+DEFAULT_IMAGE = "vllm-overlay"
+DEFAULT_ARCH = "9.0a"  # H100 / H200
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_ARCH = re.compile(r"^\d+\.\d+[af]?(\+PTX)?$")
+_IMAGE = re.compile(r"^[a-z0-9]+(?:[._/:-][a-z0-9]+)*$")
+
+
+class ImageError(OverlayError):
+    """The image cannot be planned or built (no engine, bad argument, unknown target)."""
+
+
+# --------------------------------------------------------------------------- CMake reading
+
+def _is_build_file(path: str) -> bool:
+    return path == "CMakeLists.txt" or path.startswith("cmake/")
+
+
+def is_cmake_source(path: str) -> bool:
+    """The sdist members the target map is read from."""
+    return path == "CMakeLists.txt" or (path.startswith("cmake/") and path.endswith(".cmake"))
+
+
+def _strip_comments(text: str) -> str:
+    out: list[str] = []
+    for line in text.splitlines():
+        in_quote = False
+        for i, ch in enumerate(line):
+            if ch == '"' and (i == 0 or line[i - 1] != "\\"):
+                in_quote = not in_quote
+            elif ch == "#" and not in_quote:
+                line = line[:i]
+                break
+        out.append(line)
+    return "\n".join(out)
+
+
+_CMD = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*\(")
+_ARG = re.compile(r'"(?:[^"\\]|\\.)*"|[^\s()"]+(?:"(?:[^"\\]|\\.)*")?|[()]')
+
+
+def _commands(text: str) -> list[tuple[str, list[str]]]:
+    """``(name, args)`` of every command call, args split as CMake does (quotes kept)."""
+    text = _strip_comments(text)
+    out: list[tuple[str, list[str]]] = []
+    pos = 0
+    while True:
+        m = _CMD.search(text, pos)
+        if not m:
+            return out
+        depth, i, in_quote = 1, m.end(), False
+        while i < len(text) and depth:
+            ch = text[i]
+            if ch == '"' and text[i - 1] != "\\":
+                in_quote = not in_quote
+            elif not in_quote:
+                depth += ch == "("
+                depth -= ch == ")"
+            i += 1
+        body = text[m.end(): i - 1]
+        out.append((m[1].lower(), _ARG.findall(body)))
+        pos = i
+
+
+# Facts of the build the image runs: CUDA, not HIP or CPU.
+_FACTS = {"VLLM_GPU_LANG": "CUDA", "VLLM_TARGET_DEVICE": "cuda"}
+
+
+def _eval_condition(args: list[str]) -> bool | None:
+    """Three-valued: ``False`` only when the condition is false on a CUDA build, else unknown/true."""
+    tokens = [a.strip('"') if not a.startswith("${") else a for a in args]
+    tokens = [re.sub(r"^\$\{(\w+)\}$", r"\1", t) for t in tokens]
+
+    def atom(i: int) -> tuple[bool | None, int]:
+        if i >= len(tokens):
+            return None, i
+        t = tokens[i]
+        if t == "NOT":
+            v, j = atom(i + 1)
+            return (None if v is None else not v), j
+        if t == "(":
+            v, j = disj(i + 1)
+            return v, j + 1  # skip ")"
+        if i + 2 < len(tokens) and tokens[i + 1] == "STREQUAL":
+            left, right = tokens[i], tokens[i + 2]
+            return (_FACTS[left] == right if left in _FACTS else None), i + 3
+        # Any other predicate (VERSION_GREATER, DEFINED, a plain variable): unknown, consume one
+        # operator and operand if present.
+        j = i + 1
+        if j < len(tokens) and tokens[j].isupper() and tokens[j] not in ("AND", "OR") and j + 1 < len(tokens):
+            j += 2
+        return None, j
+
+    def conj(i: int) -> tuple[bool | None, int]:
+        v, i = atom(i)
+        while i < len(tokens) and tokens[i] == "AND":
+            w, i = atom(i + 1)
+            v = False if (v is False or w is False) else (True if (v and w) else None)
+        return v, i
+
+    def disj(i: int) -> tuple[bool | None, int]:
+        v, i = conj(i)
+        while i < len(tokens) and tokens[i] == "OR":
+            w, i = conj(i + 1)
+            v = True if (v is True or w is True) else (False if (v is False and w is False) else None)
+        return v, i
+
+    return disj(0)[0]
+
+
+@dataclass
+class KernelMap:
+    """What a CUDA build of the release defines: targets and the literal sources each compiles."""
+
+    sources: dict[str, set[str]] = field(default_factory=dict)  # target -> csrc/... paths
+    globs: dict[str, set[str]] = field(default_factory=dict)  # target -> csrc/ glob patterns
+    destinations: dict[str, str] = field(default_factory=dict)  # target -> install folder
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return tuple(sorted(self.sources))
+
+    @property
+    def in_tree(self) -> tuple[str, ...]:
+        """Targets that compile sources of the release's own ``csrc/``."""
+        return tuple(sorted(t for t in self.sources if self.sources[t] or self.globs[t]))
+
+    def owners(self, path: str) -> tuple[str, ...]:
+        return tuple(sorted(
+            t for t in self.sources
+            if path in self.sources[t] or any(fnmatch.fnmatchcase(path, g) for g in self.globs[t])
+        ))
+
+
+_KEYWORDS = {"DESTINATION", "LANGUAGE", "SOURCES", "COMPILE_FLAGS", "ARCHITECTURES",
+             "INCLUDE_DIRECTORIES", "LIBRARIES", "USE_SABI", "WITH_SOABI"}
+
+
+def read_kernel_map(files: Mapping[str, str]) -> KernelMap:
+    """Walk ``CMakeLists.txt`` (following ``include()`` of files in ``files``) the way a CUDA build does."""
+    if "CMakeLists.txt" not in files:
+        raise ImageError("source tree has no CMakeLists.txt: cannot tell which targets compile what")
+    kmap = KernelMap()
+    values: dict[str, list[str]] = {}
+    # Each frame: (this branch may run, some earlier branch of this if() surely ran)
+    frames: list[tuple[bool, bool]] = []
+
+    def live() -> bool:
+        return all(f[0] for f in frames)
+
+    def expand(token: str, depth: int = 0) -> list[str]:
+        t = token.strip('"')
+        out: list[str] = []
+        for part in t.split(";"):
+            m = re.fullmatch(r"\$\{(\w+)\}", part)
+            if m:
+                if depth < 20:
+                    out += [p for v in values.get(m[1], []) for p in expand(v, depth + 1)]
+                continue
+            part = re.sub(r"^\$\{CMAKE_CURRENT_(?:SOURCE|LIST)_DIR\}/", "", part)
+            if part and "${" not in part:
+                out.append(part)
+        return out
+
+    def walk(text: str, seen: tuple[str, ...]) -> None:
+        for name, args in _commands(text):
+            if name == "if":
+                v = _eval_condition(args)
+                frames.append((v is not False, v is True))
+            elif name == "elseif" and frames:
+                v = _eval_condition(args)
+                _, taken = frames[-1]
+                frames[-1] = (not taken and v is not False, taken or v is True)
+            elif name == "else" and frames:
+                _, taken = frames[-1]
+                frames[-1] = (not taken, True)
+            elif name == "endif" and frames:
+                frames.pop()
+            elif not live():
+                continue
+            elif name == "set" and args and "CACHE" not in args:
+                values[args[0]] = [v for a in args[1:] for v in expand(a)]
+            elif name == "list" and len(args) >= 2 and args[0] == "APPEND":
+                values.setdefault(args[1], []).extend(v for a in args[2:] for v in expand(a))
+            elif name == "file" and len(args) >= 3 and args[0] in ("GLOB", "GLOB_RECURSE"):
+                pats = [p for a in args[2:] if a != "CONFIGURE_DEPENDS" for p in expand(a)]
+                values[args[1]] = [f"glob:{p}" for p in pats]
+            elif name == "include" and args:
+                inc = expand(args[0])
+                if inc and inc[0] in files and inc[0] not in seen:
+                    walk(files[inc[0]], (*seen, inc[0]))
+            elif name == "define_extension_target" and args:
+                target = args[0].strip('"')
+                srcs: list[str] = []
+                keyword = ""
+                for a in args[1:]:
+                    if a in _KEYWORDS:
+                        keyword = a
+                    elif keyword == "SOURCES":
+                        srcs += expand(a)
+                    elif keyword == "DESTINATION":
+                        kmap.destinations[target] = a.strip('"')
+                kmap.sources.setdefault(target, set())
+                kmap.globs.setdefault(target, set())
+                for s in srcs:
+                    if s.startswith("glob:csrc/"):
+                        kmap.globs[target].add(s[len("glob:"):])
+                    elif s.startswith("csrc/"):
+                        kmap.sources[target].add(s)
+
+    walk(files["CMakeLists.txt"], ("CMakeLists.txt",))
+    return kmap
+
+
+@dataclass(frozen=True)
+class KernelTargets:
+    """The extension targets the kernel stage builds, and why each touched path is there."""
+
+    targets: tuple[str, ...]
+    reasons: tuple[tuple[str, tuple[str, ...], str], ...]  # (path, targets, why)
+    destinations: tuple[tuple[str, str], ...] = ()  # (target, install folder)
+
+    def outputs(self) -> tuple[str, ...]:
+        """The wheel members the targets install (``DESTINATION/NAME.abi3.so``)."""
+        dest = dict(self.destinations)
+        return tuple(f"{dest.get(t, 'vllm')}/{t}.abi3.so" for t in self.targets)
+
+
+def resolve_targets(touched: tuple[str, ...], kmap: KernelMap) -> KernelTargets:
+    """Map the kernel paths a series touches to the targets to rebuild."""
+    from overlay.series import is_kernel_path
+
+    chosen: set[str] = set()
+    reasons: list[tuple[str, tuple[str, ...], str]] = []
+    for path in touched:
+        if not is_kernel_path(path):
+            continue
+        if _is_build_file(path):
+            ts, why = kmap.targets, "build file: every target"
+        else:
+            owners = kmap.owners(path)
+            if owners:
+                ts, why = owners, "listed in its SOURCES"
+            else:
+                ts, why = kmap.in_tree, "listed by no target (header?): every in-tree target"
+        if not ts:
+            raise ImageError(f"{path}: no CUDA extension target of this release compiles it")
+        chosen.update(ts)
+        reasons.append((path, ts, why))
+    return KernelTargets(
+        tuple(sorted(chosen)), tuple(reasons),
+        tuple(sorted((t, kmap.destinations.get(t, "vllm")) for t in chosen)),
+    )
+
+
+# --------------------------------------------------------------------------- the plan
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything ``docker build`` is given, computed from the pin and the series."""
+
+    version: str
+    tag: str
+    overlay_version: str
+    wheel: str  # path of the wheel the runtime stage installs, relative to the context
+    kernel_patches: tuple[str, ...]
+    kernels: KernelTargets | None
+    arch_list: str
+    max_jobs: str
+    nvcc_threads: str
+    base_digest: str
+    image_tags: tuple[str, ...]
+    push: bool
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        if self.kernel_patches:
+            return ("base", "kernel-build", "wheel-kernels", "runtime")
+        return ("base", "wheel-dist", "runtime")
+
+    @property
+    def base_ref(self) -> str:
+        ref = f"{BASE_IMAGE}:v{self.version}"
+        return f"{ref}@{self.base_digest}" if self.base_digest else ref
+
+    def build_args(self) -> dict[str, str]:
+        args = {
+            "VLLM_VERSION": self.version,
+            "BASE_DIGEST": self.base_digest,
+            "OVERLAY_VERSION": self.overlay_version,
+            "SERIES_TAG": self.tag,
+            "WHEEL_SOURCE": "kernels" if self.kernel_patches else "dist",
+            "WHEEL": self.wheel,
+        }
+        if self.kernel_patches:
+            args.update(TORCH_CUDA_ARCH_LIST=self.arch_list, MAX_JOBS=self.max_jobs,
+                        NVCC_THREADS=self.nvcc_threads)
+        return args
+
+    def docker_command(self) -> list[str]:
+        cmd = ["docker", "build", "-f", DOCKERFILE, "--target", "runtime"]
+        for k, v in self.build_args().items():
+            cmd += ["--build-arg", f"{k}={v}"]
+        for t in self.image_tags:
+            cmd += ["-t", t]
+        if self.push:
+            cmd.append("--push")
+        return [*cmd, "."]
+
+
+def plan_image(
+    patches_root: Path,
+    version: str,
+    *,
+    dist: Path = Path("dist"),
+    image: str = DEFAULT_IMAGE,
+    extra_tags: tuple[str, ...] = (),
+    arch_list: str = DEFAULT_ARCH,
+    max_jobs: str = "",
+    nvcc_threads: str = "",
+    base_digest: str = "",
+    push: bool = False,
+    cmake_files: Callable[[Pin, str], Mapping[str, str]] | None = None,
+) -> Plan:
+    """Compute the image plan. ``cmake_files(pin, source)`` supplies the release's CMake files
+    (default: read from the verified sdist) and is only called for a series with kernel patches."""
+    from overlay.build import series_tag, wheel_name
+
+    problems: list[str] = []
+    if base_digest and not _DIGEST.match(base_digest):
+        problems.append(f"BASE_DIGEST {base_digest!r} is not 'sha256:' and 64 lowercase hex digits")
+    archs = arch_list.replace(";", " ").split()
+    if not archs or not all(_ARCH.match(a) for a in archs):
+        problems.append(f"TORCH_CUDA_ARCH_LIST {arch_list!r} is not a list like '9.0a' or '9.0a 10.0a'")
+    for name, value in (("MAX_JOBS", max_jobs), ("NVCC_THREADS", nvcc_threads)):
+        if value and not (value.isdigit() and int(value) > 0):
+            problems.append(f"{name} {value!r} is not a positive integer")
+    if not _IMAGE.match(image):
+        problems.append(f"IMAGE {image!r} is not a valid image name")
+    if problems:
+        raise ImageError("; ".join(problems))
+
+    pin = load_pin(patches_root, version)
+    series = Series.load(pin_dir(patches_root, version))
+    tag = series_tag(series, pin)
+    overlay_version = f"{pin.version}+{tag}"
+    kernel_patches = tuple(p.name for p in series.kernel_patches)
+    kernels = None
+    if kernel_patches:
+        source = str(pin_dir(patches_root, version) / "pin.toml")
+        files = (cmake_files or sdist_cmake_files)(pin, source)
+        touched = tuple(sorted({p for patch in series.kernel_patches for p in patch.touched}))
+        kernels = resolve_targets(touched, read_kernel_map(files))
+        wheel = "dist/" + wheel_name(pin, overlay_version)  # written inside the kernel stage
+    else:
+        wheel = (dist / wheel_name(pin, overlay_version)).as_posix()
+    ref = f"{image}:{overlay_version.replace('+', '-')}"
+    return Plan(
+        version=pin.version, tag=tag, overlay_version=overlay_version, wheel=wheel,
+        kernel_patches=kernel_patches, kernels=kernels, arch_list=" ".join(archs),
+        max_jobs=max_jobs, nvcc_threads=nvcc_threads, base_digest=base_digest,
+        image_tags=(ref, *extra_tags), push=push,
+    )
+
+
+def sdist_cmake_files(pin: Pin, source: str) -> dict[str, str]:
+    """The release's CMake files, read from its verified sdist (fetched into the cache if needed)."""
+    from overlay.sdist import fetch_sdist, read_sources
+
+    return read_sources(fetch_sdist(pin, source), is_cmake_source)
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan for a person, one fact a line."""
+    lines = [
+        f"image plan for vllm {plan.version} + series {plan.tag} ({plan.overlay_version})",
+        f"  base:     {plan.base_ref}",
+        f"  stages:   {' -> '.join(plan.stages)}",
+        f"  wheel:    {plan.wheel}"
+        + (" (written in the kernel stage)" if plan.kernel_patches else " (from `make build`)"),
+    ]
+    if plan.kernels is None:
+        lines.append("  kernels:  none (python patches only: the base image's kernels are kept)")
+    else:
+        lines.append(f"  kernels:  rebuilt for {len(plan.kernel_patches)} kernel patch(es): "
+                     + ", ".join(plan.kernel_patches))
+        lines.append(f"  targets:  {' '.join(plan.kernels.targets)}")
+        for path, ts, why in plan.kernels.reasons:
+            lines.append(f"            {path} -> {' '.join(ts)} ({why})")
+        lines.append(f"  arch:     TORCH_CUDA_ARCH_LIST={plan.arch_list!r}")
+        lines.append(f"  jobs:     MAX_JOBS={plan.max_jobs or '(nproc)'} "
+                     f"NVCC_THREADS={plan.nvcc_threads or '(default)'}")
+    lines.append(f"  tags:     {' '.join(plan.image_tags)}" + (" (pushed)" if plan.push else ""))
+    lines.append("  command:  " + " ".join(_quote(a) for a in plan.docker_command()))
+    return "\n".join(lines) + "\n"
+
+
+def _quote(arg: str) -> str:
+    return arg if re.fullmatch(r"[A-Za-z0-9_./:=+@-]+", arg) else "'" + arg.replace("'", "'\\''") + "'"
+
+
+# --------------------------------------------------------------------------- running it
+
+def docker_engine() -> None:
+    """Raise :class:`ImageError` (one line) unless a Docker engine answers."""
+    exe = shutil.which("docker")
+    if exe is None:
+        raise ImageError("no Docker engine: `docker` is not on PATH (`make image DRY_RUN=1` prints the plan)")
+    try:
+        proc = subprocess.run([exe, "info", "--format", "{{.ServerVersion}}"], capture_output=True,
+                              text=True, timeout=30, check=False)
+    except subprocess.TimeoutExpired:
+        raise ImageError("no Docker engine: `docker info` did not answer in 30 s") from None
+    if proc.returncode != 0 or not proc.stdout.strip():
+        detail = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+        raise ImageError("no Docker engine: `docker info` failed: "
+                         + (detail[-1] if detail else f"exit {proc.returncode}"))
+
+
+def build_image(plan: Plan, patches_root: Path, dist: Path) -> int:
+    """Run ``docker build`` for ``plan`` (writing the dist wheel first for a python-only series)."""
+    docker_engine()
+    if not plan.kernel_patches:
+        from overlay.build import build
+
+        build(patches_root, plan.version, dist)
+    env = dict(os.environ, DOCKER_BUILDKIT="1")
+    print(format_plan(plan), end="", file=sys.stderr)
+    return subprocess.run(plan.docker_command(), env=env, check=False).returncode
+
+
+# --------------------------------------------------------------------------- the kernel stage
+
+def prepare_kernel_source(patches_root: Path, version: str, dest: Path) -> KernelTargets:
+    """Fetch + verify the sdist, unpack it into ``dest``, apply the whole series, and return the
+    targets to rebuild (read from the patched tree's CMake files)."""
+    from overlay.apply import apply_series
+    from overlay.sdist import extract, fetch_sdist
+
+    pin = load_pin(patches_root, version)
+    series = Series.load(pin_dir(patches_root, version))
+    if not series.kernel_patches:
+        raise ImageError(f"{series.series_file}: has no kernel patch; the kernel stage has nothing to build")
+    sdist = fetch_sdist(pin, str(pin_dir(patches_root, version) / "pin.toml"))
+    extract(sdist, dest)
+
+    def read(path: str) -> bytes | None:
+        p = dest / path
+        return p.read_bytes() if p.is_file() else None
+
+    applied = apply_series(series.patches, read, label=f"vllm {pin.version} sdist")
+    for path, data in applied.changed.items():
+        out = dest / path
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(data)
+    for path in applied.deleted:
+        (dest / path).unlink(missing_ok=True)
+    files = {
+        rel: (dest / rel).read_text(errors="replace")
+        for rel in (p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file())
+        if is_cmake_source(rel)
+    }
+    touched = tuple(sorted({p for patch in series.kernel_patches for p in patch.touched}))
+    return resolve_targets(touched, read_kernel_map(files))
+

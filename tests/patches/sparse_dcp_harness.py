@@ -1,0 +1,220 @@
+"""CPU harness for the sparse-MLA DCP patch tests (issue 4): real configs, real metadata.
+
+Builds a ``VllmConfig`` from a local GLM-5 ``config.json`` (``GlmMoeDsaForCausalLM``, no hub),
+real sparse metadata (``FlashInferMLASparseMetadata`` / ``FlashMLASparseMetadata``) from
+vLLM's own ``SparseMLACommonMetadataBuilder.build``, and an ``MLAAttention`` whose real
+``forward_impl`` runs the DCP branch. Only GPU-only pieces are replaced, at their call
+boundary: the backend's ``forward_mqa`` kernel, and the DCP query all-gather / output combine
+collectives of a two-rank DCP group (rank 0 here; rank 1's partial results are simulated).
+
+The combine stand-in does what every transport does with the arguments it is given: the NCCL
+paths mask the LSE with vLLM's real ``mask_dcp_empty_shards_``; the direct A2A kernel checks
+that ``query_start_loc`` has one boundary per sequence and covers every row. The merge itself
+is vLLM's float reference ``_lse_weighted_combine``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import compat
+import torch
+
+NUM_HEADS = 4  # heads per TP rank
+NOPE, ROPE, LORA, V = 8, 4, 16, 8
+DCP = 2
+BLOCK = 64
+
+GLM5_CONFIG: dict[str, Any] = {
+    "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
+    "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 8,
+    "num_hidden_layers": 2, "intermediate_size": 512, "moe_intermediate_size": 128,
+    "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+    "kv_lora_rank": LORA, "q_lora_rank": 64, "qk_nope_head_dim": NOPE, "qk_rope_head_dim": ROPE,
+    "v_head_dim": V, "index_topk": 16, "index_head_dim": 32, "index_n_heads": 4,
+    "vocab_size": 1024, "max_position_embeddings": 4096, "torch_dtype": "bfloat16",
+    "first_k_dense_replace": 1, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+}
+
+
+def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 256):
+    """A real VllmConfig for a small local GLM-5 model with TP=2, DCP=2."""
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(GLM5_CONFIG))
+    model_config = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True,
+                               dtype="bfloat16", max_model_len=4096)
+    return VllmConfig(
+        device_config=DeviceConfig(device="cpu"),
+        model_config=model_config,
+        parallel_config=ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=DCP,
+                                       dcp_comm_backend="a2a"),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                         max_num_batched_tokens=max_num_batched_tokens,
+                                         max_model_len=4096, is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=BLOCK),
+    )
+
+
+def build_metadata(vllm_config, layer_name: str, metadata_cls: type, query_lens: list[int],
+                   seq_lens: list[int], decode_threshold: int):
+    """Sparse metadata of ``metadata_cls`` from vLLM's own sparse builder for one batch.
+
+    The decode threshold follows the real builders: FlashInfer-sparse supports DCP with
+    varlen decodes (MTP rows stay decodes); FlashMLA-sparse does not, so under DCP its
+    threshold drops to 1 and multi-token decodes become prefills (the forced-MQA path).
+    """
+    import vllm.utils.torch_utils as torch_utils
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    sparse = __import__("vllm.model_executor.layers.attention.sparse_mla_attention",
+                        fromlist=["SparseMLACommonMetadataBuilder"])
+    builder_cls = type("Builder", (sparse.SparseMLACommonMetadataBuilder,), {"metadata_cls": metadata_cls})
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=LORA + ROPE, dtype=torch.bfloat16)
+    torch_utils.PIN_MEMORY = False  # pinned host memory needs a GPU; no effect on the values
+    builder = builder_cls(spec, [layer_name], vllm_config, torch.device("cpu"))
+    builder._init_reorder_batch_threshold(
+        decode_threshold, supports_dcp_with_varlen=metadata_cls.__name__.startswith("FlashInfer"))
+    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    blocks = max(math.ceil(s / BLOCK) for s in seq_lens)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=sl,
+        num_reqs=len(query_lens), num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=torch.arange(len(query_lens) * blocks, dtype=torch.int32).view(-1, blocks),
+        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
+        seq_lens_cpu_upper_bound=sl.clone(),
+    )
+    return builder.build(0, common)
+
+
+@dataclass
+class Recorder:
+    """What the DCP collectives were given, and rank 1's simulated partial results."""
+
+    combine_calls: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    peer_out: torch.Tensor | None = None
+    peer_lse: torch.Tensor | None = None
+
+
+def _check_direct_contract(num_rows: int, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> None:
+    """The direct A2A kernel's preconditions: one boundary per sequence, every row covered."""
+    if query_start_loc.numel() != seq_lens.numel() + 1 or seq_lens.numel() == 0:
+        raise ValueError("query_start_loc must contain one boundary per sequence")
+    if int(query_start_loc[-1]) != num_rows:
+        raise ValueError(f"query_start_loc covers {int(query_start_loc[-1])} of {num_rows} MQA rows")
+
+
+def make_layer(vllm_config, layer_name: str, recorder: Recorder, seed: int = 0):
+    """An MLAAttention (sparse, DCP=2) running vLLM's real ``forward_impl``.
+
+    Built without ``__init__`` (that needs a TP group and CUDA kernels); it carries exactly
+    the state ``forward_impl`` reads. The backend kernel and the DCP collectives are stand-ins.
+    """
+    from vllm.config import set_current_vllm_config
+
+    mla = compat.module("mla_attention")
+    fi = compat.module("flashinfer_mla_sparse")
+    dcp = compat.module("dcp")
+    a2a = compat.module("dcp_alltoall")
+    common = compat.module("ops_common")
+    gen = torch.Generator().manual_seed(seed)
+
+    layer = mla.MLAAttention.__new__(mla.MLAAttention)
+    torch.nn.Module.__init__(layer)
+    impl = fi.FlashInferMLASparseImpl.__new__(fi.FlashInferMLASparseImpl)
+    impl.dcp_world_size, impl.pcp_world_size, impl.dcp_rank = DCP, 1, 0
+    impl.supports_quant_query_input = False
+    impl.masked_mha_available = False
+    impl.need_to_return_lse_for_decode = True
+
+    def forward_mqa(q, kv_cache, attn_metadata, layer_):  # GPU kernel boundary
+        q = torch.cat(q, dim=-1) if isinstance(q, tuple) else q
+        assert q.shape[1] == DCP * NUM_HEADS, q.shape
+        n = q.shape[0]
+        out = torch.randn(n, DCP * NUM_HEADS, LORA, generator=gen)
+        lse = torch.randn(n, DCP * NUM_HEADS, generator=gen)
+        recorder.peer_out = torch.randn(n, DCP * NUM_HEADS, LORA, generator=gen)
+        recorder.peer_lse = torch.randn(n, DCP * NUM_HEADS, generator=gen)
+        return out, lse
+
+    impl.forward_mqa = forward_mqa
+    layer.impl = impl
+    for name, value in dict(
+        num_heads=NUM_HEADS, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, kv_lora_rank=LORA,
+        v_head_dim=V, q_pad_num_heads=None, use_pcp=False, kv_cache_dtype="auto",
+        prefill_backend=None, is_aiter_triton_fp4_bmm_enabled=False,
+        is_aiter_triton_fp8_bmm_enabled=False, _vllm_config=vllm_config, layer_name=layer_name,
+        attn_backend=fi.FlashInferMLASparseTRTLLMBackend, W_UK_T_dcp_qrep=None,
+    ).items():
+        setattr(layer, name, value)
+    layer.W_UK_T = torch.randn(NUM_HEADS, NOPE, LORA, generator=gen)
+    layer.W_UV = torch.randn(NUM_HEADS, LORA, V, generator=gen)
+    layer._k_scale = torch.ones(())
+
+    def query_gather(q: torch.Tensor) -> torch.Tensor:  # collective boundary (all-gather heads)
+        return torch.cat([q, q], dim=1)
+
+    def combine(partial_output, partial_lse, *, seq_lens, query_start_loc):  # collective boundary
+        recorder.combine_calls.append(
+            {"seq_lens": seq_lens.clone(), "query_start_loc": query_start_loc.clone(),
+             "rows": torch.tensor(partial_output.shape[0])})
+        _check_direct_contract(partial_output.shape[0], seq_lens, query_start_loc)
+        lse = partial_lse.clone()
+        common.mask_dcp_empty_shards_(lse, seq_lens, query_start_loc)  # what NCCL paths do
+        merged = a2a._lse_weighted_combine(
+            torch.stack([partial_output, recorder.peer_out]).double(),
+            torch.stack([lse, recorder.peer_lse]).double(), is_lse_base_on_e=False)
+        return merged[:, :NUM_HEADS].to(partial_output.dtype)  # rank 0's head slice
+
+    manager = dcp.MLADCPManager.__new__(dcp.MLADCPManager)
+    manager.query_gather, manager.combine = query_gather, combine
+    layer.dcp_manager = manager
+    with set_current_vllm_config(vllm_config):
+        vllm_config.compilation_config.static_forward_context[layer_name] = layer
+    return layer
+
+
+def expected_rows(layer, recorder: Recorder, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Every MQA row merged over both ranks (no row masked) and projected by W_UV."""
+    a2a = compat.module("dcp_alltoall")
+    merged = a2a._lse_weighted_combine(
+        torch.stack([out, recorder.peer_out]).double(), torch.stack([lse, recorder.peer_lse]).double(),
+        is_lse_base_on_e=False)[:, :NUM_HEADS].float()
+    return torch.einsum("bnl,nlv->bnv", merged, layer.W_UV.float()).reshape(out.shape[0], -1)
+
+
+def run_forward(layer, metadata, num_tokens: int, seed: int = 1):
+    """Call the real ``forward_impl``; return (output, the partials the kernel produced)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(num_tokens, NUM_HEADS, NOPE + ROPE, generator=gen)
+    kv = torch.randn(num_tokens, LORA, generator=gen)
+    pe = torch.randn(num_tokens, ROPE, generator=gen)
+    output = torch.zeros(num_tokens, NUM_HEADS * V)
+    produced: dict[str, torch.Tensor] = {}
+    inner = layer.impl.forward_mqa
+
+    def spy(*args):
+        produced["out"], produced["lse"] = inner(*args)
+        return produced["out"], produced["lse"]
+
+    layer.impl.forward_mqa = spy
+    try:
+        layer.forward_impl(q, kv, pe, torch.empty(0), metadata, output=output)
+    finally:
+        layer.impl.forward_mqa = inner
+    return output, produced

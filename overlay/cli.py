@@ -97,6 +97,18 @@ def cmd_image(ns: argparse.Namespace) -> int:
     return build_image(plan, _root(ns), Path(ns.dist))
 
 
+def cmd_regress(ns: argparse.Namespace) -> int:
+    from overlay.regress.profiles import load_profile
+    from overlay.regress.runner import run
+
+    profile = load_profile(ns.profile).with_overrides(
+        gsm8k_data=ns.gsm8k_data, gsm8k_limit=ns.gsm8k_limit, latency_tool=ns.latency_tool,
+        ready_timeout_s=ns.ready_timeout, skip=tuple(c for c in (ns.skip or "").split(",") if c))
+    report = run(profile, Path(ns.out), base_url=ns.base_url or None)
+    print(report.out_dir / "report.md")
+    return report.exit_code  # the verdict: 0 pass, 1 regression, 2 harness failure
+
+
 COMMANDS: dict[str, tuple[str, Handler]] = {
     "build": ("fetch + verify the base wheel, apply the series, write and install the wheel", cmd_build),
     "status": ("each patch: subject, origin, kind, files, applies to the pinned base", cmd_status),
@@ -105,6 +117,8 @@ COMMANDS: dict[str, tuple[str, Handler]] = {
     "bench-build": ("time a rebuild from the cached wheel against a plain copy of it", cmd_bench_build),
     "image": ("Docker image over the official vLLM image; kernels rebuilt only for kernel patches",
               cmd_image),
+    "regress": ("GSM8K, long context, acceptance and latency of a served build against a profile's "
+                "baselines; exit 0 pass, 1 regression, 2 harness failure", cmd_regress),
 }
 
 
@@ -141,6 +155,17 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--kernel-source", metavar="DIR",
                             help="kernel stage: unpack the verified sdist into DIR, apply the series, "
                                  "print the targets to rebuild")
+        elif name == "regress":
+            sp.add_argument("--profile", default="glm5.2-fp8-tp8-dcp8",
+                            help="shipped profile name or YAML path (default %(default)s)")
+            sp.add_argument("--base-url", help="attach to this running server instead of starting vllm serve")
+            sp.add_argument("--out", default="regress-report", help="report folder (default %(default)s)")
+            sp.add_argument("--gsm8k-data", help="local GSM8K folder (train.jsonl, test.jsonl): no hub access")
+            sp.add_argument("--gsm8k-limit", type=int, help="only the first N test questions")
+            sp.add_argument("--latency-tool", choices=["vllm-bench", "builtin"], help="override the profile's")
+            sp.add_argument("--ready-timeout", type=float, help="seconds to wait for readiness")
+            sp.add_argument("--skip", help="checks to leave out, comma-separated "
+                                           "(long_context,gsm8k,acceptance,latency)")
         elif name == "bench-build":
             sp.add_argument("--repeat", type=int, default=5)
             sp.add_argument("--json-out")

@@ -1,0 +1,355 @@
+"""Regression profiles: validated YAML naming the server, the checks, thresholds and baselines.
+
+A profile is found by name among the shipped ones (``overlay/regress/profiles/<name>.yaml``) or
+by path. Loading collects every problem before raising one :class:`ProfileError` whose text
+names the file and each field at fault. Every threshold carries a ``why``: a number nobody can
+justify is not a threshold.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from overlay.regress.errors import ProfileError
+
+CHECKS = ("long_context", "gsm8k", "acceptance", "latency")
+LATENCY_TOOLS = ("vllm-bench", "builtin")
+# Which thresholds each check reads; a profile must justify exactly the ones its checks use.
+THRESHOLDS_BY_CHECK: dict[str, tuple[str, ...]] = {
+    "long_context": ("count_min_consecutive", "repetition_ngram", "repetition_max_ratio"),
+    "gsm8k": ("gsm8k_max_stderrs",),
+    "acceptance": ("acceptance_near_one", "acceptance_cliff", "acceptance_max_drop"),
+    "latency": ("ttft_max_ratio", "tpot_max_ratio"),
+}
+
+
+@dataclass(frozen=True)
+class Threshold:
+    value: float
+    why: str
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    model: str
+    served_model_name: str
+    args: tuple[str, ...]
+    env: dict[str, str]
+    host: str
+    port: int
+    ready_timeout_s: float
+    vllm_bin: str
+
+    def command(self) -> list[str]:
+        cmd = [self.vllm_bin, "serve", self.model, "--host", self.host, "--port", str(self.port)]
+        if self.served_model_name != self.model:
+            cmd += ["--served-model-name", self.served_model_name]
+        return cmd + list(self.args)
+
+    def arg_value(self, flag: str) -> str | None:
+        """The value given to ``flag`` in the server args (``--flag v`` or ``--flag=v``)."""
+        for i, arg in enumerate(self.args):
+            if arg == flag and i + 1 < len(self.args):
+                return self.args[i + 1]
+            if arg.startswith(flag + "="):
+                return arg.split("=", 1)[1]
+        return None
+
+    @property
+    def speculative_tokens(self) -> int:
+        raw = self.arg_value("--speculative-config")
+        if raw is None:
+            return 0
+        return int(json.loads(raw).get("num_speculative_tokens", 0))
+
+
+@dataclass(frozen=True)
+class Gsm8kSpec:
+    num_fewshot: int
+    max_gen_toks: int
+    concurrency: int
+    limit: int | None
+    timeout_s: float
+    data: str | None
+
+
+@dataclass(frozen=True)
+class LongContextSpec:
+    index_topk: int
+    workspace_capacity_tokens: int
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+    count_to: int
+    repeats: int
+    request_timeout_s: float
+    extra_body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LatencySpec:
+    tool: str
+    input_len: int
+    output_len: int
+    num_prompts: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Baseline:
+    source: str
+    gsm8k: dict[str, float]
+    gsm8k_stderr: float
+    mean_ttft_ms: float
+    mean_tpot_ms: float
+    acceptance_per_position: tuple[float, ...] | None
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    path: str
+    checks: tuple[str, ...]
+    server: ServerSpec
+    gsm8k: Gsm8kSpec
+    long_context: LongContextSpec
+    latency: LatencySpec
+    baseline: Baseline
+    thresholds: dict[str, Threshold] = field(default_factory=dict)
+
+    def threshold(self, name: str) -> float:
+        return self.thresholds[name].value
+
+    def with_overrides(self, *, gsm8k_data: str | None = None, gsm8k_limit: int | None = None,
+                       latency_tool: str | None = None, ready_timeout_s: float | None = None,
+                       skip: tuple[str, ...] = ()) -> Profile:
+        """A copy with the run-time options of the CLI applied (each validated like the YAML)."""
+        unknown = [c for c in skip if c not in CHECKS]
+        if unknown:
+            raise ProfileError(f"--skip: unknown check(s) {', '.join(unknown)} (known: {', '.join(CHECKS)})")
+        if latency_tool is not None and latency_tool not in LATENCY_TOOLS:
+            raise ProfileError(f"--latency-tool: {latency_tool!r} is not one of {', '.join(LATENCY_TOOLS)}")
+        if gsm8k_data is not None:
+            _check_gsm8k_data(Path(gsm8k_data), "--gsm8k-data")
+        gsm8k = replace(self.gsm8k, data=gsm8k_data or self.gsm8k.data,
+                        limit=gsm8k_limit if gsm8k_limit is not None else self.gsm8k.limit)
+        latency = replace(self.latency, tool=latency_tool or self.latency.tool)
+        server = replace(self.server, ready_timeout_s=ready_timeout_s or self.server.ready_timeout_s)
+        checks = tuple(c for c in self.checks if c not in skip)
+        return replace(self, gsm8k=gsm8k, latency=latency, server=server, checks=checks)
+
+
+def shipped_profiles() -> list[str]:
+    folder = resources.files("overlay.regress") / "profiles"
+    return sorted(p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """Load a shipped profile by name, or a profile file by path; raise :class:`ProfileError`."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ProfileError(f"{path}: no such profile file")
+        return parse_profile(path.read_text(encoding="utf-8"), str(path))
+    shipped = resources.files("overlay.regress") / "profiles" / f"{name_or_path}.yaml"
+    if not shipped.is_file():
+        raise ProfileError(f"no profile {name_or_path!r} (shipped: {', '.join(shipped_profiles())})")
+    return parse_profile(shipped.read_text(encoding="utf-8"), f"overlay/regress/profiles/{name_or_path}.yaml")
+
+
+def _check_gsm8k_data(folder: Path, where: str) -> list[str]:
+    missing = [s for s in ("train.jsonl", "test.jsonl") if not (folder / s).is_file()]
+    if missing:
+        raise ProfileError(f"{where}: {folder} lacks {' and '.join(missing)} (GSM8K-format JSON lines)")
+    return []
+
+
+class _Fields:
+    """Typed access to a YAML mapping that records problems instead of raising at the first."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+
+    def section(self, data: Any, key: str) -> dict[str, Any]:
+        value = data.get(key) if isinstance(data, dict) else None
+        if not isinstance(value, dict):
+            self.problems.append(f"{key}: missing or not a mapping")
+            return {}
+        return value
+
+    def get(self, data: dict[str, Any], where: str, key: str, kind: type | tuple[type, ...],
+            default: Any = ..., positive: bool = False) -> Any:
+        if key not in data or data[key] is None:
+            if default is ...:
+                self.problems.append(f"{where}.{key}: missing")
+            return None if default is ... else default
+        value = data[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+            self.problems.append(f"{where}.{key}: expected {_kind_name(kind)}, got {value!r}")
+            return None
+        if not isinstance(value, kind):
+            self.problems.append(f"{where}.{key}: expected {_kind_name(kind)}, got {value!r}")
+            return None
+        if positive and value <= 0:
+            self.problems.append(f"{where}.{key}: must be > 0, got {value!r}")
+            return None
+        return value
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join({"str": "a string", "int": "an integer", "float": "a number", "list": "a list",
+                        "dict": "a mapping", "bool": "true/false"}.get(k.__name__, k.__name__) for k in kinds)
+
+
+def parse_profile(text: str, source: str) -> Profile:
+    """Parse and validate a profile's YAML text; ``source`` names it in every error."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ProfileError(f"{source}:{where} not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if not isinstance(data, dict):
+        raise ProfileError(f"{source}: expected a mapping at the top level")
+    problems: list[str] = []
+    f = _Fields(problems)
+    known_top = {"name", "description", "checks", "server", "gsm8k", "long_context", "latency",
+                 "baseline", "thresholds"}
+    problems += [f"{k}: unknown field" for k in data if k not in known_top]
+    name = f.get(data, "profile", "name", str)
+    description = f.get(data, "profile", "description", str, default="")
+    checks = f.get(data, "profile", "checks", list, default=list(CHECKS))
+    for c in checks or []:
+        if c not in CHECKS:
+            problems.append(f"checks: unknown check {c!r} (known: {', '.join(CHECKS)})")
+
+    s = f.section(data, "server")
+    args = f.get(s, "server", "args", list, default=[])
+    if any(not isinstance(a, str) for a in args or []):
+        problems.append("server.args: every argument must be a string (quote numbers: \"8\")")
+        args = []
+    env = f.get(s, "server", "env", dict, default={})
+    if any(not isinstance(v, str) for v in (env or {}).values()):
+        problems.append("server.env: every value must be a string (quote numbers: \"1\")")
+        env = {}
+    model = f.get(s, "server", "model", str)
+    server = ServerSpec(
+        model=model or "", served_model_name=f.get(s, "server", "served_model_name", str, default=model or ""),
+        args=tuple(args or ()), env=dict(env or {}), host=f.get(s, "server", "host", str, default="127.0.0.1"),
+        port=f.get(s, "server", "port", int, default=8000, positive=True) or 8000,
+        ready_timeout_s=f.get(s, "server", "ready_timeout_s", float, default=1800.0, positive=True) or 1800.0,
+        vllm_bin=f.get(s, "server", "vllm_bin", str, default="vllm"),
+    )
+    spec_tokens = 0
+    try:
+        spec_tokens = server.speculative_tokens
+    except (ValueError, AttributeError, TypeError) as exc:
+        problems.append(f"server.args: --speculative-config is not a JSON object: {exc}")
+
+    g = f.section(data, "gsm8k")
+    gsm8k = Gsm8kSpec(
+        num_fewshot=f.get(g, "gsm8k", "num_fewshot", int, default=5),
+        max_gen_toks=f.get(g, "gsm8k", "max_gen_toks", int, default=4096, positive=True),
+        concurrency=f.get(g, "gsm8k", "concurrency", int, default=32, positive=True),
+        limit=f.get(g, "gsm8k", "limit", int, default=None, positive=True),
+        timeout_s=f.get(g, "gsm8k", "timeout_s", float, default=7200.0, positive=True),
+        data=f.get(g, "gsm8k", "data", str, default=None),
+    )
+
+    lc = f.section(data, "long_context")
+    prompt_tokens = f.get(lc, "long_context", "prompt_tokens", list) or []
+    if any(not isinstance(n, int) or n <= 0 for n in prompt_tokens):
+        problems.append(f"long_context.prompt_tokens: expected positive integers, got {prompt_tokens!r}")
+        prompt_tokens = []
+    long_context = LongContextSpec(
+        index_topk=f.get(lc, "long_context", "index_topk", int, positive=True) or 0,
+        workspace_capacity_tokens=f.get(lc, "long_context", "workspace_capacity_tokens", int,
+                                        default=1408, positive=True) or 1408,
+        prompt_tokens=tuple(prompt_tokens),
+        max_tokens=f.get(lc, "long_context", "max_tokens", int, default=1024, positive=True),
+        count_to=f.get(lc, "long_context", "count_to", int, default=200, positive=True),
+        repeats=f.get(lc, "long_context", "repeats", int, default=3, positive=True),
+        request_timeout_s=f.get(lc, "long_context", "request_timeout_s", float, default=600.0, positive=True),
+        extra_body=f.get(lc, "long_context", "extra_body", dict, default={}),
+    )
+    if prompt_tokens and long_context.index_topk:
+        if max(prompt_tokens) <= long_context.index_topk:
+            problems.append(f"long_context.prompt_tokens: none is longer than index_topk "
+                            f"{long_context.index_topk}; the sparse top-k path would go untested")
+        if max(prompt_tokens) <= long_context.workspace_capacity_tokens:
+            problems.append(f"long_context.prompt_tokens: none is longer than workspace_capacity_tokens "
+                            f"{long_context.workspace_capacity_tokens}; the workspace overflow would go untested")
+
+    la = f.section(data, "latency")
+    latency = LatencySpec(
+        tool=f.get(la, "latency", "tool", str, default="vllm-bench"),
+        input_len=f.get(la, "latency", "input_len", int, default=4096, positive=True),
+        output_len=f.get(la, "latency", "output_len", int, default=512, positive=True),
+        num_prompts=f.get(la, "latency", "num_prompts", int, default=1, positive=True),
+        timeout_s=f.get(la, "latency", "timeout_s", float, default=1800.0, positive=True),
+    )
+    if latency.tool not in LATENCY_TOOLS:
+        problems.append(f"latency.tool: {latency.tool!r} is not one of {', '.join(LATENCY_TOOLS)}")
+
+    b = f.section(data, "baseline")
+    bg = f.get(b, "baseline", "gsm8k", dict, default={}) or {}
+    gsm8k_base: dict[str, float] = {}
+    for metric in ("strict-match", "flexible-extract"):
+        value = f.get(bg, "baseline.gsm8k", metric, float)
+        if value is not None:
+            gsm8k_base[metric] = value
+    bl = f.get(b, "baseline", "latency", dict, default={}) or {}
+    acc = f.get(b, "baseline", "acceptance_per_position", list, default=None)
+    if acc is not None and any(isinstance(x, bool) or not isinstance(x, int | float) or not 0 <= x <= 1
+                               for x in acc):
+        problems.append(f"baseline.acceptance_per_position: expected rates in [0, 1], got {acc!r}")
+        acc = None
+    if "acceptance" in (checks or []) and spec_tokens:
+        if acc is None:
+            problems.append("baseline.acceptance_per_position: missing (the server speculates)")
+        elif len(acc) != spec_tokens:
+            problems.append(f"baseline.acceptance_per_position: {len(acc)} positions, but "
+                            f"--speculative-config drafts {spec_tokens}")
+    baseline = Baseline(
+        source=f.get(b, "baseline", "source", str),
+        gsm8k=gsm8k_base,
+        gsm8k_stderr=f.get(bg, "baseline.gsm8k", "stderr", float),
+        mean_ttft_ms=f.get(bl, "baseline.latency", "mean_ttft_ms", float, positive=True),
+        mean_tpot_ms=f.get(bl, "baseline.latency", "mean_tpot_ms", float, positive=True),
+        acceptance_per_position=tuple(float(x) for x in acc) if acc is not None else None,
+    )
+
+    t = f.section(data, "thresholds")
+    needed = {n for c in (checks or []) for n in THRESHOLDS_BY_CHECK.get(c, ())}
+    known = {n for names in THRESHOLDS_BY_CHECK.values() for n in names}
+    thresholds: dict[str, Threshold] = {}
+    for key, raw in t.items():
+        if key not in known:
+            problems.append(f"thresholds.{key}: unknown threshold (known: {', '.join(sorted(known))})")
+            continue
+        if not isinstance(raw, dict):
+            problems.append(f"thresholds.{key}: expected a mapping with value and why")
+            continue
+        value = f.get(raw, f"thresholds.{key}", "value", float, positive=True)
+        why = f.get(raw, f"thresholds.{key}", "why", str)
+        if isinstance(why, str) and not why.strip():
+            problems.append(f"thresholds.{key}.why: empty (every threshold says why)")
+        if value is not None and why:
+            thresholds[key] = Threshold(value, why.strip())
+    for key in sorted(needed - set(t)):
+        problems.append(f"thresholds.{key}: missing (needed by the checks this profile runs)")
+
+    if problems:
+        raise ProfileError(f"{source}: " + "; ".join(problems))
+    return Profile(name=name, description=description, path=source, checks=tuple(checks),
+                   server=server, gsm8k=gsm8k, long_context=long_context, latency=latency,
+                   baseline=baseline, thresholds=thresholds)

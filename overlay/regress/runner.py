@@ -1,0 +1,173 @@
+"""One regression run: bring the server up (or attach), run the profile's checks, write the report.
+
+Order: long context first (a crash on a long prefill ends the run in minutes, not after GSM8K),
+then GSM8K (corruption left behind by long prompts shows up there too), then latency, then the
+acceptance rates over everything the run sent. A server that dies ends the run with a
+``server-died`` regression; the remaining checks are reported as skipped.
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from overlay.regress import acceptance, gsm8k, latency, longctx
+from overlay.regress.errors import RegressError, ServerDied
+from overlay.regress.profiles import Profile
+from overlay.regress.results import Finding, Progress, StepResult, step_status, verdict
+from overlay.regress.server import Server
+
+StepFn = Callable[[Profile, Server, Path, Callable[[str], None]], tuple[dict[str, Any], list[Finding]]]
+
+
+@dataclass
+class RunReport:
+    profile: Profile
+    base_url: str
+    attached: bool
+    out_dir: Path
+    started: str
+    steps: list[StepResult] = field(default_factory=list)
+    verdict: str = ""
+    exit_code: int = 2
+    server_log: str | None = None
+    seconds: float = 0.0
+
+
+def _long_context(profile: Profile, server: Server, out: Path, progress: Callable[[str], None]) -> tuple[
+        dict[str, Any], list[Finding]]:
+    return longctx.run_long_context(profile, server, progress)
+
+
+STEPS: dict[str, StepFn] = {
+    "long_context": _long_context,
+    "gsm8k": lambda p, s, out, progress: gsm8k.run_gsm8k(p, s, out / "gsm8k", progress),
+    "latency": lambda p, s, out, progress: latency.run_latency(p, s, out / "latency", progress),
+}
+
+
+def _summary(name: str, data: dict[str, Any], findings: list[Finding]) -> str:
+    if findings:
+        return f"{len(findings)} finding(s): {findings[0].message}"
+    if name == "gsm8k":
+        return ", ".join(f"{m} {data[m]['value']:.4f}" for m in gsm8k.METRICS)
+    if name == "latency":
+        return f"TTFT {data['mean_ttft_ms']:.1f} ms, TPOT {data['mean_tpot_ms']:.2f} ms ({data['tool']})"
+    if name == "acceptance":
+        return "per position " + ", ".join(f"{r:.2f}" for r in data.get("rates", []))
+    if name == "long_context":
+        return f"{len(data['probes'])} probes and {len(data['repeated']['answers'])} repeats right"
+    return "ok"
+
+
+def run(profile: Profile, out_dir: Path, base_url: str | None = None,
+        progress: Callable[[str], None] | None = None) -> RunReport:
+    """Run every check of ``profile`` and write the report folder; never raises for a check."""
+    say = progress or Progress()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    report = RunReport(profile, base_url or "", attached=base_url is not None, out_dir=out_dir,
+                       started=datetime.now(UTC).isoformat(timespec="seconds"))
+    say(f"profile {profile.name} ({profile.path}); report in {out_dir}")
+    server: Server | None = None
+    dead = False
+    try:
+        t0 = time.monotonic()
+        try:
+            if base_url is not None:
+                server = Server.attach(base_url, profile.server)
+                say(f"server: attaching to {server.base_url}")
+            else:
+                server = Server.launch(profile.server, out_dir / "server.log")
+                report.server_log = str(out_dir / "server.log")
+                say(f"server: started {shlex.join(profile.server.command())} (log {report.server_log})")
+            report.base_url = server.base_url
+            took = server.wait_ready(profile.server.ready_timeout_s, say)
+            say(f"server: ready after {took:.1f} s, serving {server.model}")
+            report.steps.append(StepResult("server", "pass", f"ready after {took:.1f} s",
+                                           time.monotonic() - t0, {"ready_s": round(took, 1)}))
+        except ServerDied as exc:
+            report.steps.append(StepResult("server", "fail", str(exc), time.monotonic() - t0,
+                                           findings=[Finding("server", "regression", str(exc))]))
+            dead = True
+        except RegressError as exc:
+            report.steps.append(StepResult("server", "error", str(exc), time.monotonic() - t0,
+                                           findings=[Finding("server", "harness", str(exc))]))
+            dead = True
+        ready = not dead
+        before = None
+        scrape_errors: list[Finding] = []
+        if ready and server is not None and "acceptance" in profile.checks:
+            before = _snapshot(server, scrape_errors)
+        for name in ("long_context", "gsm8k", "latency"):
+            if name not in profile.checks:
+                continue
+            if dead or server is None:
+                report.steps.append(StepResult(name, "skipped", "the server is not up"))
+                continue
+            dead = _run_step(name, STEPS[name], profile, server, out_dir, say, report)
+        if "acceptance" in profile.checks:
+            if dead or server is None or not ready:
+                report.steps.append(StepResult("acceptance", "skipped", "the server is not up"))
+            else:
+                t0 = time.monotonic()
+                say("acceptance: reading /metrics")
+                after = _snapshot(server, scrape_errors)
+                data, findings = acceptance.judge(profile, before, after)
+                if scrape_errors:
+                    findings = scrape_errors
+                report.steps.append(StepResult("acceptance", step_status(findings),
+                                               _summary("acceptance", data, findings),
+                                               time.monotonic() - t0, data, findings))
+    finally:
+        if server is not None:
+            if server.launched:
+                say("server: stopping")
+            server.stop()
+    report.verdict, report.exit_code = verdict(report.steps)
+    report.seconds = time.monotonic() - start
+    from overlay.regress.report import write_report
+
+    paths = write_report(report)
+    say(f"verdict: {report.verdict} (exit {report.exit_code}); report {paths[0]}")
+    return report
+
+
+def _snapshot(server: Server, errors: list[Finding]) -> acceptance.SpecCounters | None:
+    try:
+        return acceptance.parse_counters(server.client.metrics_text())
+    except (httpx.HTTPError, RegressError) as exc:
+        errors.append(Finding("acceptance", "harness", f"reading /metrics: {exc}"))
+        return None
+
+
+def _run_step(name: str, fn: StepFn, profile: Profile, server: Server, out_dir: Path,
+              say: Callable[[str], None], report: RunReport) -> bool:
+    """Run one check into the report; return True when the server died during it."""
+    t0 = time.monotonic()
+    try:
+        data, findings = fn(profile, server, out_dir, say)
+    except ServerDied as exc:
+        say(f"{name}: {exc}")
+        report.steps.append(StepResult(name, "fail", str(exc), time.monotonic() - t0,
+                                       findings=[Finding(name, "regression", f"server died: {exc.detail}")]))
+        return True
+    except RegressError as exc:
+        say(f"{name}: harness failure: {exc}")
+        report.steps.append(StepResult(name, "error", str(exc), time.monotonic() - t0,
+                                       findings=[Finding(name, "harness", str(exc))]))
+        return False
+    status = step_status(findings)
+    say(f"{name}: {status}" + (f" ({len(findings)} finding(s))" if findings else ""))
+    for f in findings:
+        say(f"{name}:   {f.kind}: {f.message}")
+    report.steps.append(StepResult(name, status, _summary(name, data, findings), time.monotonic() - t0,
+                                   data, findings))
+    return False

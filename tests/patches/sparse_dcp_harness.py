@@ -119,8 +119,13 @@ def _check_direct_contract(num_rows: int, seq_lens: torch.Tensor, query_start_lo
         raise ValueError(f"query_start_loc covers {int(query_start_loc[-1])} of {num_rows} MQA rows")
 
 
-def make_layer(vllm_config, layer_name: str, recorder: Recorder, seed: int = 0):
+def make_layer(vllm_config, layer_name: str, recorder: Recorder, seed: int = 0,
+               transport: str = "nccl"):
     """An MLAAttention (sparse, DCP=2) running vLLM's real ``forward_impl``.
+
+    ``transport`` picks the combine's contract: ``"nccl"`` (ag_rs / NCCL a2a: mask the LSE by
+    the given bounds) or ``"direct"`` (the direct A2A kernel: also require the bounds to have
+    one boundary per sequence and to cover every row).
 
     Built without ``__init__`` (that needs a TP group and CUDA kernels); it carries exactly
     the state ``forward_impl`` reads. The backend kernel and the DCP collectives are stand-ins.
@@ -173,7 +178,8 @@ def make_layer(vllm_config, layer_name: str, recorder: Recorder, seed: int = 0):
         recorder.combine_calls.append(
             {"seq_lens": seq_lens.clone(), "query_start_loc": query_start_loc.clone(),
              "rows": torch.tensor(partial_output.shape[0])})
-        _check_direct_contract(partial_output.shape[0], seq_lens, query_start_loc)
+        if transport == "direct":
+            _check_direct_contract(partial_output.shape[0], seq_lens, query_start_loc)
         lse = partial_lse.clone()
         common.mask_dcp_empty_shards_(lse, seq_lens, query_start_loc)  # what NCCL paths do
         merged = a2a._lse_weighted_combine(

@@ -63,7 +63,9 @@ def test_regress_on_the_self_hosted_8xh100_runner() -> None:
     assert job["runs-on"][0] == "self-hosted" and "gpu-8xh100" in job["runs-on"]
     assert "gpu-8xh100" in (CI / "actionlint.yaml").read_text()
     assert "glm5.2-fp8-tp8-dcp8" in job["env"]["PROFILE"]
-    assert 'make regress PROFILE="$PROFILE"' in _runs(doc)
+    assert 'make regress PROFILE="$PROFILE" OUT=regress-report' in _runs(doc)
+    upload = next(s for s in job["steps"] if s.get("uses", "").startswith("actions/upload-artifact"))
+    assert upload["with"]["path"] == "regress-report/" and upload["if"] == "always()"
 
 
 def test_nightly_rebase_onto_the_newest_release() -> None:

@@ -10,7 +10,7 @@ TOOL_STAMP := $(VENV)/.overlay-tool
 BUILD_STAMP := $(VENV)/.overlay-build-$(VLLM)
 OVERLAY := $(PY) -m overlay
 
-.PHONY: help build test lint status workspace export bench-build image
+.PHONY: help build test lint status workspace export bench-build image rebase rebase-continue cherry-pick cherry-pick-continue
 
 help: ## list every target
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -50,3 +50,21 @@ bench-build: $(TOOL_STAMP) ## rebuild time from the cached wheel vs cp of that w
 
 image: $(TOOL_STAMP) ## Docker image over vllm/vllm-openai (kernels rebuilt only for kernel patches) [DRY_RUN=1 IMAGE= TAGS= ARCH=9.0a BASE_DIGEST= PUSH=1]
 	$(OVERLAY) image --vllm $(VLLM)$(if $(DRY_RUN), --dry-run)$(if $(IMAGE), --image $(IMAGE))$(foreach t,$(TAGS), --tag $(t))$(if $(ARCH), --arch '$(ARCH)')$(if $(MAX_JOBS), --max-jobs $(MAX_JOBS))$(if $(NVCC_THREADS), --nvcc-threads $(NVCC_THREADS))$(if $(BASE_DIGEST), --base-digest $(BASE_DIGEST))$(if $(PUSH), --push)
+
+rebase: $(TOOL_STAMP) ## carry the series onto release TO into patches/<TO>/ with REBASE.md; stops at a conflict [TO=x.y.z NO_TESTS=1]
+	@test -n "$(TO)" || { echo "usage: make rebase TO=x.y.z" >&2; exit 1; }
+	$(OVERLAY) rebase --vllm $(VLLM) --to $(TO)$(if $(NO_TESTS), --no-tests)
+
+rebase-continue: $(TOOL_STAMP) ## finish a rebase stopped at a conflict, once resolved with git in .work/rebase-<TO>/
+	$(OVERLAY) rebase-continue$(if $(TO), --to $(TO))$(if $(NO_TESTS), --no-tests)
+
+cherry-pick: $(TOOL_STAMP) ## add an upstream change to the series [REF=<PR number|commit|patch file> AFTER= BEFORE= NAME= ORIGIN= VLLM_REMOTE=]
+	@test -n "$(REF)" || { echo "usage: make cherry-pick REF=<PR number|commit|patch file>" >&2; exit 1; }
+	$(OVERLAY) cherry-pick --vllm $(VLLM) '$(REF)'$(if $(AFTER), --after $(AFTER))$(if $(BEFORE), --before $(BEFORE))$(if $(NAME), --name $(NAME))$(if $(ORIGIN), --origin '$(ORIGIN)')
+
+cherry-pick-continue: $(TOOL_STAMP) ## finish a cherry-pick stopped at a conflict, once resolved in .work/cherry-pick-<VLLM>/
+	$(OVERLAY) cherry-pick --vllm $(VLLM) --continue
+
+.PHONY: regress
+regress: $(TOOL_STAMP) ## GSM8K, long context, acceptance, latency vs baselines; exit 0 pass/1 regression/2 harness [PROFILE= BASE_URL= OUT= ARGS=]
+	$(OVERLAY) regress --profile $(or $(PROFILE),glm5.2-fp8-tp8-dcp8) --out $(or $(OUT),regress-report)$(if $(BASE_URL), --base-url $(BASE_URL)) $(ARGS)

@@ -8,6 +8,7 @@ deleted and reported with both digests.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -110,3 +111,78 @@ def copy_into_cache(src: Path, pin: Pin, *, cache: Path | None = None) -> Path:
     shutil.copyfile(src, tmp)
     os.replace(tmp, target)
     return target
+
+
+IndexDigest = Callable[[str], tuple[str, str]]
+"""``lookup(requirement)`` returns ``(wheel file name, sha256)`` as the package index publishes it."""
+
+
+def pip_index_digest(requirement: str) -> tuple[str, str]:
+    """The wheel pip would pick for ``requirement`` and the sha256 the index publishes for it.
+
+    ``pip install --dry-run --report`` resolves the requirement against the index without
+    downloading the wheel (PyPI serves the metadata separately) and reports the link it chose
+    with the digest from the index's own page (``download_info.archive_info.hashes``). That
+    digest, not one computed here, is what a download is checked against.
+    """
+    with tempfile.TemporaryDirectory(prefix="overlay-report-") as tmp:
+        report = Path(tmp) / "report.json"
+        cmd = [
+            sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
+            "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+            # Same target as pip_download_wheel: the manylinux x86_64 wheel, whatever machine.
+            "--platform", "manylinux_2_28_x86_64", "--implementation", "cp", "--python-version", "3.11",
+            "--target", str(Path(tmp) / "target"),  # required by --platform; nothing is installed
+            "--report", str(report), requirement,
+        ]
+        proc = subprocess.run(cmd, capture_output=True, check=False)
+        if proc.returncode != 0 or not report.exists():
+            err = proc.stderr.decode(errors="replace").strip().splitlines()
+            raise FetchError(
+                f"pip could not resolve {requirement} on the index ({proc.returncode})"
+                + (f": {err[-1]}" if err else "")
+            )
+        data = json.loads(report.read_text())
+    items = data.get("install") or []
+    if len(items) != 1:
+        raise FetchError(f"pip resolved {requirement} to {len(items)} files, expected one wheel")
+    info = items[0].get("download_info") or {}
+    url = str(info.get("url", ""))
+    sha = ((info.get("archive_info") or {}).get("hashes") or {}).get("sha256")
+    name = url.rsplit("/", 1)[-1].split("#", 1)[0]
+    if not name.endswith(".whl"):
+        raise FetchError(f"pip resolved {requirement} to {url!r}, not a wheel")
+    if not sha:
+        raise FetchError(f"the index publishes no sha256 for {name}; refusing to trust it")
+    return name, sha
+
+
+def fetch_release(
+    version: str,
+    *,
+    cache: Path | None = None,
+    downloader: Downloader | None = None,
+    index_digest: IndexDigest | None = None,
+) -> tuple[Pin, Path]:
+    """Fetch the wheel of a release that has no ``pin.toml`` yet and return a pin for it.
+
+    Trust comes from the package index: ``index_digest`` (default :func:`pip_index_digest`)
+    gives the file name and the sha256 the index publishes; the downloaded file (pip checks
+    it against that digest as it downloads) is hashed here again and must match before it
+    enters the cache. A wheel already in ``<cache>/wheels/`` or ``<cache>/wheels-unpinned/``
+    (a manual ``pip download``) is reused only when it hashes to the published digest.
+    """
+    cache = cache or cache_dir()
+    name, sha = (index_digest or pip_index_digest)(f"vllm=={version}")
+    pin = Pin.from_dict({"version": version, "wheel": name, "sha256": sha}, f"index entry for vllm {version}")
+    wheels = cache / "wheels"
+    target = wheels / name
+    for candidate in (target, cache / "wheels-unpinned" / name):
+        if candidate.exists() and sha256_file(candidate) == sha:
+            if candidate != target:
+                wheels.mkdir(parents=True, exist_ok=True)
+                tmp = target.with_name(f".{name}.tmp")
+                shutil.copyfile(candidate, tmp)
+                os.replace(tmp, target)
+            return pin, target
+    return pin, fetch_wheel(pin, cache=cache, downloader=downloader)

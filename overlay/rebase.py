@@ -1,0 +1,630 @@
+"""``make rebase TO=x.y.z``: carry the series onto another vLLM release, and say what upstream took.
+
+A scratch repository ``.work/rebase-<to>/`` gets the history the replay needs: the base
+release's text files (tag ``base``), the series on top as commits (branch ``old``), and the
+target release as a commit on top of the base (tag ``target``, branch ``new``). Each patch is
+then classified, in series order, on ``new``:
+
+``upstream``
+    it reverse-applies to the target, or the 3-way merge leaves nothing to commit;
+``upstream-by-behaviour``
+    its own tests (``tests/patches/test_<name>.py``) fail on the old base and pass on the
+    target without it: upstream fixed the bug its own way, the patch is dropped;
+``applied``
+    it applies exactly (the file is carried verbatim);
+``refreshed``
+    it applies after a 3-way merge with rename detection (the refreshed patch is exported);
+``partly-upstream``
+    carried, but part of it is already there (hunks the target has, or tests that already pass);
+``conflict`` / ``conflict-resolved``
+    the merge stopped: the run reports the hunks and leaves the worktree for plain git;
+    ``make rebase-continue`` picks up after a person resolved it.
+
+Nothing is written under ``patches/<to>/`` until every patch is classified: the folder is
+written under a temporary name and renamed. Tests drive :func:`start` and :func:`resume`
+with tree-filling callables and a fake test runner; the CLI uses :func:`rebase_release`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from overlay.errors import KernelPatchError, OverlayError, SeriesError
+from overlay.git import git, git_text
+from overlay.pins import Pin, load_pin, pin_dir
+from overlay.replay import (
+    FIND_RENAMES,
+    ConflictHunk,
+    absorbed_hunks,
+    applies,
+    conflict_report,
+    follow_deleted,
+    in_progress,
+    unmerged,
+)
+from overlay.series import Patch, Series
+from overlay.workspace import extract_text_tree, format_patch
+
+TreeSource = Callable[[Path], None]
+"""``fill(dest)`` writes a release's text files into the empty folder ``dest``."""
+
+STATE = "overlay-rebase.json"  # inside the scratch repository's .git: survives git commands
+# What git does while it replays: 3-way merge, renames followed down to FIND_RENAMES.
+_PICK = ["cherry-pick", "--keep-redundant-commits", "-X", f"find-renames={FIND_RENAMES}"]
+
+
+class RebaseError(OverlayError):
+    """A rebase cannot start or continue (state missing, unresolved paths, target exists)."""
+
+
+@dataclass(frozen=True)
+class TestRun:
+    """One run of a patch's own tests against one tree."""
+
+    __test__ = False  # not a pytest test class, whatever its name
+
+    status: str  # "passed" (rc 0), "failed" (rc 1: tests ran, some failed), "error" (did not run)
+    passed: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
+    summary: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        return {"status": self.status, "passed": list(self.passed), "failed": list(self.failed),
+                "summary": self.summary}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TestRun:
+        return cls(d["status"], tuple(d["passed"]), tuple(d["failed"]), d["summary"])
+
+
+TestRunner = Callable[[Patch, Path], TestRun | None]
+"""``run(patch, tree)`` runs the patch's tests with ``import vllm`` resolving to ``tree``;
+``None`` when the patch has no tests."""
+
+
+def test_file(tests_dir: Path, patch_name: str) -> Path:
+    """``tests/patches/test_<name>.py`` for ``<name>.patch`` (dashes become underscores)."""
+    return tests_dir / f"test_{patch_name.removesuffix('.patch').replace('-', '_')}.py"
+
+
+def pytest_runner(tests_dir: Path, *, cwd: Path | None = None, timeout: float = 900) -> TestRunner:
+    """Run ``tests_dir/test_<name>.py`` in a subprocess with ``OVERLAY_VLLM_TREE=<tree>``.
+
+    Like ``tests/test_patches_against_base.py``: the repository's ``conftest.py`` puts the
+    tree first on ``sys.path``; ``PYTHONPATH`` does the same for test folders without it.
+    """
+    import subprocess
+
+    def run(patch: Patch, tree: Path) -> TestRun | None:
+        file = test_file(tests_dir, patch.name)
+        if not file.is_file():
+            return None
+        env = dict(os.environ)
+        env["OVERLAY_VLLM_TREE"] = str(tree)
+        env["PYTHONPATH"] = os.pathsep.join([str(tree), *filter(None, [env.get("PYTHONPATH")])])
+        env["PYTHONDONTWRITEBYTECODE"] = "1"  # never leave __pycache__ in a tree under test
+        with tempfile.TemporaryDirectory(prefix="overlay-tests-") as tmp:
+            junit = Path(tmp) / "junit.xml"
+            cmd = [sys.executable, "-m", "pytest", str(file), "-m", "not gpu", "-q", "-p", "no:cacheprovider",
+                   "-o", "addopts=", f"--junitxml={junit}"]
+            try:
+                proc = subprocess.run(cmd, cwd=cwd or tests_dir, env=env, capture_output=True, text=True,
+                                      check=False, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return TestRun("error", summary=f"timed out after {timeout:.0f} s")
+            passed, failed = _junit(junit)
+        tail = [ln for ln in (proc.stdout + proc.stderr).strip().splitlines() if ln.strip()]
+        summary = tail[-1] if tail else f"pytest exited {proc.returncode}"
+        status = {0: "passed", 1: "failed"}.get(proc.returncode, "error")
+        if status == "error":
+            summary = f"rc={proc.returncode}: " + " | ".join(tail[-3:])
+        return TestRun(status, passed, failed, summary)
+
+    return run
+
+
+def _junit(path: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    if not path.exists():
+        return (), ()
+    passed: list[str] = []
+    failed: list[str] = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = case.get("name", "?")
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed.append(name)
+        elif case.find("skipped") is None:
+            passed.append(name)
+    return tuple(passed), tuple(failed)
+
+
+@dataclass
+class Result:
+    """The classification of one patch."""
+
+    name: str
+    outcome: str
+    evidence: str
+    still_needed: list[str] = field(default_factory=list)
+    absorbed: list[str] = field(default_factory=list)
+    behaviour: dict[str, dict] = field(default_factory=dict)  # "old-base" / "target" -> TestRun
+    conflicts: list[dict] = field(default_factory=list)
+    carried: bool = False  # the patch is in the new series
+
+
+@dataclass
+class State:
+    """Everything ``make rebase-continue`` needs, stored in the scratch repository."""
+
+    from_version: str
+    to_version: str
+    pin: dict
+    patches_root: str
+    tests_dir: str
+    names: list[str]
+    old_commits: list[str]
+    index: int = 0
+    results: list[dict] = field(default_factory=list)
+    exported: dict[str, str] = field(default_factory=dict)  # name -> "verbatim" | commit id
+    pending: dict = field(default_factory=dict)  # the patch stopped at: head before, behaviour
+
+    def save(self, work: Path) -> None:
+        path = work / ".git" / STATE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, work: Path) -> State:
+        path = work / ".git" / STATE
+        if not path.is_file():
+            raise RebaseError(f"{work}: no rebase in progress there (no .git/{STATE})")
+        return cls(**json.loads(path.read_text()))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a run (or a continue) ended with."""
+
+    done: bool
+    out_dir: Path | None
+    results: list[Result]
+    conflict: list[ConflictHunk]
+    work: Path
+    message: str
+
+
+def work_dir(to_version: str, root: Path = Path(".work")) -> Path:
+    """The worktree a rebase to ``to_version`` uses and leaves behind on a conflict."""
+    return root / f"rebase-{to_version}"
+
+
+# --- the run ------------------------------------------------------------------------------
+
+def start(
+    patches_root: Path,
+    from_version: str,
+    target_pin: Pin,
+    fill_base: TreeSource,
+    fill_target: TreeSource,
+    *,
+    work: Path,
+    tests_dir: Path,
+    runner: TestRunner | None = None,
+) -> Outcome:
+    """Set up the scratch repository for ``from_version`` -> ``target_pin`` and classify the series.
+
+    Refuses when ``patches/<to>/`` or ``work`` already exists. On an error before the first
+    conflict the scratch repository is removed again.
+    """
+    to = target_pin.version
+    out = pin_dir(patches_root, to)
+    if out.exists():
+        raise RebaseError(f"{out}: already exists; remove it to rebase onto {to} again")
+    if work.exists():
+        raise RebaseError(f"{work}: a rebase onto {to} is in progress: `make rebase-continue`, or remove it")
+    series = Series.load(pin_dir(patches_root, from_version))
+    if series.kernel_patches:
+        _refuse_kernel(series)
+    work.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        old_commits = _prepare(work, series, from_version, to, fill_base, fill_target)
+        state = State(from_version, to, {"version": to, "wheel": target_pin.wheel, "sha256": target_pin.sha256},
+                      str(patches_root), str(tests_dir), [p.name for p in series.patches], old_commits)
+        state.save(work)
+        return _run(work, state, series, runner)
+    except BaseException:
+        if work.exists() and not in_progress(work):
+            shutil.rmtree(work)
+        raise
+
+
+def resume(work: Path, *, runner: TestRunner | None = None) -> Outcome:
+    """Take up a rebase stopped at a conflict, once a person resolved it with git."""
+    state = State.load(work)
+    series = Series.load(pin_dir(Path(state.patches_root), state.from_version))
+    if [p.name for p in series.patches] != state.names:
+        raise RebaseError(f"patches/{state.from_version}/series changed since the rebase started; start again")
+    patch = series.patches[state.index]
+    left = unmerged(work)
+    if left:
+        raise RebaseError(f"{patch.name}: still unmerged: {', '.join(left)} (resolve, `git add`, then continue)")
+    marked = _files_with_markers(work)
+    if marked:
+        raise RebaseError(f"{patch.name}: conflict markers left in {', '.join(marked)}")
+    head_before = state.pending["head"]
+    if in_progress(work):
+        if git(["diff", "--cached", "--quiet", "HEAD"], work, check=False).returncode == 0:
+            git(["cherry-pick", "--skip"], work)
+        else:
+            git(["cherry-pick", "--continue"], work, env={"GIT_EDITOR": "true"})
+    head = _rev(work, "HEAD")
+    if git(["diff", "--quiet", head_before, head], work, check=False).returncode == 0 and head != head_before:
+        raise RebaseError(f"{patch.name}: the resolution commit is empty; reset it and continue")
+    behaviour = state.pending.get("behaviour", {})
+    conflicts = state.pending.get("conflicts", [])
+    if head == head_before:
+        res = Result(patch.name, "conflict-resolved",
+                     "the 3-way merge conflicted; a person resolved it to no change, so the patch is "
+                     "dropped (judged already upstream)", behaviour=behaviour, conflicts=conflicts)
+    else:
+        if git_text(["rev-list", "--count", f"{head_before}..{head}"], work).strip() != "1":
+            raise RebaseError(f"{patch.name}: resolve into one commit on top of {head_before[:12]}")
+        kept, gone = absorbed_hunks(patch.raw, format_patch(work, head))
+        res = Result(patch.name, "conflict-resolved",
+                     "the 3-way merge conflicted in "
+                     + ", ".join(sorted({c["path"] for c in conflicts})) + "; a person resolved it"
+                     + (f"; hunks no longer needed: {', '.join(gone)}" if gone else ""),
+                     still_needed=kept, absorbed=gone, behaviour=behaviour, conflicts=conflicts, carried=True)
+        state.exported[patch.name] = head
+    state.results.append(asdict(res))
+    state.index += 1
+    state.pending = {}
+    state.save(work)
+    return _run(work, state, series, runner)
+
+
+def _refuse_kernel(series: Series) -> None:
+    import importlib.util
+
+    names = ", ".join(p.name for p in series.kernel_patches)
+    if importlib.util.find_spec("overlay.sdist") is None:
+        raise KernelPatchError(
+            f"patch {names} touches compiled sources; rebasing csrc/ needs the source distributions, "
+            "and overlay/sdist.py (sdist fetching) is not available yet"
+        )
+    raise KernelPatchError(
+        f"patch {names} touches compiled sources; rebasing csrc/ from the sdists is not wired into "
+        "`make rebase` yet"
+    )
+
+
+def _rev(repo: Path, rev: str) -> str:
+    return git_text(["rev-parse", rev], repo).strip()
+
+
+def _clear_worktree(repo: Path) -> None:
+    for entry in repo.iterdir():
+        if entry.name == ".git":
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def _prepare(work: Path, series: Series, from_version: str, to: str,
+             fill_base: TreeSource, fill_target: TreeSource) -> list[str]:
+    """History ``base`` -> ``target`` (branch ``new``) and ``base`` + series (branch ``old``)."""
+    work.mkdir()
+    git(["init", "-q"], work)
+    fill_base(work)
+    git(["add", "-A"], work)
+    git(["commit", "-q", "--allow-empty", "-m", f"vllm {from_version}"], work)
+    git(["tag", "base"], work)
+    git(["checkout", "-q", "-b", "old"], work)
+    old_commits: list[str] = []
+    for patch in series.patches:
+        proc = git(["am", "-q", "--keep-cr", "--keep", "-"], work, input=patch.raw, check=False)
+        if proc.returncode != 0:
+            git(["am", "--abort"], work, check=False)
+            raise SeriesError(f"patch {patch.name}: does not apply to vllm {from_version} itself; "
+                              "fix the series first (`make status`)")
+        old_commits.append(_rev(work, "HEAD"))
+    git(["checkout", "-q", "-b", "new", "base"], work)
+    _clear_worktree(work)
+    fill_target(work)
+    git(["add", "-A"], work)
+    git(["commit", "-q", "--allow-empty", "-m", f"vllm {to}"], work)
+    git(["tag", "target"], work)
+    return old_commits
+
+
+def _tree_at(work: Path, rev: str, dest: Path) -> Path:
+    """Check out ``rev`` into ``dest`` without touching the worktree or its index."""
+    dest.mkdir(parents=True, exist_ok=True)
+    import tarfile
+    from io import BytesIO
+
+    data = git(["archive", "--format=tar", rev], work).stdout
+    with tarfile.open(fileobj=BytesIO(data)) as tar:
+        tar.extractall(dest, filter="data")
+    return dest
+
+
+def _behaviour(work: Path, patch: Patch, old_parent: str, runner: TestRunner | None) -> dict[str, dict]:
+    if runner is None:
+        return {}
+    runs: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="overlay-rebase-trees-") as tmp:
+        for label, rev in (("old-base", old_parent), ("target", "HEAD")):
+            tree = _tree_at(work, rev, Path(tmp) / label)
+            run = runner(patch, tree)
+            if run is None:
+                return {}
+            runs[label] = run.to_dict()
+    return runs
+
+
+def _behaviour_verdict(runs: dict[str, dict]) -> tuple[str, list[str], list[str], str]:
+    """("absorbed" | "partial" | "needed" | "unknown", tests now passing, still failing, note)."""
+    if not runs:
+        return "unknown", [], [], "no tests of its own"
+    old, new = TestRun.from_dict(runs["old-base"]), TestRun.from_dict(runs["target"])
+    if old.status != "failed":
+        return "unknown", [], [], (f"its tests do not fail on the old base ({old.status}: {old.summary}); "
+                                   "they cannot tell whether upstream fixed it")
+    if new.status == "error":
+        return "unknown", [], [], f"its tests could not run on the target ({new.summary})"
+    fixed = sorted(set(old.failed) & set(new.passed))
+    still = sorted(set(old.failed) & set(new.failed))
+    if new.status == "passed":
+        return "absorbed", fixed, [], (f"its tests fail on the old base ({old.summary}) and pass on the "
+                                       f"target without it ({new.summary})")
+    if fixed:
+        return "partial", fixed, still, (f"of its tests that fail on the old base, {len(fixed)} pass on the "
+                                         f"target without it ({', '.join(fixed)}) and {len(still)} still fail "
+                                         f"({', '.join(still)})")
+    return "needed", [], still, f"its tests still fail on the target without it ({new.summary})"
+
+
+def _run(work: Path, state: State, series: Series, runner: TestRunner | None) -> Outcome:
+    """Classify patches from ``state.index`` on; stop at a conflict; finish by writing the folder."""
+    results = [Result(**r) for r in state.results]
+    while state.index < len(series.patches):
+        i = state.index
+        patch = series.patches[i]
+        old_commit = state.old_commits[i]
+        old_parent = state.old_commits[i - 1] if i else "base"
+        head = _rev(work, "HEAD")
+        print(f"rebase {state.to_version}: {patch.name} ...", file=sys.stderr, flush=True)
+        res, stop = _classify(work, state, patch, old_commit, old_parent, head, runner)
+        if stop is not None:
+            state.pending = {"head": head, "behaviour": res.behaviour, "conflicts": [c.to_dict() for c in stop]}
+            state.save(work)
+            return Outcome(False, None, results, stop, work, _conflict_message(work, patch, stop))
+        results.append(res)
+        state.results.append(asdict(res))
+        state.index += 1
+        state.save(work)
+    out = _finish(work, state, series, results)
+    shutil.rmtree(work)
+    return Outcome(True, out, results, [], work, f"wrote {out}")
+
+
+def _classify(work: Path, state: State, patch: Patch, old_commit: str, old_parent: str, head: str,
+              runner: TestRunner | None) -> tuple[Result, list[ConflictHunk] | None]:
+    to = state.to_version
+    if applies(work, patch.raw, reverse=True):
+        return Result(patch.name, "upstream", f"reverse-applies to vllm {to}: upstream has this exact change"), None
+    runs = _behaviour(work, patch, old_parent, runner)
+    verdict, fixed, still, note = _behaviour_verdict(runs)
+    if verdict == "absorbed":
+        return Result(patch.name, "upstream-by-behaviour", note + "; dropped", absorbed=fixed,
+                      behaviour=runs), None
+    if applies(work, patch.raw):
+        git(["am", "-q", "--keep-cr", "--keep", "-"], work, input=patch.raw)
+        state.exported[patch.name] = "verbatim"
+        if verdict == "partial":
+            return Result(patch.name, "partly-upstream", note + "; the patch applies unchanged and is carried",
+                          still_needed=still, absorbed=fixed, behaviour=runs, carried=True), None
+        return Result(patch.name, "applied", f"applies to vllm {to} exactly; carried verbatim"
+                      + (f" ({note})" if runs else ""), behaviour=runs, carried=True), None
+    proc = git([*_PICK, old_commit], work, check=False)
+    followed = []
+    if proc.returncode != 0 and unmerged(work):
+        followed = follow_deleted(work, old_commit)
+        if followed and not unmerged(work):
+            git(["cherry-pick", "--continue"], work, env={"GIT_EDITOR": "true"})
+    moved = "; ".join(f"followed {f.old} into {f.new} ({f.containment:.0%} of its lines are there)"
+                      for f in followed)
+    if in_progress(work):
+        if unmerged(work):
+            return Result(patch.name, "conflict", "", behaviour=runs), conflict_report(work)
+        if git(["diff", "--cached", "--quiet", "HEAD"], work, check=False).returncode == 0:
+            git(["cherry-pick", "--abort"], work)
+            return Result(patch.name, "upstream", f"the 3-way merge onto vllm {to} leaves nothing to commit"
+                          + (f" ({moved})" if moved else ""), behaviour=runs), None
+        raise RebaseError(f"{patch.name}: git cherry-pick stopped: "
+                          + proc.stderr.decode(errors="replace").strip().splitlines()[-1])
+    new = _rev(work, "HEAD")
+    if new == head or git(["diff", "--quiet", head, new], work, check=False).returncode == 0:
+        if new != head:
+            git(["reset", "-q", "--hard", head], work)
+        return Result(patch.name, "upstream", f"the 3-way merge onto vllm {to} leaves nothing to commit",
+                      behaviour=runs), None
+    state.exported[patch.name] = new
+    kept, gone = absorbed_hunks(patch.raw, format_patch(work, new))
+    renames = _renames(work, old_commit, new)
+    how = "applies after a 3-way merge" + (f" ({'; '.join(filter(None, [renames, moved]))})"
+                                          if renames or moved else "")
+    if gone or verdict == "partial":
+        parts = []
+        if gone:
+            parts.append(f"vllm {to} already has hunk(s) {', '.join(gone)}; still needed: {', '.join(kept)}")
+        if verdict == "partial":
+            parts.append(note)
+        return Result(patch.name, "partly-upstream", f"{how}; " + "; ".join(parts),
+                      still_needed=kept + still, absorbed=gone + fixed, behaviour=runs, carried=True), None
+    return Result(patch.name, "refreshed", how + "; the refreshed patch is exported"
+                  + (f" ({note})" if runs else ""), behaviour=runs, carried=True), None
+
+
+def _renames(work: Path, old_commit: str, new_commit: str) -> str:
+    old_files = set(git_text(["diff-tree", "--no-commit-id", "--name-only", "-r", old_commit], work).split())
+    new_files = set(git_text(["diff-tree", "--no-commit-id", "--name-only", "-r", new_commit], work).split())
+    gone, came = sorted(old_files - new_files), sorted(new_files - old_files)
+    if not gone:
+        return ""
+    return f"followed {', '.join(gone)} to {', '.join(came) or 'nothing'}"
+
+
+def _files_with_markers(work: Path) -> list[str]:
+    changed = git_text(["diff", "--name-only", "HEAD"], work).split()
+    bad = []
+    for path in changed:
+        file = work / path
+        if file.is_file() and any(line.startswith(b"<<<<<<< ") for line in file.read_bytes().splitlines()):
+            bad.append(path)
+    return bad
+
+
+def _conflict_message(work: Path, patch: Patch, hunks: list[ConflictHunk]) -> str:
+    lines = [f"conflict: {patch.name} does not merge onto the target; {len(hunks)} hunk(s) to resolve in {work}:"]
+    lines += [f"  {h.describe()}" for h in hunks]
+    lines += [
+        "resolve there with plain git (edit, `git add <file>`; `git cherry-pick --continue` is optional),",
+        "or make the patch empty (`git checkout HEAD -- .`) to drop it; then run `make rebase-continue`.",
+    ]
+    return "\n".join(lines)
+
+
+# --- writing the release folder ------------------------------------------------------------
+
+def _finish(work: Path, state: State, series: Series, results: list[Result]) -> Path:
+    patches_root = Path(state.patches_root)
+    out = pin_dir(patches_root, state.to_version)
+    if out.exists():
+        raise RebaseError(f"{out}: appeared while the rebase ran; not overwriting it")
+    pin = Pin.from_dict(state.pin, f"target pin of the rebase onto {state.to_version}")
+    tmp = Path(tempfile.mkdtemp(prefix=f".rebase-{state.to_version}-", dir=patches_root))
+    try:
+        names: list[str] = []
+        for patch, res in zip(series.patches, results, strict=True):
+            how = state.exported.get(patch.name)
+            if not res.carried or how is None:
+                continue
+            raw = patch.raw if how == "verbatim" else format_patch(work, how)
+            Patch.from_bytes(patch.name, raw, tmp / patch.name)  # refuse to write a broken file
+            (tmp / patch.name).write_bytes(raw)
+            names.append(patch.name)
+        (tmp / "series").write_text(
+            f"# Patch series for vLLM {state.to_version}, applied in this order by `make build`.\n"
+            f"# Rebased from {state.from_version} by `make rebase` (see REBASE.md).\n"
+            + "".join(f"{n}\n" for n in names)
+        )
+        (tmp / "pin.toml").write_text(pin.to_toml())
+        doc = {
+            "from": state.from_version,
+            "to": state.to_version,
+            "target": state.pin,
+            "trust": _TRUST,
+            "patches": [{"name": r.name, "outcome": r.outcome, "evidence": r.evidence, "carried": r.carried,
+                         "still_needed": r.still_needed, "absorbed": r.absorbed, "behaviour": r.behaviour,
+                         "conflicts": r.conflicts} for r in results],
+        }
+        (tmp / "rebase.json").write_text(json.dumps(doc, indent=2) + "\n")
+        (tmp / "REBASE.md").write_text(report_markdown(state, results))
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out
+
+
+_TRUST = ("the target wheel's sha256 is the digest PyPI publishes for it (read through pip's "
+          "resolver report); pip checked the download against it and the tool hashed the file again")
+
+_MEANING = {
+    "applied": "applies exactly; carried verbatim",
+    "refreshed": "applies after a 3-way merge; carried as the refreshed patch",
+    "upstream": "upstream has the same change; dropped",
+    "upstream-by-behaviour": "upstream fixed it its own way (its tests pass without it); dropped",
+    "partly-upstream": "part of it is upstream; the rest is carried",
+    "conflict": "stopped: needs a person",
+    "conflict-resolved": "conflicted; resolved by a person",
+}
+
+
+def report_markdown(state: State, results: list[Result]) -> str:
+    """``REBASE.md``: a table, then the reasoning per patch."""
+    lines = [
+        f"# Rebase of the series from vLLM {state.from_version} to {state.to_version}",
+        "",
+        f"Target wheel `{state.pin['wheel']}`, sha256 `{state.pin['sha256']}`: {_TRUST}.",
+        "",
+        "| patch | outcome | carried | evidence |",
+        "| --- | --- | --- | --- |",
+    ]
+    for r in results:
+        short = r.evidence.split("; ")[0].replace("|", "\\|")
+        lines.append(f"| `{r.name}` | {r.outcome} | {'yes' if r.carried else 'no'} | {short} |")
+    lines += ["", "## Reasoning", ""]
+    for r in results:
+        lines += [f"### `{r.name}`: {r.outcome}", "", f"{_MEANING[r.outcome]}. {r.evidence}.", ""]
+        if r.still_needed:
+            lines += ["Still needed: " + ", ".join(f"`{s}`" for s in r.still_needed) + ".", ""]
+        if r.absorbed:
+            lines += ["Already upstream: " + ", ".join(f"`{s}`" for s in r.absorbed) + ".", ""]
+        for label, run in r.behaviour.items():
+            lines.append(f"- its tests on the {label.replace('-', ' ')}: {run['status']} ({run['summary']})")
+        for c in r.conflicts:
+            lines.append(f"- conflict: {ConflictHunk(**c).describe()}")
+        if r.behaviour or r.conflicts:
+            lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+# --- the CLI entry points -------------------------------------------------------------------
+
+def rebase_release(patches_root: Path, from_version: str, to_version: str, *,
+                   work_root: Path = Path(".work"), tests_dir: Path = Path("tests/patches"),
+                   run_tests: bool = True) -> Outcome:
+    """``make rebase TO=...``: fetch and verify both wheels, then :func:`start`."""
+    from overlay.fetch import fetch_release, fetch_wheel
+
+    base_pin = load_pin(patches_root, from_version)
+    base_wheel = fetch_wheel(base_pin)
+    target_pin, target_wheel = fetch_release(to_version)
+    runner = pytest_runner(tests_dir, cwd=Path.cwd()) if run_tests else None
+    return start(patches_root, from_version, target_pin,
+                 lambda d: _extract(base_wheel, d), lambda d: _extract(target_wheel, d),
+                 work=work_dir(to_version, work_root), tests_dir=tests_dir, runner=runner)
+
+
+def continue_release(to_version: str | None = None, *, work_root: Path = Path(".work"),
+                     tests_dir: Path = Path("tests/patches"), run_tests: bool = True) -> Outcome:
+    """``make rebase-continue``: the one rebase in progress (or the one onto ``to_version``)."""
+    if to_version:
+        work = work_dir(to_version, work_root)
+    else:
+        found = sorted(p for p in work_root.glob("rebase-*") if (p / ".git" / STATE).is_file())
+        if not found:
+            raise RebaseError(f"no rebase in progress under {work_root}/")
+        if len(found) > 1:
+            raise RebaseError(f"several rebases in progress ({', '.join(p.name for p in found)}); pass TO=")
+        work = found[0]
+    runner = pytest_runner(tests_dir, cwd=Path.cwd()) if run_tests else None
+    return resume(work, runner=runner)
+
+
+def _extract(wheel: Path, dest: Path) -> None:
+    extract_text_tree(wheel, dest)

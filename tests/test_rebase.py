@@ -1,0 +1,348 @@
+"""``make rebase``: classification on tiny synthetic releases, renames, the conflict flow, atomicity."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from overlay.apply import apply_series
+from overlay.errors import FetchError
+from overlay.fetch import fetch_release, sha256_file
+from overlay.git import git, init_repo
+from overlay.pins import Pin
+from overlay.rebase import RebaseError, TestRun, pytest_runner, resume, start
+from overlay.series import Patch, Series
+from overlay.workspace import format_patch
+
+FROM, TO = "0.1.0", "0.2.0"
+TARGET_PIN = Pin(TO, f"vllm-{TO}-cp38-abi3-manylinux_2_28_x86_64.whl", "ab" * 32)
+
+
+def lines(prefix: str, n: int, **edits: str) -> str:
+    """``n`` distinct lines ``<prefix>_<i> = <i>``, some replaced by ``edits`` (key ``l<i>``)."""
+    return "".join(edits.get(f"l{i}", f"{prefix}_{i} = {i}") + "\n" for i in range(1, n + 1))
+
+
+BASE: dict[str, str] = {
+    "vllm/__init__.py": "",
+    "vllm/a.py": lines("a", 40),
+    "vllm/c.py": lines("c", 40),
+    "vllm/v1/attention/ops/dcp_utils.py": lines("dcp", 40),
+    "vllm/v1/attention/ops/dcp_alltoall.py": lines("a2a", 30),
+    "vllm/fix.py": "def guard(meta):\n    return meta['decode']\n",
+}
+
+# The next release: new lines at the top of a.py (offsets), c.py's line 5 already changed the way a
+# patch changes it, c.py's line 10 changed differently, dcp_utils.py renamed to ops/dcp.py (with new
+# code), dcp_alltoall.py folded into dcp.py, guard() fixed with upstream's own code.
+TARGET: dict[str, str] = {
+    "vllm/__init__.py": "",
+    "vllm/a.py": "# new header\nimport os\n\n" + lines("a", 40),
+    "vllm/c.py": lines("c", 40, l5="c_5 = 'five'", l10="c_10 = 'upstream ten'", l28="c_28 = 'up'"),
+    "vllm/v1/attention/ops/dcp.py": lines("dcp", 40) + lines("newdcp", 12) + lines("a2a", 30),
+    "vllm/fix.py": "def guard(meta):\n    return getattr(meta, 'decode', None) if not isinstance(meta, dict) "
+                   "else meta.get('decode')\n",
+}
+
+
+def fill(files: dict[str, str]):
+    def write(dest: Path) -> None:
+        for path, text in files.items():
+            (dest / path).parent.mkdir(parents=True, exist_ok=True)
+            (dest / path).write_text(text)
+    return write
+
+
+def make_patch(tmp: Path, name: str, changes: dict[str, str], base: dict[str, str] = BASE) -> bytes:
+    """A format-patch file changing ``base`` to ``base | changes``, with trailers."""
+    repo = tmp / f"author-{name}"
+    init_repo(repo)
+    fill(base)(repo)
+    git(["add", "-A"], repo)
+    git(["commit", "-q", "-m", "base"], repo)
+    fill(changes)(repo)
+    git(["add", "-A"], repo)
+    msg = f"Fix {name}\n\nWhy it is needed.\n\nOrigin: vendor\nLast-Update: 2026-11-30\n"
+    git(["commit", "-q", "-m", msg], repo)
+    return format_patch(repo, "HEAD")
+
+
+def series_dir(root: Path, patches: dict[str, bytes], version: str = FROM) -> Path:
+    d = root / version
+    d.mkdir(parents=True)
+    (d / "pin.toml").write_text(Pin(version, f"vllm-{version}-cp38-abi3-manylinux_2_28_x86_64.whl",
+                                    "cd" * 32).to_toml())
+    (d / "series").write_text("# test series\n" + "".join(f"{n}\n" for n in patches))
+    for n, raw in patches.items():
+        (d / n).write_bytes(raw)
+    return d
+
+
+GUARD_FIX = {"vllm/fix.py": "def guard(meta):\n    return meta.get('decode') if isinstance(meta, dict) "
+                            "else getattr(meta, 'decode', None)\n"}
+GUARD_TEST = """
+import vllm.fix
+
+class Meta:
+    decode = 'd'
+
+def test_guard_dict():
+    assert vllm.fix.guard({'decode': 'd'}) == 'd'
+
+def test_guard_object():
+    assert vllm.fix.guard(Meta()) == 'd'
+"""
+
+CASES = {
+    # applies exactly (git apply allows the offset the new header brings)
+    "applied": ({"vllm/a.py": lines("a", 40, l30="a_30 = 'patched'")}, "applied"),
+    # the target has the same change verbatim
+    "upstream": ({"vllm/c.py": lines("c", 40, l5="c_5 = 'five'")}, "upstream"),
+    # the file was renamed (43%-style similarity): the 3-way merge follows it
+    "renamed": ({"vllm/v1/attention/ops/dcp_utils.py": lines("dcp", 40, l20="dcp_20 = 'patched'")},
+                "refreshed"),
+    # the file was folded into another one: followed by containment
+    "absorbed-file": ({"vllm/v1/attention/ops/dcp_alltoall.py": lines("a2a", 30, l15="a2a_15 = 'patched'")},
+                      "refreshed"),
+    # one of two hunks is already there
+    "half": ({"vllm/c.py": lines("c", 40, l5="c_5 = 'five'", l35="c_35 = 'patched'")}, "partly-upstream"),
+    # the same line changed differently
+    "clash": ({"vllm/c.py": lines("c", 40, l10="c_10 = 'ours'")}, "conflict"),
+    # the 3-way merge leaves nothing: upstream has the change, with different context around it
+    "same-change-moved-context": ({"vllm/c.py": lines("c", 40, l5="c_5 = 'five'", l28="c_28 = 'up'")},
+                                  "upstream"),
+}
+
+
+@pytest.mark.parametrize("case", [pytest.param(k, id=k) for k in CASES])
+def test_classification(tmp_path: Path, case: str) -> None:
+    changes, want = CASES[case]
+    root = tmp_path / "patches"
+    name = f"{case}.patch"
+    series_dir(root, {name: make_patch(tmp_path, case, changes)})
+    work = tmp_path / "work"
+    out = start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=work, tests_dir=tmp_path / "no-tests")
+    if want == "conflict":
+        assert not out.done and not (root / TO).exists()
+        assert [h.path for h in out.conflict] == ["vllm/c.py"]
+        assert "vllm/c.py:" in out.message and "make rebase-continue" in out.message
+        return
+    assert out.done, out.message
+    doc = json.loads((root / TO / "rebase.json").read_text())
+    assert [(p["name"], p["outcome"]) for p in doc["patches"]] == [(name, want)]
+    assert not work.exists()
+    series = Series.load(root / TO)
+    carried = want in ("applied", "refreshed", "partly-upstream")
+    assert [p.name for p in series.patches] == ([name] if carried else [])
+    assert Pin.load(root / TO / "pin.toml") == TARGET_PIN
+    assert f"| `{name}` | {want} |" in (root / TO / "REBASE.md").read_text()
+    if carried:
+        # The carried patch applies exactly to the target, which is what `make build` needs.
+        applied = apply_series(series.patches, lambda p: TARGET[p].encode() if p in TARGET else None)
+        assert applied.changed
+    if want == "applied":
+        assert (root / TO / name).read_bytes() == (root / FROM / name).read_bytes()
+
+
+def test_rename_is_followed_into_the_new_path(tmp_path: Path) -> None:
+    root = tmp_path / "patches"
+    series_dir(root, {"r.patch": make_patch(tmp_path, "r", CASES["renamed"][0])})
+    start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "w", tests_dir=tmp_path)
+    patch = Patch.load(root / TO / "r.patch")
+    assert patch.touched == ("vllm/v1/attention/ops/dcp.py",)
+    assert patch.trailers == {"Origin": "vendor", "Last-Update": "2026-11-30"}
+    evidence = json.loads((root / TO / "rebase.json").read_text())["patches"][0]["evidence"]
+    assert "followed vllm/v1/attention/ops/dcp_utils.py to vllm/v1/attention/ops/dcp.py" in evidence
+
+
+def test_absorbed_file_is_followed_by_containment(tmp_path: Path) -> None:
+    """A file folded into a much larger one (too dissimilar for git's rename detection)."""
+    target = {**TARGET, "vllm/v1/attention/ops/dcp.py": lines("dcp", 40) + lines("newdcp", 12),
+              "vllm/v1/attention/ops/big.py": lines("big", 150) + lines("a2a", 30)}
+    root = tmp_path / "patches"
+    series_dir(root, {"f.patch": make_patch(tmp_path, "f", CASES["absorbed-file"][0])})
+    start(root, FROM, TARGET_PIN, fill(BASE), fill(target), work=tmp_path / "w", tests_dir=tmp_path)
+    entry = json.loads((root / TO / "rebase.json").read_text())["patches"][0]
+    assert entry["outcome"] == "refreshed"
+    assert ("followed vllm/v1/attention/ops/dcp_alltoall.py into vllm/v1/attention/ops/big.py "
+            "(100% of its lines are there)") in entry["evidence"]
+    series = Series.load(root / TO)
+    assert series.patches[0].touched == ("vllm/v1/attention/ops/big.py",)
+    applied = apply_series(series.patches, lambda p: target[p].encode() if p in target else None)
+    assert b"a2a_15 = 'patched'" in applied.changed["vllm/v1/attention/ops/big.py"]
+
+
+def test_partly_upstream_says_which_part_is_needed(tmp_path: Path) -> None:
+    root = tmp_path / "patches"
+    series_dir(root, {"half.patch": make_patch(tmp_path, "half", CASES["half"][0])})
+    start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "w", tests_dir=tmp_path)
+    entry = json.loads((root / TO / "rebase.json").read_text())["patches"][0]
+    assert entry["absorbed"] == ["vllm/c.py @@ -2,7 +2,7 @@"]
+    assert entry["still_needed"] == ["vllm/c.py @@ -32,7 +32,7 @@"]
+    assert "Still needed: `vllm/c.py @@ -32,7 +32,7 @@`" in (root / TO / "REBASE.md").read_text()
+
+
+def test_upstream_by_behaviour_runs_the_patch_tests(tmp_path: Path) -> None:
+    """The patch's own tests fail on the old base and pass on the target without it: dropped."""
+    root = tmp_path / "patches"
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_guard_fix.py").write_text(GUARD_TEST)
+    series_dir(root, {"guard-fix.patch": make_patch(tmp_path, "guard", GUARD_FIX)})
+    out = start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "w", tests_dir=tests,
+                runner=pytest_runner(tests))
+    assert out.done
+    entry = json.loads((root / TO / "rebase.json").read_text())["patches"][0]
+    assert entry["outcome"] == "upstream-by-behaviour"
+    assert entry["behaviour"]["old-base"]["status"] == "failed"
+    assert entry["behaviour"]["old-base"]["failed"] == ["test_guard_object"]
+    assert entry["behaviour"]["target"]["status"] == "passed"
+    assert Series.load(root / TO).patches == ()
+
+
+def test_behaviour_partly_upstream(tmp_path: Path) -> None:
+    """Of two failing tests, one passes on the target: the patch is carried as partly-upstream."""
+    root = tmp_path / "patches"
+    series_dir(root, {"two.patch": make_patch(tmp_path, "two", CASES["applied"][0])})
+
+    def runner(patch: Patch, tree: Path) -> TestRun:
+        if (tree / "vllm/v1/attention/ops/dcp.py").exists():  # the target
+            return TestRun("failed", passed=("test_ag_rs",), failed=("test_a2a",), summary="1 failed, 1 passed")
+        return TestRun("failed", failed=("test_ag_rs", "test_a2a"), summary="2 failed")
+
+    start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "w", tests_dir=tmp_path,
+          runner=runner)
+    entry = json.loads((root / TO / "rebase.json").read_text())["patches"][0]
+    assert entry["outcome"] == "partly-upstream"
+    assert entry["absorbed"] == ["test_ag_rs"] and entry["still_needed"] == ["test_a2a"]
+    assert [p.name for p in Series.load(root / TO).patches] == ["two.patch"]
+
+
+def test_tests_that_do_not_run_on_the_target_decide_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "patches"
+    series_dir(root, {"a.patch": make_patch(tmp_path, "a", CASES["applied"][0])})
+
+    def runner(patch: Patch, tree: Path) -> TestRun:
+        if (tree / "vllm/v1/attention/ops/dcp.py").exists():
+            return TestRun("error", summary="rc=2: ImportError: cannot import name 'X'")
+        return TestRun("failed", failed=("t",), summary="1 failed")
+
+    start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "w", tests_dir=tmp_path,
+          runner=runner)
+    entry = json.loads((root / TO / "rebase.json").read_text())["patches"][0]
+    assert entry["outcome"] == "applied"
+    assert "its tests could not run on the target (rc=2: ImportError" in entry["evidence"]
+
+
+def test_conflict_flow_end_to_end(tmp_path: Path) -> None:
+    """Stop at the conflict, resolve with plain git in the worktree, continue: conflict-resolved."""
+    root = tmp_path / "patches"
+    series_dir(root, {
+        "clash.patch": make_patch(tmp_path, "clash", CASES["clash"][0]),
+        "later.patch": make_patch(tmp_path, "later", {"vllm/a.py": lines("a", 40, l30="a_30 = 'patched'")}),
+    })
+    work = tmp_path / "work" / f"rebase-{TO}"
+    out = start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=work, tests_dir=tmp_path)
+    assert not out.done
+    assert [(h.path, h.start, h.ours, h.theirs) for h in out.conflict] == [("vllm/c.py", 10, 1, 1)]
+    assert not (root / TO).exists() and not list(root.glob(".rebase-*"))
+    status = subprocess.run(["git", "-C", str(work), "status", "--porcelain"], capture_output=True, text=True,
+                            check=True).stdout
+    assert status.startswith("UU vllm/c.py")
+    with pytest.raises(RebaseError, match=r"^clash.patch: still unmerged: vllm/c.py \(resolve"):
+        resume(work)
+    (work / "vllm/c.py").write_text(lines("c", 40, l5="c_5 = 'five'", l10="c_10 = 'ours and upstream'",
+                                          l28="c_28 = 'up'"))
+    subprocess.run(["git", "-C", str(work), "add", "vllm/c.py"], check=True)
+    done = resume(work)
+    assert done.done, done.message
+    doc = json.loads((root / TO / "rebase.json").read_text())
+    assert [(p["name"], p["outcome"]) for p in doc["patches"]] == [
+        ("clash.patch", "conflict-resolved"), ("later.patch", "applied")]
+    assert doc["patches"][0]["conflicts"][0]["path"] == "vllm/c.py"
+    series = Series.load(root / TO)
+    assert [p.name for p in series.patches] == ["clash.patch", "later.patch"]
+    applied = apply_series(series.patches, lambda p: TARGET[p].encode() if p in TARGET else None)
+    assert b"c_10 = 'ours and upstream'" in applied.changed["vllm/c.py"]
+    assert not work.exists()
+
+
+def test_conflict_resolved_by_committing_and_markers_refused(tmp_path: Path) -> None:
+    root = tmp_path / "patches"
+    series_dir(root, {"clash.patch": make_patch(tmp_path, "clash", CASES["clash"][0])})
+    work = tmp_path / "w"
+    start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=work, tests_dir=tmp_path)
+    subprocess.run(["git", "-C", str(work), "add", "vllm/c.py"], check=True)  # markers and all
+    with pytest.raises(RebaseError, match=r"^clash.patch: conflict markers left in vllm/c.py$"):
+        resume(work)
+    (work / "vllm/c.py").write_text(TARGET["vllm/c.py"])  # the person decides upstream's line wins
+    subprocess.run(["git", "-C", str(work), "add", "vllm/c.py"], check=True)
+    done = resume(work)
+    entry = json.loads((root / TO / "rebase.json").read_text())["patches"][0]
+    assert done.done and entry["outcome"] == "conflict-resolved" and entry["carried"] is False
+    assert "resolved it to no change" in entry["evidence"]
+
+
+def test_nothing_written_on_failure(tmp_path: Path) -> None:
+    root = tmp_path / "patches"
+    series_dir(root, {"a.patch": make_patch(tmp_path, "a", CASES["applied"][0])})
+    work = tmp_path / "w"
+
+    def broken(patch: Patch, tree: Path) -> TestRun:
+        raise RuntimeError("runner crashed")
+
+    with pytest.raises(RuntimeError, match="runner crashed"):
+        start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=work, tests_dir=tmp_path, runner=broken)
+    assert not work.exists() and sorted(p.name for p in root.iterdir()) == [FROM]
+
+
+def test_series_that_does_not_apply_to_its_own_base_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "patches"
+    bad = make_patch(tmp_path, "bad", {"vllm/a.py": lines("a", 40, l3="a_3 = 3.0")},
+                     base={**BASE, "vllm/a.py": lines("a", 40, l3="a_3 = 'other'")})
+    series_dir(root, {"bad.patch": bad})
+    with pytest.raises(Exception, match=r"^patch bad.patch: does not apply to vllm 0.1.0 itself"):
+        start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "w", tests_dir=tmp_path)
+    assert not (tmp_path / "w").exists() and not (root / TO).exists()
+
+
+def test_existing_target_folder_or_worktree_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "patches"
+    series_dir(root, {"a.patch": make_patch(tmp_path, "a", CASES["applied"][0])})
+    (root / TO).mkdir()
+    with pytest.raises(RebaseError, match=r"0.2.0: already exists; remove it to rebase onto 0.2.0 again$"):
+        start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "w", tests_dir=tmp_path)
+    (root / TO).rmdir()
+    (tmp_path / "w").mkdir()
+    with pytest.raises(RebaseError, match=r"a rebase onto 0.2.0 is in progress"):
+        start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "w", tests_dir=tmp_path)
+
+
+def test_fetch_release_trusts_the_index_digest(tmp_path: Path) -> None:
+    payload = b"a wheel"
+    import hashlib
+
+    good = hashlib.sha256(payload).hexdigest()
+    name = "vllm-9.9.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+
+    def download(req: str, dest: Path) -> None:
+        assert req == "vllm==9.9.0"
+        (dest / name).write_bytes(payload)
+
+    pin, path = fetch_release("9.9.0", cache=tmp_path, downloader=download, index_digest=lambda r: (name, good))
+    assert pin == Pin("9.9.0", name, good) and sha256_file(path) == good
+    with pytest.raises(FetchError, match=f"sha256 mismatch: expected {'0' * 64}, got {good}"):
+        fetch_release("9.9.0", cache=tmp_path / "other", downloader=download,
+                      index_digest=lambda r: (name, "0" * 64))
+    assert not list((tmp_path / "other" / "wheels").iterdir())
+
+
+def test_cli_rebase_verbs_are_wired() -> None:
+    out = subprocess.run([sys.executable, "-m", "overlay", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for verb in ("rebase", "rebase-continue", "cherry-pick"):
+        assert verb in out

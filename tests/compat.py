@@ -21,6 +21,8 @@ LOCATIONS: dict[str, list[tuple[str, str]]] = {
     "flashmla_sparse": [("0.28.0", "vllm.v1.attention.backends.mla.flashmla_sparse")],
     "flashinfer_mla_sparse": [("0.28.0", "vllm.v1.attention.backends.mla.flashinfer_mla_sparse")],
     "cp_utils": [("0.28.0", "vllm.v1.worker.cp_utils")],
+    "sparse_utils": [("0.28.0", "vllm.v1.attention.backends.mla.sparse_utils")],
+    "attention_layer_base": [("0.28.0", "vllm.model_executor.layers.attention_layer_base")],
 }
 
 

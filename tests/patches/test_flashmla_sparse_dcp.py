@@ -1,0 +1,535 @@
+"""Tests for ``flashmla-sparse-dcp.patch``: FlashMLA sparse MLA under decode context parallelism.
+
+CPU part (CI): real vLLM objects (``VllmConfig`` from a local GLM-5 ``config.json``,
+``FlashMLASparseImpl``, its metadata builder, ``MLADCPManager``, the DCP compatibility check)
+with only GPU-only pieces replaced at their call boundary: the DCP/TP process groups (a
+hashable stand-in with ``world_size``/``rank_in_group``), the CUDA SM-count query, the Triton
+index-conversion kernel of the DCP = 1 path (by its PyTorch twin) and the compiled FlashMLA
+decode kernel (by a float32 implementation of its documented contract: natural-log LSE, +inf
+LSE and zero output for a query with no valid index).
+
+GPU part (``-m gpu``, two GPUs): vLLM 0.28.0's compiled FlashMLA kernels, NCCL, vLLM's own DCP
+combines (ag_rs and a2a); see ``test_gpu_dcp_decode_matches_single_gpu``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import compat
+import pytest
+import torch
+
+NUM_HEADS_TOTAL = 16  # heads the MQA kernel sees after the DCP query all-gather
+TOPK = 256  # index_topk of the test model (a multiple of the Triton tile, 128)
+BLOCK = 64  # kernel block size of FlashMLA sparse
+D_QK, D_V = 576, 512
+
+GLM5_CONFIG = {
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "model_type": "glm_moe_dsa",
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": NUM_HEADS_TOTAL,
+    "num_key_value_heads": NUM_HEADS_TOTAL,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 64,
+    "index_topk": TOPK,
+    "index_head_dim": 128,
+    "index_n_heads": 4,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "vocab_size": 1024,
+    "max_position_embeddings": 8192,
+    "rope_theta": 10000,
+    "torch_dtype": "bfloat16",
+    "rms_norm_eps": 1e-5,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Plain-Python reference of the DCP KV layout
+# --------------------------------------------------------------------------------------------
+def py_localize(
+    req_ids: list[int],
+    block_table: list[list[int]],
+    rows: list[list[int]],
+    dcp: int,
+    rank: int,
+    interleave: int,
+    block: int,
+) -> tuple[list[list[int]], list[int]]:
+    """Global position -> this rank's physical slot, element by element, -1 if not local."""
+    out, counts = [], []
+    for req, row in zip(req_ids, rows, strict=True):
+        new = []
+        for t in row:
+            slot = -1
+            if t >= 0 and (t // interleave) % dcp == rank:
+                local = (t // (dcp * interleave)) * interleave + t % interleave
+                if local // block < len(block_table[req]):
+                    slot = block_table[req][local // block] * block + local % block
+            new.append(slot)
+        out.append(new)
+        counts.append(sum(s >= 0 for s in new))
+    return out, counts
+
+
+# --------------------------------------------------------------------------------------------
+# fp8_ds_mla cache rows (656 bytes: 512 fp8 e4m3 NoPE, 4 fp32 tile scales, 64 bf16 RoPE)
+# --------------------------------------------------------------------------------------------
+def quantize_fp8_ds_mla(kv: torch.Tensor) -> torch.Tensor:
+    """[N, 576] float -> [N, 656] uint8 in FlashMLA's V3.2 FP8 layout."""
+    n = kv.shape[0]
+    nope = kv[:, :512].float().view(n, 4, 128)
+    scale = (nope.abs().amax(dim=-1) / 448.0).clamp_min(1e-8)  # [n, 4]
+    fp8 = (nope / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(n, 512)
+    out = torch.empty((n, 656), dtype=torch.uint8, device=kv.device)
+    out[:, :512] = fp8.view(torch.uint8)
+    out[:, 512:528] = scale.to(torch.float32).contiguous().view(torch.uint8).view(n, 16)
+    out[:, 528:] = kv[:, 512:].to(torch.bfloat16).contiguous().view(torch.uint8).view(n, 128)
+    return out
+
+
+def dequantize_fp8_ds_mla(raw: torch.Tensor) -> torch.Tensor:
+    """[N, 656] uint8 -> [N, 576] float32."""
+    n = raw.shape[0]
+    nope = raw[:, :512].contiguous().view(torch.float8_e4m3fn).float().view(n, 4, 128)
+    scale = raw[:, 512:528].contiguous().view(torch.float32).view(n, 4, 1)
+    rope = raw[:, 528:].contiguous().view(torch.bfloat16).float()
+    return torch.cat([(nope * scale).view(n, 512), rope], dim=1)
+
+
+def sparse_decode_contract(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA sparse decode as documented: q [b, s, h, 576], kv [S, 576] float, indices
+    [b, s, k] -> out [b, s, h, 512] bf16, natural-log lse [b, h, s]; a query with no valid
+    index gets out 0 and lse +inf."""
+    b, s, h, _ = q.shape
+    idx = indices.reshape(b * s, -1).long()
+    valid = idx >= 0
+    gathered = kv[idx.clamp_min(0)]  # [bs, k, 576]
+    scores = torch.einsum("thd,tkd->thk", q.reshape(b * s, h, -1).float(), gathered) * scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [bs, h]
+    probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
+    out = torch.einsum("thk,tkd->thd", probs, gathered[..., :D_V])
+    lonely = lse == float("-inf")
+    out = out.masked_fill(lonely[..., None], 0.0)
+    lse = lse.masked_fill(lonely, float("inf"))
+    return out.to(torch.bfloat16).view(b, s, h, D_V), lse.view(b, s, h).transpose(1, 2)
+
+
+# --------------------------------------------------------------------------------------------
+# Batches: requests, their top-k rows, and the caches of every layout
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Batch:
+    """One step: per-request context lengths and query lengths, and the global top-k rows."""
+
+    seq_lens: list[int]
+    query_lens: list[int]
+    topk: torch.Tensor  # [T, TOPK] int32 global positions, -1 padded
+    req_ids: list[int]
+
+
+def query_positions(seq_lens: list[int], query_lens: list[int]) -> list[tuple[int, int]]:
+    return [(r, s - q + i) for r, (s, q) in enumerate(zip(seq_lens, query_lens, strict=True))
+            for i in range(q)]
+
+
+def make_batch(kind: str, interleave: int, dcp: int, rng: random.Random) -> Batch:
+    """The GPU/CPU end-to-end cases of the issue."""
+    if kind == "decode":
+        seq_lens, query_lens = [rng.randint(200, 1500) for _ in range(4)] + [37], [1] * 5
+    elif kind in ("mtp6", "mtp11"):
+        q = 6 if kind == "mtp6" else 11
+        seq_lens, query_lens = [rng.randint(300, 1200) for _ in range(3)], [q] * 3
+    elif kind == "mixed":
+        seq_lens = [rng.randint(300, 900), rng.randint(300, 900), 600, 90]
+        query_lens = [1, 1, 40, 90]  # two decodes, a chunked prefill, a fresh prefill
+    elif kind in ("one_rank", "empty_rows"):
+        seq_lens, query_lens = [rng.randint(400, 1000) for _ in range(3)], [2, 2, 2]
+    else:
+        raise ValueError(kind)
+    rows, req_ids = [], []
+    for i, (r, pos) in enumerate(query_positions(seq_lens, query_lens)):
+        cand = list(range(pos + 1))
+        if kind == "one_rank":  # every index on rank 1 (rank 0 gets nothing)
+            cand = [t for t in cand if (t // interleave) % dcp == 1]
+        if kind == "empty_rows" and i % 3 == 0:
+            cand = []  # a padding row: no index at all
+        elif kind == "empty_rows" and i % 3 == 1:
+            cand = [t for t in cand if (t // interleave) % dcp == 0][:5]  # few, rank 0 only
+        picked = rng.sample(cand, min(TOPK, len(cand)))
+        row = picked + [-1] * (TOPK - len(picked))
+        rng.shuffle(row)
+        rows.append(row)
+        req_ids.append(r)
+    return Batch(seq_lens, query_lens, torch.tensor(rows, dtype=torch.int32), req_ids)
+
+
+def build_caches(
+    batch: Batch, dcp: int, interleave: int, gen: torch.Generator, device: str
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """Random token KV rows laid out (a) whole, one GPU; (b) split the DCP way.
+
+    Returns (kv float [R, maxlen, 576], whole cache, per-rank caches, whole block table,
+    DCP block table). Each rank uses the same block table row for a request; its blocks
+    hold only the tokens it owns, at their local positions.
+    """
+    n_req, max_len = len(batch.seq_lens), max(batch.seq_lens)
+    kv = torch.randn((n_req, max_len, D_QK), generator=gen) * 0.5
+    raw = quantize_fp8_ds_mla(kv.view(-1, D_QK)).view(n_req, max_len, 656)
+
+    whole_blocks = math.ceil(max_len / BLOCK)
+    perm = torch.randperm(n_req * whole_blocks + 3, generator=gen)[: n_req * whole_blocks] + 1
+    whole_table = perm.view(n_req, whole_blocks).to(torch.int32)
+    whole = torch.zeros((n_req * whole_blocks + 4, BLOCK, 656), dtype=torch.uint8)
+
+    local_blocks = math.ceil(math.ceil(max_len / (dcp * interleave)) * interleave / BLOCK)
+    perm = torch.randperm(n_req * local_blocks + 3, generator=gen)[: n_req * local_blocks] + 1
+    dcp_table = perm.view(n_req, local_blocks).to(torch.int32)
+    shards = [torch.zeros((n_req * local_blocks + 4, BLOCK, 656), dtype=torch.uint8)
+              for _ in range(dcp)]
+    for r, seq_len in enumerate(batch.seq_lens):
+        for t in range(seq_len):
+            whole[whole_table[r, t // BLOCK], t % BLOCK] = raw[r, t]
+            owner = (t // interleave) % dcp
+            local = (t // (dcp * interleave)) * interleave + t % interleave
+            shards[owner][dcp_table[r, local // BLOCK], local % BLOCK] = raw[r, t]
+    to = [whole.to(device), *(s.to(device) for s in shards)]
+    return kv, to[0], to[1:], whole_table.to(device), dcp_table.to(device)
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM objects
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StandInGroup:
+    """The DCP/TP group as the code under test sees it outside collectives."""
+
+    world_size: int
+    rank_in_group: int
+
+
+def write_model_dir(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(GLM5_CONFIG))
+    return root
+
+
+def make_vllm_config(model_dir: Path, dcp: int, interleave: int, backend: str = "ag_rs",
+                     device: str = "cpu", cache_dtype: str = "fp8_ds_mla") -> Any:
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+
+    model = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True,
+                        dtype="bfloat16", max_model_len=8192)
+    parallel = ParallelConfig(tensor_parallel_size=dcp, decode_context_parallel_size=dcp,
+                              cp_kv_cache_interleave_size=interleave, dcp_comm_backend=backend)
+    cache = CacheConfig(cache_dtype=cache_dtype, block_size=BLOCK)
+    return VllmConfig(model_config=model, parallel_config=parallel, cache_config=cache,
+                      device_config=DeviceConfig(device=device))
+
+
+def make_impl(vllm_config: Any, num_heads: int, topk_buffer: torch.Tensor,
+              cache_dtype: str = "fp8_ds_mla") -> Any:
+    from vllm.config import set_current_vllm_config
+
+    impl_cls = compat.symbol("flashmla_sparse", "FlashMLASparseImpl")
+    with set_current_vllm_config(vllm_config):
+        return impl_cls(
+            num_heads=num_heads, head_size=D_QK, scale=D_QK**-0.5, num_kv_heads=1,
+            alibi_slopes=None, sliding_window=None, kv_cache_dtype=cache_dtype,
+            logits_soft_cap=None, attn_type="decoder", kv_sharing_target_layer_name=None,
+            topk_indices_buffer=topk_buffer, q_lora_rank=64, kv_lora_rank=512,
+            qk_nope_head_dim=64, qk_rope_head_dim=64, qk_head_dim=128, v_head_dim=64,
+            kv_b_proj=None,
+        )
+
+
+def make_layer(impl: Any, dcp_manager: Any = None) -> Any:
+    """A registered attention layer holding ``impl`` (what ``MLAAttention`` exposes)."""
+    base = compat.symbol("attention_layer_base", "AttentionLayerBase")
+    backend = compat.symbol("flashmla_sparse", "FlashMLASparseBackend")
+
+    class Layer(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            self.impl = impl
+            self.prefill_backend = None
+            self.dcp_manager = dcp_manager
+
+        def get_attn_backend(self) -> Any:
+            return backend
+
+        def get_kv_cache_spec(self, vllm_config: Any) -> Any:
+            raise NotImplementedError
+
+    return Layer()
+
+
+def build_metadata(vllm_config: Any, layer: Any, batch: Batch, block_table: torch.Tensor,
+                   device: str) -> Any:
+    """Run the real ``FlashMLASparseMetadataBuilder`` on a ``CommonAttentionMetadata``."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    name = "model.layers.0.self_attn.attn"
+    vllm_config.compilation_config.static_forward_context[name] = layer
+    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=D_QK,
+                            dtype=torch.uint8, cache_dtype_str="fp8_ds_mla")
+    builder_cls = compat.symbol("flashmla_sparse", "FlashMLASparseMetadataBuilder")
+    builder = builder_cls(spec, [name], vllm_config, torch.device(device))
+    qsl = torch.tensor([0, *torch.tensor(batch.query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq_lens.to(device),
+        num_reqs=len(batch.seq_lens), num_actual_tokens=int(qsl[-1]),
+        max_query_len=max(batch.query_lens), max_seq_len=max(batch.seq_lens),
+        block_table_tensor=block_table,
+        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64, device=device),
+        seq_lens_cpu_upper_bound=seq_lens, _seq_lens_cpu=seq_lens,
+    )
+    return builder.build(0, common)
+
+
+# --------------------------------------------------------------------------------------------
+# CPU fixtures
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_dir(tmp_path_factory.mktemp("glm5"))
+
+
+@pytest.fixture
+def cpu_env(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Stand-in process groups; the CUDA-only calls the constructors make, replaced."""
+    import vllm.distributed.parallel_state as ps
+    from vllm.v1.worker import workspace
+
+    fs = compat.module("flashmla_sparse")
+    import vllm.utils.torch_utils as torch_utils
+
+    monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch_utils, "PIN_MEMORY", False)  # page-locking needs CUDA
+    monkeypatch.setattr(fs, "num_compute_units", lambda index=None: 132)
+    if not workspace.is_workspace_manager_initialized():
+        workspace.init_workspace_manager(torch.device("cpu"))
+
+    def set_groups(dcp: int, rank: int) -> None:
+        for attr in ("_DCP", "_TP"):
+            monkeypatch.setattr(ps, attr, StandInGroup(dcp, rank))
+        monkeypatch.setattr(ps, "_PCP", StandInGroup(1, 0))
+
+    return set_groups
+
+
+def cpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replace the compiled/Triton kernels of the sparse backend by CPU equivalents."""
+    fs = compat.module("flashmla_sparse")
+
+    def convert(req_id, block_table, token_indices, BLOCK_SIZE=64, NUM_TOPK_TOKENS=2048,
+                return_valid_counts=False, **_: Any):  # the DCP = 1 conversion, in torch
+        tok = token_indices.long()
+        block_id = tok.clamp_min(0) // BLOCK_SIZE
+        valid = (tok >= 0) & (block_id < block_table.shape[1])
+        base = block_table.long()[req_id.long()[:, None], block_id.clamp_max(block_table.shape[1] - 1)]
+        out = torch.where(valid, base * BLOCK_SIZE + tok % BLOCK_SIZE, -1).to(torch.int32)
+        return (out, valid.sum(1, dtype=torch.int32)) if return_valid_counts else out
+
+    def kernel(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+               num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False,
+               indices=None, **_: Any):
+        assert is_fp8_kvcache and indices is not None and head_dim_v == D_V
+        kv = dequantize_fp8_ds_mla(k_cache.reshape(-1, 656))
+        return sparse_decode_contract(q, kv, indices, softmax_scale)
+
+    monkeypatch.setattr(fs, "triton_convert_req_index_to_global_index", convert)
+    monkeypatch.setattr(fs, "flash_mla_with_kvcache", kernel)
+    # The scheduler-metadata holder comes from the compiled extension's interface module.
+    monkeypatch.setattr(fs, "get_mla_metadata", lambda *a, **k: (object(), None))
+
+
+# --------------------------------------------------------------------------------------------
+# CPU tests
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("interleave", [1, 16])
+def test_cp_compatibility_check_accepts_flashmla_sparse_with_dcp(
+    model_dir: Path, cpu_env: Any, interleave: int
+) -> None:
+    """vllm/v1/worker/cp_utils.py refuses a backend that returns no decode LSE under DCP."""
+    cpu_env(2, 1)
+    vc = make_vllm_config(model_dir, dcp=2, interleave=interleave)
+    impl = make_impl(vc, NUM_HEADS_TOTAL // 2, torch.full((64, TOPK), -1, dtype=torch.int32))
+    vc.compilation_config.static_forward_context["model.layers.0.self_attn.attn"] = make_layer(impl)
+    compat.symbol("cp_utils", "check_attention_cp_compatibility")(vc)  # raises on the base
+    assert impl.need_to_return_lse_for_decode
+    assert impl.lse_base_on_e, "FlashMLA's sparse kernels return a natural-log LSE"
+    # Per-token index localization handles MTP queries with any interleave size.
+    assert impl.supports_mtp_with_cp_non_trivial_interleave_size
+
+
+def test_dcp1_impl_is_unchanged(model_dir: Path, cpu_env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without DCP: no LSE requested, none returned, the original kernel path and heads."""
+    cpu_env(1, 0)
+    cpu_kernels(monkeypatch)
+    vc = make_vllm_config(model_dir, dcp=1, interleave=1)
+    rng, gen = random.Random(3), torch.Generator().manual_seed(3)
+    batch = make_batch("mixed", 1, 1, rng)
+    _, whole, _, whole_table, _ = build_caches(batch, 1, 1, gen, "cpu")
+    buf = torch.full((256, TOPK), -1, dtype=torch.int32)
+    buf[: batch.topk.shape[0]] = batch.topk
+    impl = make_impl(vc, NUM_HEADS_TOTAL, buf)
+    assert not impl.need_to_return_lse_for_decode
+    assert impl.fp8_decode_padded_heads == 64
+    meta = build_metadata(vc, make_layer(impl), batch, whole_table, "cpu")
+    assert meta.fp8_use_mixed_batch  # 16 heads < MIN_HEADS_FOR_BF16_PREFILL, as before
+    q = torch.randn((batch.topk.shape[0], NUM_HEADS_TOTAL, D_QK), generator=gen).bfloat16()
+    out, lse = impl.forward_mqa(q, whole, meta, None)
+    assert lse is None and out.shape == (q.shape[0], NUM_HEADS_TOTAL, D_V)
+    # Same kernel input as before: global slots of the whole cache, all tokens in one batch.
+    slots = convert_whole(batch, whole_table)
+    want, _ = sparse_decode_contract(q.unsqueeze(0), dequantize_fp8_ds_mla(whole.view(-1, 656)),
+                                     slots.unsqueeze(0), D_QK**-0.5)
+    assert torch.equal(out, want.squeeze(0))
+
+
+def convert_whole(batch: Batch, table: torch.Tensor) -> torch.Tensor:
+    """Global positions -> slots of the single-GPU cache (plain Python)."""
+    rows = [[int(table[r, t // BLOCK]) * BLOCK + t % BLOCK if t >= 0 else -1 for t in row]
+            for r, row in zip(batch.req_ids, batch.topk.tolist(), strict=True)]
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def test_localization_matches_python_reference() -> None:
+    """Global top-k positions -> rank-local slots, against a plain-Python model, random cases."""
+    localize = compat.symbol("sparse_utils", "filter_and_convert_dcp_index")
+    rng = random.Random(0)
+    n_cases = 0
+    for dcp in (2, 4, 8):
+        for interleave in (1, 2, 4, 16, 64):
+            for _case in range(6):
+                n_req = rng.randint(1, 5)
+                seq_lens = [rng.randint(1, 3000) for _ in range(n_req)]
+                blocks = math.ceil(max(seq_lens) / (dcp * interleave)) * interleave // BLOCK + 1
+                # Sometimes a block table too short for the sequence: the tail must mask.
+                blocks = max(1, blocks - rng.randint(0, 1))
+                table = [[rng.randint(0, 10_000) for _ in range(blocks)] for _ in range(n_req)]
+                k = rng.choice([128, 256])
+                req_ids, rows = [], []
+                for r, s in enumerate(seq_lens):
+                    q_len = rng.choice([1, 1, 4, 6, 11, 40])  # decode, MTP 1+k / 1+2k, prefill
+                    for i in range(min(q_len, s)):
+                        pos = s - min(q_len, s) + i
+                        cand = list(range(pos + 1))
+                        mode = rng.random()
+                        if mode < 0.15:
+                            cand = []  # empty row
+                        elif mode < 0.35:
+                            owner = rng.randrange(dcp)  # all top-k on one rank
+                            cand = [t for t in cand if (t // interleave) % dcp == owner]
+                        picked = rng.sample(cand, min(k, len(cand)))
+                        row = picked + [-1] * (k - len(picked))
+                        rng.shuffle(row)
+                        req_ids.append(r)
+                        rows.append(row)
+                total_valid = [0] * len(rows)
+                for rank in range(dcp):
+                    got, counts = localize(
+                        torch.tensor(req_ids, dtype=torch.int32),
+                        torch.tensor(table, dtype=torch.int32),
+                        torch.tensor(rows, dtype=torch.int32),
+                        dcp_size=dcp, dcp_rank=rank, cp_kv_cache_interleave_size=interleave,
+                        BLOCK_SIZE=BLOCK,
+                    )
+                    want, want_counts = py_localize(req_ids, table, rows, dcp, rank, interleave,
+                                                    BLOCK)
+                    assert got.dtype == torch.int32 and counts.dtype == torch.int32
+                    assert got.tolist() == want, (dcp, interleave, rank)
+                    assert counts.tolist() == want_counts
+                    total_valid = [a + b for a, b in zip(total_valid, want_counts, strict=True)]
+                    n_cases += 1
+                # Each in-table position is owned by exactly one rank.
+                for row, r, tot in zip(rows, req_ids, total_valid, strict=True):
+                    in_table = sum(1 for t in row if t >= 0 and
+                                   ((t // (dcp * interleave)) * interleave + t % interleave)
+                                   // BLOCK < len(table[r]))
+                    assert tot == in_table
+    assert n_cases == 5 * 6 * (2 + 4 + 8)
+
+
+CPU_CASES = ["decode", "mtp6", "mtp11", "mixed", "one_rank", "empty_rows"]
+
+
+@pytest.mark.parametrize("interleave", [1, 16])
+@pytest.mark.parametrize("kind", CPU_CASES)
+def test_dcp_forward_merges_to_single_rank_result(
+    model_dir: Path, cpu_env: Any, monkeypatch: pytest.MonkeyPatch, kind: str, interleave: int
+) -> None:
+    """Two DCP ranks' forward_mqa (patched) merged by LSE == one rank over the whole cache."""
+    cpu_kernels(monkeypatch)
+    dcp = 2
+    rng, gen = random.Random(hash((kind, interleave)) % 1000), torch.Generator().manual_seed(7)
+    batch = make_batch(kind, interleave, dcp, rng)
+    _, whole, shards, whole_table, dcp_table = build_caches(batch, dcp, interleave, gen, "cpu")
+    n_tok = batch.topk.shape[0]
+    q = torch.randn((n_tok, NUM_HEADS_TOTAL, D_QK), generator=gen).bfloat16()
+
+    def buffer() -> torch.Tensor:
+        buf = torch.full((256, TOPK), -1, dtype=torch.int32)
+        buf[:n_tok] = batch.topk
+        return buf
+
+    cpu_env(1, 0)
+    vc1 = make_vllm_config(model_dir, dcp=1, interleave=1)
+    ref_impl = make_impl(vc1, NUM_HEADS_TOTAL, buffer())
+    ref_meta = build_metadata(vc1, make_layer(ref_impl), batch, whole_table, "cpu")
+    ref_out, _ = ref_impl.forward_mqa(q, whole, ref_meta, None)
+
+    outs, lses = [], []
+    for rank in range(dcp):
+        cpu_env(dcp, rank)
+        vc = make_vllm_config(model_dir, dcp=dcp, interleave=interleave)
+        impl = make_impl(vc, NUM_HEADS_TOTAL // dcp, buffer())
+        assert impl.fp8_decode_padded_heads == 64
+        manager_cls = compat.symbol("dcp", "MLADCPManager")
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(vc):
+            manager = manager_cls(vc, torch.device("cpu"), NUM_HEADS_TOTAL // dcp, D_QK, D_V,
+                                  torch.bfloat16, torch.bfloat16, None, impl.lse_base_on_e,
+                                  False)
+        meta = build_metadata(vc, make_layer(impl, manager), batch, dcp_table, "cpu")
+        assert meta.fp8_use_mixed_batch
+        out, lse = impl.forward_mqa(q, shards[rank], meta, None)
+        assert lse is not None, "DCP needs the decode LSE"
+        assert out.shape == (n_tok, NUM_HEADS_TOTAL, D_V)
+        assert lse.shape == (n_tok, NUM_HEADS_TOTAL) and lse.dtype == torch.float32
+        owned = [(t >= 0) & ((t // interleave) % dcp == rank) for t in batch.topk.long()]
+        empty = torch.stack([~o.any() for o in owned])
+        assert torch.isneginf(lse[empty]).all(), "rows with no local index carry no weight"
+        assert (out[empty] == 0).all()
+        assert torch.isfinite(lse[~empty]).all()
+        outs.append(out)
+        lses.append(lse)
+        base_e = impl.lse_base_on_e
+
+    combine = compat.symbol("dcp_alltoall", "_lse_weighted_combine")
+    merged = combine(torch.stack(outs).float(), torch.stack(lses), is_lse_base_on_e=base_e)
+    # Each rank's partial output is bf16 (2^-9 relative rounding), the reference once.
+    torch.testing.assert_close(merged, ref_out.float(), atol=2e-2, rtol=2e-2)
+    if kind == "one_rank":
+        torch.testing.assert_close(outs[1], ref_out, atol=0, rtol=0)

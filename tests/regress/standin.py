@@ -82,7 +82,7 @@ class State:
             self.drafts += drafts
             self.draft_tokens += drafts * self.args.spec_tokens
             for pos, rate in enumerate(curve):
-                self.accepted[pos] += round(rate * drafts)
+                self.accepted[pos] += rate * drafts
 
 
 def _norm(text: str) -> str:

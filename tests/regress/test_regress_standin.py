@@ -1,0 +1,154 @@
+"""End to end: ``overlay regress`` (what ``make regress BASE_URL=...`` runs) against the stand-in.
+
+lm-eval runs for real on the GSM8K fixture. Each bad mode must fail with its own finding, and
+the healthy stand-in must pass with a full report (JSON, Markdown, three PNGs).
+"""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+from regress_helpers import FIXTURE_GSM8K, REPO, STANDIN, free_port, make_profile, run_cli
+
+
+def test_healthy_passes_with_full_report(standin, tmp_path: Path) -> None:
+    server = standin("healthy")
+    run = run_cli(make_profile(tmp_path), tmp_path / "out", "--base-url", server.url + "/v1")
+    assert run.code == 0, run.stderr
+    assert run.report["verdict"] == "pass"
+    assert {s["name"]: s["status"] for s in run.report["steps"]} == {
+        "server": "pass", "long_context": "pass", "gsm8k": "pass", "latency": "pass", "acceptance": "pass"}
+    gsm8k = run.step("gsm8k")["data"]
+    assert gsm8k["samples"] == 10 and gsm8k["strict-match"]["value"] == 1.0
+    rates = run.step("acceptance")["data"]["rates"]
+    assert [round(r, 2) for r in rates] == [0.97, 0.83, 0.40, 0.39, 0.38]
+    long_probes = [p for p in run.step("long_context")["data"]["probes"] if p["min_prompt_tokens"]]
+    assert all(p["prompt_tokens"] > 2048 and p["prompt_tokens"] > 1408 for p in long_probes)
+    for png in ("acceptance.png", "gsm8k.png", "latency.png"):
+        assert (run.out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({png})" in (run.out / "report.md").read_text()
+    assert "[regress " in run.stderr and "gsm8k: lm-eval gsm8k_local" in run.stderr
+    assert "verdict: pass (exit 0)" in run.stderr
+
+
+def test_repetition_is_caught_by_the_ngram_detector(standin, tmp_path: Path) -> None:
+    server = standin("repetition")
+    run = run_cli(make_profile(tmp_path), tmp_path / "out", "--base-url", server.url, "--skip", "gsm8k")
+    assert run.code == 1, run.stderr
+    messages = [f["message"] for f in run.findings("regression")]
+    assert any(m.startswith("needle-9000: repetition:") for m in messages), messages
+    assert any(m.startswith("count-3000: counting broke: 1..23 consecutive, then 21") for m in messages), messages
+    # Short prompts stay healthy in this mode: only the long ones are flagged.
+    assert not any(m.startswith(("add-8-2", "count-short", "translate-hello")) for m in messages), messages
+    assert run.step("acceptance")["status"] == "pass"
+
+
+def test_accumulating_corruption_is_caught_by_the_repeated_question(standin, tmp_path: Path) -> None:
+    server = standin("accumulate")
+    run = run_cli(make_profile(tmp_path), tmp_path / "out", "--base-url", server.url)
+    assert run.code == 1, run.stderr
+    messages = [f["message"] for f in run.findings("regression")]
+    repeated = [m for m in messages if m.startswith("3+4 asked 3 times in a row")]
+    assert repeated and "corruption accumulates" in repeated[0], messages
+    values = [a["value"] for a in run.step("long_context")["data"]["repeated"]["answers"]]
+    assert len(values) == 3 and values[0] < values[1] < values[2]
+    # The damage carries into GSM8K, run after the long prompts.
+    assert run.step("gsm8k")["status"] == "fail"
+    assert any(m.startswith("GSM8K strict-match 0.0000 <") for m in messages), messages
+
+
+def test_acceptance_collapse_is_caught_from_metrics(standin, tmp_path: Path) -> None:
+    server = standin("collapse")
+    run = run_cli(make_profile(tmp_path), tmp_path / "out", "--base-url", server.url)
+    assert run.code == 1, run.stderr
+    assert [f["check"] for f in run.findings()] == ["acceptance"], run.findings()
+    assert run.findings()[0]["message"].startswith("acceptance collapse: positions 0..1 near 1.0 then a cliff")
+    assert {s["name"]: s["status"] for s in run.report["steps"]}["gsm8k"] == "pass"
+    assert (run.out / "acceptance.png").exists()
+
+
+def test_server_dying_mid_run_is_a_regression(standin, tmp_path: Path) -> None:
+    server = standin("dies")
+    run = run_cli(make_profile(tmp_path), tmp_path / "out", "--base-url", server.url)
+    assert run.code == 1, run.stderr
+    assert server.proc.wait(timeout=10) == 1
+    died = run.findings("regression")
+    assert len(died) == 1 and died[0]["check"] == "long_context"
+    assert died[0]["message"].startswith("server died: stopped answering /health"), died
+    statuses = {s["name"]: s["status"] for s in run.report["steps"]}
+    assert statuses == {"server": "pass", "long_context": "fail", "gsm8k": "skipped", "latency": "skipped",
+                        "acceptance": "skipped"}
+    assert "verdict: regression (exit 1)" in run.stderr
+
+
+def test_slow_start_within_the_readiness_timeout_passes(standin, tmp_path: Path) -> None:
+    server = standin("healthy", "--start-delay", "3", wait=False)
+    run = run_cli(make_profile(tmp_path), tmp_path / "out", "--base-url", server.url, "--ready-timeout", "30",
+                  "--skip", "gsm8k")
+    assert run.code == 0, run.stderr
+    assert run.step("server")["data"]["ready_s"] >= 2.0
+
+
+def test_slow_start_past_the_readiness_timeout_is_a_harness_failure(standin, tmp_path: Path) -> None:
+    server = standin("healthy", "--start-delay", "60", wait=False)
+    run = run_cli(make_profile(tmp_path), tmp_path / "out", "--base-url", server.url, "--ready-timeout", "2")
+    assert run.code == 2, run.stderr
+    [finding] = run.findings()
+    assert finding["kind"] == "harness"
+    assert finding["message"].startswith(f"server at {server.url} not ready after 2 s (ConnectError")
+    assert "raise server.ready_timeout_s or --ready-timeout" in finding["message"]
+    assert {s["name"] for s in run.report["steps"] if s["status"] == "skipped"} == {
+        "long_context", "gsm8k", "latency", "acceptance"}
+
+
+def _fake_vllm(tmp_path: Path, body: str) -> Path:
+    script = tmp_path / "vllm"
+    script.write_text(f"#!{sys.executable}\n{body}")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+def test_launch_mode_starts_captures_the_log_and_stops_the_server(tmp_path: Path) -> None:
+    port = free_port()
+    fake = _fake_vllm(tmp_path, f"""
+import os, sys
+args = sys.argv[1:]
+assert args[0] == "serve", args
+print("fake vllm:", " ".join(args), flush=True)
+spec = args[args.index("--speculative-config") + 1]
+os.execv(sys.executable, [sys.executable, {str(STANDIN)!r}, "--port", args[args.index("--port") + 1],
+         "--model-name", args[1], "--gsm8k", {str(FIXTURE_GSM8K)!r}, "--start-delay", "1"])
+""")
+    profile = make_profile(tmp_path, **{"server.vllm_bin": str(fake), "server.port": port})
+    run = run_cli(profile, tmp_path / "out", "--skip", "gsm8k,latency", "--ready-timeout", "30")
+    assert run.code == 0, run.stderr
+    log = (run.out / "server.log").read_text()
+    assert log.startswith(f"$ {fake} serve zai-org/GLM-5.2-NVFP4 --host 127.0.0.1 --port {port}")
+    assert "fake vllm: serve" in log and "standin: mode healthy" in log
+    assert run.report["server_log"] == str(run.out / "server.log")
+    # Stopped: nothing listens on the port any more.
+    import socket
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_launch_mode_server_exiting_at_startup_is_a_regression(tmp_path: Path) -> None:
+    fake = _fake_vllm(tmp_path, "import sys\nprint('RuntimeError: DCP is not supported by FLASHMLA_SPARSE')\n"
+                                "sys.exit(3)\n")
+    profile = make_profile(tmp_path, **{"server.vllm_bin": str(fake), "server.port": free_port()})
+    run = run_cli(profile, tmp_path / "out", "--ready-timeout", "30")
+    assert run.code == 1, run.stderr
+    [finding] = run.findings()
+    assert finding["message"] == ("server died during startup: vllm serve exited with status 3 before it was "
+                                  "ready; server log ends: RuntimeError: DCP is not supported by FLASHMLA_SPARSE")
+
+
+def test_make_regress_passes_profile_base_url_and_out(tmp_path: Path) -> None:
+    # Dry run only: the real target would first refresh the shared venv when pyproject changed.
+    out = subprocess.run(["make", "-n", "regress", "PROFILE=p.yaml", "BASE_URL=http://127.0.0.1:9", "OUT=o"],
+                         cwd=REPO, capture_output=True, text=True, check=True, timeout=30).stdout
+    line = next(ln for ln in out.splitlines() if " regress " in ln).rstrip()
+    assert line.endswith("-m overlay regress --profile p.yaml --out o --base-url http://127.0.0.1:9")

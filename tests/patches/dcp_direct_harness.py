@@ -1,0 +1,231 @@
+"""Two-rank CPU harness for the direct DCP workspace patches (issue 4).
+
+Spawns two processes that form a real vLLM DCP group over gloo (TP=2, DCP=2) and build the
+real ``MLADCPManager`` with the direct (symmetric-memory) q-gather and A2A workspaces forced
+on. Only GPU-only pieces are replaced, at their call boundary:
+
+- symmetric-memory allocation / multicast probing (``_allocate``, ``_multicast_ptrs``,
+  ``_symm_mem_spans_group``) -> plain CPU tensors;
+- the direct kernels ``torch.ops._C.direct_dcp_q_gather`` / ``direct_dcp_a2a_lse_reduce``
+  -> the same exchange over gloo, with the kernels' capacity check (``token count exceeds
+  symmetric ... buffer capacity``) and the A2A kernel's bounds contract;
+- the Triton pack/unpack kernels inside vLLM's NCCL ``dcp_a2a_lse_reduce`` -> torch code
+  (the rest of that function, its LSE mask and its ``all_to_all_single``, runs for real).
+
+Each scenario records which path ran, any error, and the largest deviation from the float64
+reference (vLLM's ``_lse_weighted_combine`` over both ranks' partials).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+H = 4  # query/output heads per TP rank
+QD = 32  # query head dim (kv_lora_rank + rope in the real model)
+LD = 16  # output head dim (kv_lora_rank)
+
+
+def _partials(rank: int, num_tokens: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 * rank + num_tokens)
+    q = torch.randn(num_tokens, H, QD, generator=gen).to(torch.bfloat16)
+    out = torch.randn(num_tokens, 2 * H, LD, generator=gen).to(torch.bfloat16)
+    lse = torch.randn(num_tokens, 2 * H, generator=gen) * 3
+    return q, out, lse
+
+
+def _bounds(num_tokens: int):
+    """A mixed batch: two decode rows then one prefill holding the rest."""
+    import torch
+
+    if num_tokens <= 2:
+        return torch.ones(num_tokens, dtype=torch.int32) * 50, torch.arange(num_tokens + 1, dtype=torch.int32)
+    seq_lens = torch.tensor([50, 3, 4000], dtype=torch.int32)
+    return seq_lens, torch.tensor([0, 1, 2, num_tokens], dtype=torch.int32)
+
+
+def _install_standins(calls: dict[str, int]) -> None:
+    import compat
+    import torch
+    import torch.distributed as dist
+
+    dcp = compat.module("dcp")
+    a2a = compat.module("dcp_alltoall")
+    common = compat.module("ops_common")
+
+    def allocate(self, shape, dtype):  # symmetric memory -> CPU tensor
+        storage = torch.zeros(shape, dtype=dtype)
+        self._allocations.append((storage, None, [storage]))
+        return storage, torch.zeros((self.num_ubatches, self.world_size), dtype=torch.int64)
+
+    dcp._DirectDCPWorkspace._allocate = allocate
+    dcp._DirectDCPWorkspace._multicast_ptrs = lambda self, storage: [1] * self.num_ubatches
+    dcp._symm_mem_spans_group = lambda group: True
+    torch.accelerator.synchronize = lambda *a, **k: None
+
+    def q_gather(local_query, output, signal, completion, epoch, world_size, rank, max_num_tokens,
+                 padded_num_heads, query_mc_ptr, signal_mc_ptr):
+        calls["direct_q_gather"] += 1
+        if local_query.shape[0] > max_num_tokens:
+            raise RuntimeError("token count exceeds symmetric q-gather buffer capacity")
+        parts = [torch.empty_like(local_query) for _ in range(world_size)]
+        dist.all_gather(parts, local_query.contiguous(), group=_GROUP["dcp"].device_group)
+        output.copy_(torch.cat(parts, dim=1))
+
+    def a2a_reduce(partial_output, partial_lse, seq_lens, query_start_loc, peer_out, peer_lse,
+                   peer_sig, recv_out, recv_lse, recv_sig, epoch, output, world_size, rank,
+                   max_num_tokens, is_lse_base_on_e):
+        calls["direct_a2a"] += 1
+        num_tokens = partial_output.shape[0]
+        if num_tokens > max_num_tokens:
+            raise RuntimeError("token count exceeds symmetric buffer capacity")
+        if seq_lens is not None and (query_start_loc.numel() != seq_lens.numel() + 1
+                                     or int(query_start_loc[-1]) != num_tokens):
+            raise RuntimeError("query_start_loc must contain one boundary per sequence")
+        lse = partial_lse.clone()
+        common.mask_dcp_empty_shards_(lse, seq_lens, query_start_loc)
+        output.copy_(_exchange(partial_output, lse, world_size, is_lse_base_on_e))
+
+    def _exchange(out, lse, world_size, base_e):
+        b, heads, d = out.shape
+        hpr = heads // world_size
+        send = torch.cat([out.float(), lse.float()[..., None]], -1).view(b, world_size, hpr, d + 1)
+        send = send.transpose(0, 1).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=_GROUP["dcp"].device_group)
+        return a2a._lse_weighted_combine(recv[..., :d], recv[..., d], is_lse_base_on_e=base_e)
+
+    torch.ops._C.direct_dcp_q_gather = q_gather
+    torch.ops._C.direct_dcp_a2a_lse_reduce = a2a_reduce
+
+    class _Pack:  # Triton _dcp_a2a_pack_send_kernel[grid](...)
+        def __getitem__(self, grid):
+            def run(out, lse, send, *strides, N, HEAD_DIM, H_PER_RANK, LSE_PACK_DIM):
+                calls["nccl_a2a"] += 1
+                b = out.shape[0]
+                for r in range(N):
+                    heads = slice(r * H_PER_RANK, (r + 1) * H_PER_RANK)
+                    send[r, :, :, :HEAD_DIM] = out[:, heads]
+                    lse32 = lse[:, heads].float().contiguous()
+                    send[r, :, :, HEAD_DIM:] = lse32.view(send.dtype).view(b, H_PER_RANK, LSE_PACK_DIM)
+            return run
+
+    class _Unpack:  # Triton _dcp_a2a_unpack_combine_kernel[grid](...)
+        def __getitem__(self, grid):
+            def run(recv, out, out_lse, *strides, N, HEAD_DIM, IS_BASE_E, RETURN_LSE, LSE_PACK_DIM):
+                lse = recv[..., HEAD_DIM:].contiguous().view(torch.float32)[..., 0]
+                merged = a2a._lse_weighted_combine(recv[..., :HEAD_DIM].float(), lse,
+                                                   is_lse_base_on_e=IS_BASE_E)
+                out.copy_(merged)
+            return run
+
+    a2a._dcp_a2a_pack_send_kernel = _Pack()
+    a2a._dcp_a2a_unpack_combine_kernel = _Unpack()
+
+    orig_gather = type(_GROUP["dcp"]).all_gather
+
+    def all_gather(self, tensor, dim=-1):
+        calls["nccl_all_gather"] += 1
+        return orig_gather(self, tensor, dim)
+
+    type(_GROUP["dcp"]).all_gather = all_gather
+
+
+_GROUP: dict[str, Any] = {}
+
+
+def _worker(rank: int, port: int, model_dir: str, env: dict[str, str], sizes: list[int],
+            out_dir: str, sys_path: list[str]) -> None:
+    sys.path[:0] = [p for p in sys_path if p not in sys.path]
+    os.environ.update(env)
+    import compat
+    import sparse_dcp_harness as h
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.parallel_state import (
+        get_dcp_group,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    results: dict[str, Any] = {"scenarios": {}}
+    try:
+        vc = h.make_vllm_config(Path(model_dir), max_num_seqs=4, max_num_batched_tokens=64)
+        a2a = compat.module("dcp_alltoall")
+        dcp = compat.module("dcp")
+        with set_current_vllm_config(vc):
+            init_distributed_environment(world_size=2, rank=rank, local_rank=rank, backend="gloo",
+                                         distributed_init_method=f"tcp://127.0.0.1:{port}")
+            initialize_model_parallel(tensor_model_parallel_size=2, decode_context_model_parallel_size=2)
+            _GROUP["dcp"] = get_dcp_group()
+            calls = dict.fromkeys(["direct_q_gather", "direct_a2a", "nccl_a2a", "nccl_all_gather"], 0)
+            _install_standins(calls)
+            manager = dcp.MLADCPManager(
+                vllm_config=vc, device=torch.device("cpu"), num_heads=H, query_head_dim=QD,
+                output_head_dim=LD, query_dtype=torch.bfloat16, output_dtype=torch.bfloat16,
+                padded_num_heads=None, is_lse_base_on_e=False, use_pcp=False)
+            results["capacity"] = manager.max_num_tokens
+            for n in sizes:
+                rec: dict[str, Any] = {}
+                q, out, lse = _partials(rank, n)
+                before = dict(calls)
+                try:
+                    got = manager.query_gather(q)
+                    ref = torch.cat([_partials(r, n)[0] for r in range(2)], dim=1)
+                    rec["q_err"] = float((got.float() - ref.float()).abs().max())
+                except Exception as exc:
+                    rec["q_error"] = f"{type(exc).__name__}: {exc}"
+                seq_lens, qsl = _bounds(n)
+                try:
+                    got = manager.combine(out, lse.clone(), seq_lens=seq_lens, query_start_loc=qsl)
+                    outs = torch.stack([_partials(r, n)[1] for r in range(2)]).double()
+                    lses = torch.stack([_partials(r, n)[2] for r in range(2)]).double()
+                    ref = a2a._lse_weighted_combine(outs, lses, is_lse_base_on_e=False)
+                    ref = ref[:, rank * H:(rank + 1) * H]
+                    rec["a2a_err"] = float((got.double() - ref).abs().max())
+                    rec["a2a_ref_max"] = float(ref.abs().max())
+                except Exception as exc:
+                    rec["a2a_error"] = f"{type(exc).__name__}: {exc}"
+                rec["calls"] = {k: calls[k] - before[k] for k in calls}
+                results["scenarios"][str(n)] = rec
+    except Exception:
+        results["fatal"] = traceback.format_exc()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def run_two_ranks(tmp: Path, sizes: list[int], env: dict[str, str] | None = None,
+                  timeout: float = 240) -> list[dict[str, Any]]:
+    """Run the scenarios on two gloo ranks; return each rank's results."""
+    import multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    full_env = {"VLLM_USE_DIRECT_DCP_A2A": "1", "VLLM_USE_DIRECT_DCP_Q_GATHER": "1", **(env or {})}
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp / "model"), full_env, sizes, str(tmp),
+                                               list(sys.path)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    results = []
+    for r in range(2):
+        f = tmp / f"rank{r}.json"
+        assert f.exists(), f"rank {r} wrote no result (exit code {procs[r].exitcode})"
+        res = json.loads(f.read_text())
+        assert "fatal" not in res, res["fatal"]
+        results.append(res)
+    return results

@@ -105,6 +105,22 @@ def _cut(repo: Path, a: str, b: str) -> tuple[bytes, tuple[str, ...]]:
     return diff, left_out
 
 
+def _keep_package(diff: bytes, keep: list[str]) -> tuple[bytes, tuple[str, ...]]:
+    """Drop the ``diff --git`` sections of a patch file outside the package folders."""
+    sections = re.split(rb"(?m)^(?=diff --git )", diff)
+    kept, left_out = [sections[0]] if not sections[0].startswith(b"diff --git ") else [], []
+    for section in sections:
+        if not section.startswith(b"diff --git "):
+            continue
+        files = parse_diffs(section.decode(errors="replace"), "patch")
+        path = files[0].path if files else ""
+        if path.split("/", 1)[0] in keep:
+            kept.append(section)
+        else:
+            left_out.append(path)
+    return b"".join(kept), tuple(sorted(left_out))
+
+
 def _commit_meta(repo: Path, rev: str) -> tuple[str, str, str, str, str]:
     fmt = git_text(["log", "-1", "--format=%s%x00%b%x00%an%x00%ae%x00%aI", rev], repo)
     subject, body, name, email, date = fmt.split("\0")
@@ -254,6 +270,7 @@ def cherry_pick(
             change = change_from_pr(work, remote, int(ref))
         elif Path(ref).is_file():
             change = change_from_file(Path(ref), origin)
+            change.diff, change.left_out = _keep_package(change.diff, _package_dirs(work))
         else:
             change = change_from_commit(work, remote, ref)
         if origin:
@@ -266,7 +283,8 @@ def cherry_pick(
             raise CherryPickError(f"{directory / name}: the series already has a patch of that name; pass NAME=")
         Series.parse_names(name, "NAME")  # the same rules as a series line
         state = {"version": version, "patches_root": str(patches_root), "pos": pos, "name": name,
-                 "today": today or datetime.date.today().isoformat(), "change": asdict(change)}
+                 "today": today or datetime.date.today().isoformat(),
+                 "change": {k: v for k, v in asdict(change).items() if k != "diff"}}  # the diff is applied
         (work / ".git" / STATE).write_text(json.dumps(state, indent=2) + "\n")
         proc = git(["apply", "--3way", "--whitespace=nowarn", "-"], work, input=change.diff, check=False)
         if proc.returncode != 0:
@@ -305,7 +323,7 @@ def _am(repo: Path, patch: Patch, label: str) -> None:
 
 
 def _finish(work: Path, state: dict, series: Series) -> PickOutcome:
-    change = Change(**{**state["change"], "left_out": tuple(state["change"]["left_out"])})
+    change = Change(b"", **{**state["change"], "left_out": tuple(state["change"]["left_out"])})
     git(["add", "-A"], work)
     if git(["diff", "--cached", "--quiet", "place"], work, check=False).returncode == 0:
         raise CherryPickError(f"{state['name']}: the change is already in vllm {state['version']} "

@@ -56,8 +56,12 @@ def find_sdist_url(pip_output: str, filename: str) -> str | None:
 
 
 def _last_line(text: str) -> str:
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return lines[-1] if lines else "no output"
+    """pip's most telling line: a raised exception, else an ``error:`` line, else the last non-hint."""
+    lines = [ln.strip(" │╰─>") for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith(("hint:", "note:", "See above"))]
+    raised = [ln for ln in lines if re.match(r"^\w+(Error|Exception): ", ln)]
+    errors = [ln for ln in lines if re.match(r"^(error|ERROR)\b", ln)]
+    return (raised or errors or lines or ["no output"])[-1]
 
 
 def pip_download_sdist(version: str, filename: str, dest: Path, *, python: str | None = None) -> None:

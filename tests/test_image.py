@@ -547,3 +547,16 @@ def test_dockerignore_lets_the_copied_files_through() -> None:
     for needed in ("dist/*.whl", "docker/kernel-build-requirements.txt", "overlay/**/*.py", "patches/**",
                    "pyproject.toml", "scripts/build-kernels.sh", "scripts/image-smoke.py"):
         assert needed in kept
+
+
+def test_pip_failure_line_names_the_cause() -> None:
+    from overlay.sdist import _last_line
+
+    out = ("  Preparing metadata (pyproject.toml): started\n"
+           "  ModuleNotFoundError: No module named 'setuptools_rust'\n"
+           "  error: metadata-generation-failed\n  x Encountered error while generating package metadata.\n"
+           "  hint: See above for details.\n")
+    assert _last_line(out) == "ModuleNotFoundError: No module named 'setuptools_rust'"
+    assert _last_line("error: metadata-generation-failed\nhint: See above for details.\n") == (
+        "error: metadata-generation-failed")
+    assert _last_line("") == "no output"

@@ -6,6 +6,8 @@ the healthy stand-in must pass with a full report (JSON, Markdown, three PNGs).
 
 from __future__ import annotations
 
+import json
+import os
 import stat
 import subprocess
 import sys
@@ -152,3 +154,15 @@ def test_make_regress_passes_profile_base_url_and_out(tmp_path: Path) -> None:
                          cwd=REPO, capture_output=True, text=True, check=True, timeout=30).stdout
     line = next(ln for ln in out.splitlines() if " regress " in ln).rstrip()
     assert line.endswith("-m overlay regress --profile p.yaml --out o --base-url http://127.0.0.1:9")
+
+
+def test_cluster_script_runs_the_regression_and_returns_the_verdict(standin, tmp_path: Path) -> None:
+    server = standin("collapse")
+    out = tmp_path / "out"
+    env = {**os.environ, "BASE_URL": server.url, "OUT": str(out), "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run([str(REPO / "scripts" / "regress.sh"), str(make_profile(tmp_path)), "--skip",
+                           "gsm8k,latency"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout.strip() == str(out / "report.md")
+    assert json.loads((out / "report.json").read_text())["verdict"] == "regression"

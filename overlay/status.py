@@ -1,7 +1,14 @@
-"""``make status``: one row per patch: name, subject, origin, kind, files, applies or not."""
+"""``make status``: one row per patch: name, subject, origin, kind, files, applies or not.
+
+The release that absorbed a patch comes from its ``Applied-Upstream:`` trailer, or else from
+the ``rebase.json`` files that ``make rebase`` wrote for later releases (the first release
+where the patch was found ``upstream`` or ``upstream-by-behaviour``; ``partly <release>`` when
+only part of it was).
+"""
 
 from __future__ import annotations
 
+import json
 import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,12 +39,42 @@ class PatchStatus:
         return d
 
 
+UPSTREAM_OUTCOMES = ("upstream", "upstream-by-behaviour")
+
+
+def absorbed_in(patches_root: Path, version: str) -> dict[str, str]:
+    """Patch name -> first later release whose rebase found it upstream (from ``rebase.json``)."""
+    from packaging.version import InvalidVersion, Version
+
+    found: dict[str, tuple[Version, str]] = {}
+    partly: dict[str, tuple[Version, str]] = {}
+    for report in patches_root.glob("*/rebase.json"):
+        try:
+            doc = json.loads(report.read_text())
+            release = Version(doc["to"])
+            entries = doc["patches"]
+        except (ValueError, KeyError, TypeError, InvalidVersion):
+            continue  # not a rebase report this tool wrote; status must still work
+        if doc.get("from") != version:
+            continue
+        for entry in entries:
+            into = found if entry.get("outcome") in UPSTREAM_OUTCOMES else (
+                partly if entry.get("outcome") == "partly-upstream" else None)
+            name = entry.get("name")
+            if into is not None and name and (name not in into or release < into[name][0]):
+                into[name] = (release, str(release))
+    out = {name: f"partly {v}" for name, (_, v) in partly.items()}
+    out.update({name: v for name, (_, v) in found.items()})
+    return out
+
+
 def series_status(patches_root: Path, version: str, *, base_wheel: Path | None = None) -> list[PatchStatus]:
     """Apply the series cumulatively and report, per patch, whether it applies."""
     pin = load_pin(patches_root, version)
     series = Series.load(pin_dir(patches_root, version))
     wheel = base_wheel or fetch_wheel(pin)
     rows: list[PatchStatus] = []
+    absorbed = absorbed_in(patches_root, version)
     with zipfile.ZipFile(wheel) as zf:
         members = set(zf.namelist())
 
@@ -57,7 +94,8 @@ def series_status(patches_root: Path, version: str, *, base_wheel: Path | None =
                 except ApplyError as exc:
                     ok, detail = False, str(exc)
             rows.append(PatchStatus(patch.name, patch.subject, patch.origin, patch.kind,
-                                    patch.touched, ok, detail, patch.applied_upstream))
+                                    patch.touched, ok, detail,
+                                    patch.applied_upstream or absorbed.get(patch.name, "")))
     return rows
 
 

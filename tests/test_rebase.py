@@ -346,3 +346,16 @@ def test_cli_rebase_verbs_are_wired() -> None:
                          check=True).stdout
     for verb in ("rebase", "rebase-continue", "cherry-pick"):
         assert verb in out
+
+
+def test_status_names_the_release_that_absorbed_a_patch(tmp_path: Path) -> None:
+    from overlay.status import absorbed_in
+
+    root = tmp_path / "patches"
+    series_dir(root, {"up.patch": make_patch(tmp_path, "up", CASES["upstream"][0]),
+                      "half.patch": make_patch(tmp_path, "half", {"vllm/c.py": lines("c", 40, l35="c_35 = 'p'")}),
+                      "kept.patch": make_patch(tmp_path, "kept", CASES["applied"][0])})
+    start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "w", tests_dir=tmp_path)
+    (root / "junk").mkdir()
+    (root / "junk" / "rebase.json").write_text("{not json")
+    assert absorbed_in(root, FROM) == {"up.patch": TO}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from overlay.errors import ApplyError, GitError
 from overlay.git import git
-from overlay.series import Patch
+from overlay.series import Patch, is_kernel_path
 
 BaseReader = Callable[[str], bytes | None]
 """``read(path)`` returns the base file's bytes, or ``None`` when the base has no such file."""
@@ -63,9 +63,17 @@ def _explain(patch: Patch, stderr: str, label: str) -> str:
     return f"patch {patch.name}: does not apply to {label}: {lines[-1] if lines else 'git apply failed'}"
 
 
-def apply_series(patches: tuple[Patch, ...], read_base: BaseReader, label: str = "the base") -> Applied:
-    """Apply ``patches`` in order to the base files they touch; raise :class:`ApplyError`."""
-    touched = sorted({p for patch in patches for p in patch.touched})
+def apply_series(
+    patches: tuple[Patch, ...], read_base: BaseReader, label: str = "the base", *, skip_kernel_files: bool = False
+) -> Applied:
+    """Apply ``patches`` in order to the base files they touch; raise :class:`ApplyError`.
+
+    With ``skip_kernel_files`` the compiled-source parts of kernel patches (``csrc/``, ``*.cu``,
+    ...) are left out, so their Python parts can be overlaid on a wheel whose kernels are
+    rebuilt elsewhere (``make image``).
+    """
+    touched = sorted({p for patch in patches for p in patch.touched
+                      if not (skip_kernel_files and is_kernel_path(p))})
     base: dict[str, bytes] = {}
     for path in touched:
         data = read_base(path)
@@ -80,11 +88,15 @@ def apply_series(patches: tuple[Patch, ...], read_base: BaseReader, label: str =
             dest.write_bytes(data)
         for patch in patches:
             # Files a patch modifies must exist by now (in the base or from an earlier patch).
+            excluded = [p for p in patch.touched if skip_kernel_files and is_kernel_path(p)]
             for f in patch.files:
-                if f.old_path and not (root / f.old_path).exists():
+                if f.old_path and f.old_path not in excluded and not (root / f.old_path).exists():
                     raise ApplyError(f"patch {patch.name}: {f.old_path}: file not in {label}")
+            if excluded and len(excluded) == len(patch.touched):
+                continue  # nothing of this patch lives in the wheel
             try:
-                git(["apply", "--whitespace=nowarn", "-"], root, input=patch.raw)
+                git(["apply", "--whitespace=nowarn", *(f"--exclude={p}" for p in excluded), "-"], root,
+                    input=patch.raw)
             except GitError as exc:
                 raise ApplyError(_explain(patch, exc.stderr, label)) from None
         changed: dict[str, bytes] = {}

@@ -120,8 +120,9 @@ def build(
         def read(path: str) -> bytes | None:
             return zf.read(path) if path in members else None
 
-        python_patches = tuple(p for p in series.patches if p.kind == "python")
-        applied = apply_series(python_patches, read, label=f"vllm {pin.version}")
+        # Kernel patches may carry Python changes too: those are overlaid; their compiled
+        # sources were built into ``kernels`` by make image's kernel stage.
+        applied = apply_series(series.patches, read, label=f"vllm {pin.version}", skip_kernel_files=True)
         version_py = read(VERSION_PY)
     if version_py is None:
         raise WheelError(f"{wheel.name}: has no {VERSION_PY}")
@@ -129,6 +130,9 @@ def build(
     changed[VERSION_PY] = patch_version_py(changed.get(VERSION_PY, version_py), full_version)
     changed[OVERLAY_JSON] = overlay_manifest(series, pin, full_version)
     for archive_path, binary in sorted((kernels or {}).items()):
+        if archive_path not in members:
+            raise WheelError(f"{binary}: {archive_path!r} is not a library of {wheel.name}; "
+                             "rebuilt kernels must replace existing ones")
         changed[archive_path] = binary.read_bytes()
     dist.mkdir(parents=True, exist_ok=True)
     for stale in dist.glob(".building-*.whl.tmp"):  # left by a build that was killed

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from overlay.build import build
-from overlay.errors import ApplyError, KernelPatchError, SeriesError
+from overlay.errors import ApplyError, KernelPatchError, SeriesError, WheelError
 from overlay.wheel import verify_record
 from tests.wheelkit import format_patch, make_release, make_wheel
 
@@ -177,8 +177,11 @@ def test_kernel_patch_is_refused_with_pointer_to_make_image(tmp_path: Path, whee
 
 
 def test_kernel_patch_with_rebuilt_kernels(tmp_path: Path, wheel: Path) -> None:
-    kpatch = format_patch({"csrc/attention/merge.cu": b"a\n"}, {"csrc/attention/merge.cu": b"b\n"},
-                          "Fix a kernel", work=tmp_path)
+    """The Python part of a kernel patch is overlaid; its compiled part comes from ``kernels``."""
+    kpatch = format_patch({"csrc/attention/merge.cu": b"a\n", "vllm/a.py": A_PY},
+                          {"csrc/attention/merge.cu": b"b\n",
+                           "vllm/a.py": _changed(A_PY, b"line_7 = 7\n", b"line_7 = 70\n")},
+                          "Fix a kernel and its caller", work=tmp_path)
     root = make_release(tmp_path, wheel, patches={"kern.patch": kpatch})
     so = tmp_path / "kernels" / "vllm" / "_C.abi3.so"
     so.parent.mkdir(parents=True)
@@ -186,7 +189,12 @@ def test_kernel_patch_with_rebuilt_kernels(tmp_path: Path, wheel: Path) -> None:
     res = build(root, "0.28.0", tmp_path / "dist", base_wheel=wheel, kernels={"vllm/_C.abi3.so": so})
     with zipfile.ZipFile(res.wheel) as zf:
         assert zf.read("vllm/_C.abi3.so") == b"rebuilt"
+        assert b"line_7 = 70\n" in zf.read("vllm/a.py")
     verify_record(res.wheel)
+    stray = tmp_path / "kernels" / "vllm" / "_new.abi3.so"
+    stray.write_bytes(b"x")
+    with pytest.raises(WheelError, match=r"'vllm/_new\.abi3\.so' is not a library of vllm-0\.28\.0-"):
+        build(root, "0.28.0", tmp_path / "dist2", base_wheel=wheel, kernels={"vllm/_new.abi3.so": stray})
 
 
 _KILL_SCRIPT = """

@@ -140,11 +140,45 @@ def _install_standins(calls: dict[str, int]) -> None:
 
 _GROUP: dict[str, Any] = {}
 
+MODES = {
+    "decode": {"VLLM_DCP_DIRECT_WORKSPACE_SIZING": "decode"},
+    "max_num_batched_tokens": {"VLLM_DCP_DIRECT_WORKSPACE_SIZING": "max_num_batched_tokens"},
+}
 
-def _worker(rank: int, port: int, model_dir: str, env: dict[str, str], sizes: list[int],
-            out_dir: str, sys_path: list[str]) -> None:
+
+def _run_sizes(manager, rank: int, sizes: list[int], calls: dict[str, int], a2a) -> dict[str, Any]:
+    import torch
+
+    scenarios: dict[str, Any] = {}
+    for n in sizes:
+        rec: dict[str, Any] = {}
+        q, out, lse = _partials(rank, n)
+        before = dict(calls)
+        try:
+            got = manager.query_gather(q)
+            ref = torch.cat([_partials(r, n)[0] for r in range(2)], dim=1)
+            rec["q_err"] = float((got.float() - ref.float()).abs().max())
+        except Exception as exc:
+            rec["q_error"] = f"{type(exc).__name__}: {exc}"
+        seq_lens, qsl = _bounds(n)
+        try:
+            got = manager.combine(out, lse.clone(), seq_lens=seq_lens, query_start_loc=qsl)
+            outs = torch.stack([_partials(r, n)[1] for r in range(2)]).double()
+            lses = torch.stack([_partials(r, n)[2] for r in range(2)]).double()
+            ref = a2a._lse_weighted_combine(outs, lses, is_lse_base_on_e=False)[:, rank * H:(rank + 1) * H]
+            rec["a2a_err"] = float((got.double() - ref).abs().max())
+            rec["a2a_ref_max"] = float(ref.abs().max())
+        except Exception as exc:
+            rec["a2a_error"] = f"{type(exc).__name__}: {exc}"
+        rec["calls"] = {k: calls[k] - before[k] for k in calls}
+        scenarios[str(n)] = rec
+    return scenarios
+
+
+def _worker(rank: int, port: int, model_dir: str, modes: dict[str, dict[str, str]],
+            sizes: list[int], out_dir: str, sys_path: list[str]) -> None:
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
-    os.environ.update(env)
+    os.environ.update({"VLLM_USE_DIRECT_DCP_A2A": "1", "VLLM_USE_DIRECT_DCP_Q_GATHER": "1"})
     import compat
     import sparse_dcp_harness as h
     import torch
@@ -155,7 +189,7 @@ def _worker(rank: int, port: int, model_dir: str, env: dict[str, str], sizes: li
         initialize_model_parallel,
     )
 
-    results: dict[str, Any] = {"scenarios": {}}
+    results: dict[str, Any] = {}
     try:
         vc = h.make_vllm_config(Path(model_dir), max_num_seqs=4, max_num_batched_tokens=64)
         a2a = compat.module("dcp_alltoall")
@@ -167,51 +201,34 @@ def _worker(rank: int, port: int, model_dir: str, env: dict[str, str], sizes: li
             _GROUP["dcp"] = get_dcp_group()
             calls = dict.fromkeys(["direct_q_gather", "direct_a2a", "nccl_a2a", "nccl_all_gather"], 0)
             _install_standins(calls)
-            manager = dcp.MLADCPManager(
-                vllm_config=vc, device=torch.device("cpu"), num_heads=H, query_head_dim=QD,
-                output_head_dim=LD, query_dtype=torch.bfloat16, output_dtype=torch.bfloat16,
-                padded_num_heads=None, is_lse_base_on_e=False, use_pcp=False)
-            results["capacity"] = manager.max_num_tokens
-            for n in sizes:
-                rec: dict[str, Any] = {}
-                q, out, lse = _partials(rank, n)
-                before = dict(calls)
-                try:
-                    got = manager.query_gather(q)
-                    ref = torch.cat([_partials(r, n)[0] for r in range(2)], dim=1)
-                    rec["q_err"] = float((got.float() - ref.float()).abs().max())
-                except Exception as exc:
-                    rec["q_error"] = f"{type(exc).__name__}: {exc}"
-                seq_lens, qsl = _bounds(n)
-                try:
-                    got = manager.combine(out, lse.clone(), seq_lens=seq_lens, query_start_loc=qsl)
-                    outs = torch.stack([_partials(r, n)[1] for r in range(2)]).double()
-                    lses = torch.stack([_partials(r, n)[2] for r in range(2)]).double()
-                    ref = a2a._lse_weighted_combine(outs, lses, is_lse_base_on_e=False)
-                    ref = ref[:, rank * H:(rank + 1) * H]
-                    rec["a2a_err"] = float((got.double() - ref).abs().max())
-                    rec["a2a_ref_max"] = float(ref.abs().max())
-                except Exception as exc:
-                    rec["a2a_error"] = f"{type(exc).__name__}: {exc}"
-                rec["calls"] = {k: calls[k] - before[k] for k in calls}
-                results["scenarios"][str(n)] = rec
+            for mode, mode_env in modes.items():
+                os.environ.update(mode_env)
+                manager = dcp.MLADCPManager(
+                    vllm_config=vc, device=torch.device("cpu"), num_heads=H, query_head_dim=QD,
+                    output_head_dim=LD, query_dtype=torch.bfloat16, output_dtype=torch.bfloat16,
+                    padded_num_heads=None, is_lse_base_on_e=False, use_pcp=False)
+                results[mode] = {"capacity": manager.max_num_tokens,
+                                 "scenarios": _run_sizes(manager, rank, sizes, calls, a2a)}
     except Exception:
         results["fatal"] = traceback.format_exc()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def run_two_ranks(tmp: Path, sizes: list[int], env: dict[str, str] | None = None,
+def run_two_ranks(tmp: Path, sizes: list[int], modes: dict[str, dict[str, str]] | None = None,
                   timeout: float = 240) -> list[dict[str, Any]]:
-    """Run the scenarios on two gloo ranks; return each rank's results."""
+    """Run the scenarios on two gloo ranks, one manager per sizing mode; each rank's results.
+
+    On a tree without the sizing mode the variable is ignored and every manager is
+    decode-sized.
+    """
     import multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    full_env = {"VLLM_USE_DIRECT_DCP_A2A": "1", "VLLM_USE_DIRECT_DCP_Q_GATHER": "1", **(env or {})}
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp / "model"), full_env, sizes, str(tmp),
-                                               list(sys.path)))
+    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp / "model"), modes or MODES, sizes,
+                                               str(tmp), list(sys.path)))
              for r in range(2)]
     for p in procs:
         p.start()

@@ -17,7 +17,8 @@ SIZES = [2, 4, 5, 40]  # capacity is 4 (max_num_seqs=4, no speculation)
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_two_ranks(tmp_path_factory.mktemp("qgather"), SIZES)
+    return [r["decode"] for r in run_two_ranks(tmp_path_factory.mktemp("qgather"), SIZES,
+                                               modes={"decode": {}})]
 
 
 def test_capacity_is_decode_sized(results):

@@ -55,8 +55,9 @@ def make_profile(tmp_path: Path, **changes: object) -> Path:
     data["gsm8k"].update(data=str(FIXTURE_GSM8K), concurrency=4)
     data["latency"].update(tool="builtin", input_len=512, output_len=64, timeout_s=60)
     data["long_context"].update(request_timeout_s=30)
-    # The stand-in is far faster than an 8xH100 node; its own healthy numbers are the baseline.
-    data["baseline"]["latency"] = {"mean_ttft_ms": 40.0, "mean_tpot_ms": 2.0}
+    # The stand-in (TTFT 20 ms, TPOT 0.5 ms) is far faster than an 8xH100 node; the baseline sits
+    # well above its healthy numbers so a loaded CI machine does not fail the healthy runs.
+    data["baseline"]["latency"] = {"mean_ttft_ms": 400.0, "mean_tpot_ms": 20.0}
     for dotted, value in changes.items():
         node = data
         *parents, leaf = dotted.split(".")

@@ -72,6 +72,17 @@ def test_acceptance_collapse_is_caught_from_metrics(standin, tmp_path: Path) -> 
     assert (run.out / "acceptance.png").exists()
 
 
+
+def test_slow_decoding_is_a_latency_regression(standin, tmp_path: Path) -> None:
+    server = standin("healthy", "--tpot-ms", "40")
+    run = run_cli(make_profile(tmp_path), tmp_path / "out", "--base-url", server.url,
+                  "--skip", "gsm8k,long_context,acceptance")
+    assert run.code == 1, run.stderr
+    [finding] = run.findings()
+    assert finding["check"] == "latency" and finding["message"].startswith("mean_tpot_ms 4")
+    assert finding["message"].endswith("> 23.00 (baseline 20.00 x 1.15)")
+    assert (run.out / "latency.png").exists() and (run.out / "latency" / "latency.json").exists()
+
 def test_server_dying_mid_run_is_a_regression(standin, tmp_path: Path) -> None:
     server = standin("dies")
     run = run_cli(make_profile(tmp_path), tmp_path / "out", "--base-url", server.url)

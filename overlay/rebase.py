@@ -75,14 +75,15 @@ class TestRun:
     passed: tuple[str, ...] = ()
     failed: tuple[str, ...] = ()
     summary: str = ""
+    reasons: tuple[str, ...] = ()  # per failed test, the first line of its failure message
 
     def to_dict(self) -> dict[str, object]:
         return {"status": self.status, "passed": list(self.passed), "failed": list(self.failed),
-                "summary": self.summary}
+                "summary": self.summary, "reasons": list(self.reasons)}
 
     @classmethod
     def from_dict(cls, d: dict) -> TestRun:
-        return cls(d["status"], tuple(d["passed"]), tuple(d["failed"]), d["summary"])
+        return cls(d["status"], tuple(d["passed"]), tuple(d["failed"]), d["summary"], tuple(d.get("reasons", ())))
 
 
 TestRunner = Callable[[Patch, Path], TestRun | None]
@@ -120,29 +121,34 @@ def pytest_runner(tests_dir: Path, *, cwd: Path | None = None, timeout: float = 
                                       check=False, timeout=timeout)
             except subprocess.TimeoutExpired:
                 return TestRun("error", summary=f"timed out after {timeout:.0f} s")
-            passed, failed = _junit(junit)
+            passed, failed, reasons = _junit(junit)
         tail = [ln for ln in (proc.stdout + proc.stderr).strip().splitlines() if ln.strip()]
         summary = tail[-1] if tail else f"pytest exited {proc.returncode}"
         status = {0: "passed", 1: "failed"}.get(proc.returncode, "error")
         if status == "error":
             summary = f"rc={proc.returncode}: " + " | ".join(tail[-3:])
-        return TestRun(status, passed, failed, summary)
+        return TestRun(status, passed, failed, summary, reasons)
 
     return run
 
 
-def _junit(path: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _junit(path: Path) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     if not path.exists():
-        return (), ()
+        return (), (), ()
     passed: list[str] = []
     failed: list[str] = []
+    reasons: list[str] = []
     for case in ET.parse(path).getroot().iter("testcase"):
         name = case.get("name", "?")
-        if case.find("failure") is not None or case.find("error") is not None:
+        bad = case.find("failure")
+        bad = bad if bad is not None else case.find("error")
+        if bad is not None:
             failed.append(name)
+            message = (bad.get("message") or bad.text or "").strip().splitlines()
+            reasons.append(message[0][:200] if message else "")
         elif case.find("skipped") is None:
             passed.append(name)
-    return tuple(passed), tuple(failed)
+    return tuple(passed), tuple(failed), tuple(reasons)
 
 
 @dataclass
@@ -586,6 +592,9 @@ def report_markdown(state: State, results: list[Result]) -> str:
             lines += ["Already upstream: " + ", ".join(f"`{s}`" for s in r.absorbed) + ".", ""]
         for label, run in r.behaviour.items():
             lines.append(f"- its tests on the {label.replace('-', ' ')}: {run['status']} ({run['summary']})")
+            if label == "target":
+                for test, why in list(zip(run["failed"], run.get("reasons", []), strict=False))[:5]:
+                    lines.append(f"  - still failing there: `{test}`: {why}")
         for c in r.conflicts:
             lines.append(f"- conflict: {ConflictHunk(**c).describe()}")
         if r.behaviour or r.conflicts:

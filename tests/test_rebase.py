@@ -200,6 +200,7 @@ def test_upstream_by_behaviour_runs_the_patch_tests(tmp_path: Path) -> None:
     assert entry["outcome"] == "upstream-by-behaviour"
     assert entry["behaviour"]["old-base"]["status"] == "failed"
     assert entry["behaviour"]["old-base"]["failed"] == ["test_guard_object"]
+    assert "object is not subscriptable" in entry["behaviour"]["old-base"]["reasons"][0]
     assert entry["behaviour"]["target"]["status"] == "passed"
     assert Series.load(root / TO).patches == ()
 

@@ -360,3 +360,37 @@ def test_status_names_the_release_that_absorbed_a_patch(tmp_path: Path) -> None:
     (root / "junk").mkdir()
     (root / "junk" / "rebase.json").write_text("{not json")
     assert absorbed_in(root, FROM) == {"up.patch": TO}
+
+
+def _cached_wheel(version: str) -> Path | None:
+    from overlay.fetch import cache_dir
+
+    found = sorted(cache_dir().glob(f"wheels*/vllm-{version}-*.whl"))
+    return found[0] if found else None
+
+
+@pytest.mark.slow
+def test_real_releases_rename_dcp_utils_to_dcp(tmp_path: Path) -> None:
+    """On the real 0.28.0 -> 0.29.0 trees a patch to ops/dcp_utils.py is carried into ops/dcp.py."""
+    from overlay.workspace import extract_text_tree
+
+    old, new = _cached_wheel("0.28.0"), _cached_wheel("0.29.0")
+    if old is None or new is None:
+        pytest.skip("needs the 0.28.0 and 0.29.0 wheels in the cache (make rebase TO=0.29.0 fetches them)")
+    path = "vllm/v1/attention/ops/dcp_utils.py"
+    base = tmp_path / "base"
+    extract_text_tree(old, base)
+    text = (base / path).read_text().splitlines(keepends=True)
+    at = next(i for i, ln in enumerate(text) if "def gather(self, local_query" in ln)
+    text.insert(at, "    # overlay: a comment the rebase must carry across the rename\n")
+    raw = make_patch(tmp_path, "dcp-comment", {path: "".join(text)}, base={path: (base / path).read_text()})
+    root = tmp_path / "patches"
+    series_dir(root, {"dcp-comment.patch": raw}, version="0.28.0")
+    pin = Pin("0.29.0", new.name, sha256_file(new))
+    out = start(root, "0.28.0", pin, lambda d: extract_text_tree(old, d), lambda d: extract_text_tree(new, d),
+                work=tmp_path / "w", tests_dir=tmp_path)
+    assert out.done, out.message
+    entry = json.loads((root / "0.29.0" / "rebase.json").read_text())["patches"][0]
+    assert entry["outcome"] == "refreshed"
+    assert f"followed {path} to vllm/v1/attention/ops/dcp.py" in entry["evidence"]
+    assert Patch.load(root / "0.29.0" / "dcp-comment.patch").touched == ("vllm/v1/attention/ops/dcp.py",)

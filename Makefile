@@ -68,3 +68,7 @@ cherry-pick-continue: $(TOOL_STAMP) ## finish a cherry-pick stopped at a conflic
 .PHONY: regress
 regress: $(TOOL_STAMP) ## GSM8K, long context, acceptance, latency vs baselines; exit 0 pass/1 regression/2 harness [PROFILE= BASE_URL= OUT= ARGS=]
 	$(OVERLAY) regress --profile $(or $(PROFILE),glm5.2-fp8-tp8-dcp8) --out $(or $(OUT),regress-report)$(if $(BASE_URL), --base-url $(BASE_URL)) $(ARGS)
+
+.PHONY: workspace-plan
+workspace-plan: $(TOOL_STAMP) ## direct DCP q-gather/A2A workspace capacity and bytes per GPU, both sizing modes [PROFILE= ARGS=]
+	$(OVERLAY) workspace-plan$(if $(PROFILE), --profile $(PROFILE)) $(ARGS)

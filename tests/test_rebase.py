@@ -223,6 +223,23 @@ def test_behaviour_partly_upstream(tmp_path: Path) -> None:
     assert [p.name for p in Series.load(root / TO).patches] == ["two.patch"]
 
 
+def test_tests_that_fail_differently_on_the_target_are_flagged(tmp_path: Path) -> None:
+    root = tmp_path / "patches"
+    series_dir(root, {"a.patch": make_patch(tmp_path, "a", CASES["applied"][0])})
+
+    def runner(patch: Patch, tree: Path) -> TestRun:
+        if (tree / "vllm/v1/attention/ops/dcp.py").exists():
+            return TestRun("failed", failed=("t",), summary="1 failed", reasons=("AttributeError: no 'x'",))
+        return TestRun("failed", failed=("t",), summary="1 failed", reasons=("AssertionError: the bug",))
+
+    start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "w", tests_dir=tmp_path,
+          runner=runner)
+    entry = json.loads((root / TO / "rebase.json").read_text())["patches"][0]
+    assert entry["outcome"] == "applied"
+    assert ("but 1 of them fail differently there (e.g. t: AttributeError: no 'x'), so the tests may not fit "
+            "this release") in entry["evidence"]
+
+
 def test_tests_that_do_not_run_on_the_target_decide_nothing(tmp_path: Path) -> None:
     root = tmp_path / "patches"
     series_dir(root, {"a.patch": make_patch(tmp_path, "a", CASES["applied"][0])})

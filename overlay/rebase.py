@@ -276,17 +276,17 @@ def resume(work: Path, *, runner: TestRunner | None = None) -> Outcome:
         raise RebaseError(f"{patch.name}: the resolution commit is empty; reset it and continue")
     behaviour = state.pending.get("behaviour", {})
     conflicts = state.pending.get("conflicts", [])
+    where = ", ".join(sorted({c["path"] for c in conflicts}))
     if head == head_before:
         res = Result(patch.name, "conflict-resolved",
-                     "the 3-way merge conflicted; a person resolved it to no change, so the patch is "
-                     "dropped (judged already upstream)", behaviour=behaviour, conflicts=conflicts)
+                     f"the 3-way merge conflicted in {where}; a person resolved it to no change, so the patch "
+                     "is dropped (judged already upstream)", behaviour=behaviour, conflicts=conflicts)
     else:
         if git_text(["rev-list", "--count", f"{head_before}..{head}"], work).strip() != "1":
             raise RebaseError(f"{patch.name}: resolve into one commit on top of {head_before[:12]}")
         kept, gone = absorbed_hunks(patch.raw, format_patch(work, head))
         res = Result(patch.name, "conflict-resolved",
-                     "the 3-way merge conflicted in "
-                     + ", ".join(sorted({c["path"] for c in conflicts})) + "; a person resolved it"
+                     f"the 3-way merge conflicted in {where}; a person resolved it"
                      + (f"; hunks no longer needed: {', '.join(gone)}" if gone else ""),
                      still_needed=kept, absorbed=gone, behaviour=behaviour, conflicts=conflicts, carried=True)
         state.exported[patch.name] = head

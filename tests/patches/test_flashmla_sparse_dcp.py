@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -533,3 +534,154 @@ def test_dcp_forward_merges_to_single_rank_result(
     torch.testing.assert_close(merged, ref_out.float(), atol=2e-2, rtol=2e-2)
     if kind == "one_rank":
         torch.testing.assert_close(outs[1], ref_out, atol=0, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: two ranks, vLLM's compiled FlashMLA kernels, NCCL and vLLM's DCP combines
+# --------------------------------------------------------------------------------------------
+GPU_CASES = ["decode", "mtp6", "mtp11", "mixed", "one_rank", "empty_rows"]
+GPU_INTERLEAVES = [1, 16]
+# Merged vs single-GPU output: each rank's partial output is rounded to bf16 (relative 2^-9),
+# the merged output again, the single-GPU output once, and the kernel rounds its softmax
+# probabilities to bf16 before P @ V relative to a per-shard (not global) running max. With
+# |O| <~ 1.5 here that bounds the difference near 3 * 2^-9 * 1.5 ~ 9e-3; 2e-2 leaves margin
+# while a wrong LSE base or a misplaced index gives errors of order |O| (0.1 - 1).
+GPU_ATOL = 2e-2
+
+
+def _gpu_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+                      NVSHMEM_DISABLE_NVLS="1")
+    torch.cuda.set_device(rank)
+    device = f"cuda:{rank}"
+    from functools import partial
+
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import get_dcp_group, init_distributed_environment, initialize_model_parallel
+    from vllm.v1.attention.backends.utils import get_dcp_local_seq_lens
+    from vllm.v1.worker.workspace import init_workspace_manager
+
+    fs = compat.module("flashmla_sparse")
+    manager_cls = compat.symbol("dcp", "MLADCPManager")
+    a2a_nccl = compat.symbol("dcp_alltoall", "dcp_a2a_lse_reduce")
+    twin = compat.symbol("sparse_utils", "torch_filter_and_convert_dcp_index")
+    triton_filter = compat.symbol("sparse_utils", "triton_filter_and_convert_dcp_index")
+
+    vc0 = make_vllm_config(Path(model_dir), dcp=world, interleave=1, device="cuda")
+    with set_current_vllm_config(vc0):
+        init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}",
+                                     backend="nccl")
+        initialize_model_parallel(tensor_model_parallel_size=world,
+                                  decode_context_model_parallel_size=world)
+    init_workspace_manager(torch.device(device))
+    heads = NUM_HEADS_TOTAL // world
+    mine = slice(rank * heads, (rank + 1) * heads)
+    results: list[dict[str, Any]] = []
+    for interleave in GPU_INTERLEAVES:
+        vcs = {b: make_vllm_config(Path(model_dir), dcp=world, interleave=interleave,
+                                   backend=b, device="cuda") for b in ("ag_rs", "a2a")}
+        buf = torch.full((512, TOPK), -1, dtype=torch.int32, device=device)
+        impl = make_impl(vcs["ag_rs"], heads, buf)
+        managers = {}
+        for b, vc in vcs.items():
+            with set_current_vllm_config(vc):
+                managers[b] = manager_cls(vc, torch.device(device), heads, D_QK, D_V,
+                                          torch.bfloat16, torch.bfloat16, None,
+                                          impl.lse_base_on_e, False)
+        combines = {
+            "ag_rs": managers["ag_rs"].combine,
+            "a2a": managers["a2a"].combine,  # direct symmetric-memory A2A when available
+            "a2a_nccl": partial(a2a_nccl, cp_group=get_dcp_group(),
+                                is_lse_base_on_e=impl.lse_base_on_e),
+        }
+        for kind in GPU_CASES:
+            rng = random.Random(1000 * interleave + GPU_CASES.index(kind))
+            gen = torch.Generator().manual_seed(17 + interleave)
+            batch = make_batch(kind, interleave, world, rng)
+            _, whole, shards, whole_table, dcp_table = build_caches(batch, world, interleave,
+                                                                    gen, device)
+            n_tok = batch.topk.shape[0]
+            q = (torch.randn((n_tok, NUM_HEADS_TOTAL, D_QK), generator=gen)).bfloat16().to(device)
+            buf.fill_(-1)
+            buf[:n_tok] = batch.topk.to(device)
+            with set_current_vllm_config(vcs["ag_rs"]):
+                meta = build_metadata(vcs["ag_rs"], make_layer(impl, managers["ag_rs"]), batch,
+                                      dcp_table, device)
+                out, lse = impl.forward_mqa(q, shards[rank], meta, None)
+            # The Triton localization equals its PyTorch twin on the same rows.
+            args = (meta.req_id_per_token[:n_tok], dcp_table, batch.topk.to(device))
+            tri = triton_filter(*args, dcp_size=world, dcp_rank=rank,
+                                cp_kv_cache_interleave_size=interleave, BLOCK_SIZE=BLOCK,
+                                NUM_TOPK_TOKENS=TOPK, return_valid_counts=True,
+                                compact_valid_to_front=False)
+            ref_loc = twin(*(a.cpu() for a in args), world, rank, interleave, BLOCK_SIZE=BLOCK)
+            loc_equal = bool(torch.equal(tri[0].cpu(), ref_loc[0])
+                             and torch.equal(tri[1].cpu(), ref_loc[1]))
+            # Single-GPU sparse decode over the whole cache (the DCP = 1 kernel call).
+            slots = convert_whole(batch, whole_table.cpu()).to(device)
+            sched, _ = fs.get_mla_metadata()
+            ref_meta = fs.FlashMLASparseMetadata.FP8KernelMetadata(
+                scheduler_metadata=sched, dummy_block_table=meta.fp8_extra_metadata.dummy_block_table,
+                cache_lens=meta.fp8_extra_metadata.cache_lens)
+            ref_out, ref_lse = impl._fp8_flash_mla_kernel(q.unsqueeze(0), whole,
+                                                         slots.unsqueeze(0), ref_meta)
+            ref_out = ref_out.squeeze(0).float()
+            ref_lse = ref_lse[0, :NUM_HEADS_TOTAL].transpose(0, 1)
+            # The kernel's LSE against torch.logsumexp in float32 (natural log).
+            _, contract_lse = sparse_decode_contract(
+                q.unsqueeze(0).cpu(), dequantize_fp8_ds_mla(whole.view(-1, 656).cpu()),
+                slots.unsqueeze(0).cpu(), D_QK**-0.5)
+            contract_lse = contract_lse[0].transpose(0, 1)
+            has_any = torch.isfinite(contract_lse)
+            lse_err = (ref_lse.cpu()[has_any] - contract_lse[has_any]).abs().max().item()
+            seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32, device=device)
+            local_lens = get_dcp_local_seq_lens(seq_lens, world, rank, interleave)
+            qsl = meta.query_start_loc
+            row = {"rank": rank, "interleave": interleave, "kind": kind, "tokens": n_tok,
+                   "loc_equal": loc_equal, "kernel_lse_vs_logsumexp": lse_err,
+                   "empty_rows_here": int((lse == float("-inf")).all(1).sum())}
+            for name, combine in combines.items():
+                merged = combine(out.clone(), lse.clone(), seq_lens=local_lens,
+                                 query_start_loc=qsl)
+                torch.cuda.synchronize()
+                want = ref_out[:, mine]
+                none_valid = ~torch.isfinite(ref_lse[:, mine]).any(1)  # rows with no index
+                want = want.masked_fill(none_valid[:, None, None], 0.0)
+                err = (merged.float() - want).abs()
+                row[name] = err.max().item()
+                row[name + "_nan"] = bool(torch.isnan(merged).any())
+            results.append(row)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_gpu_dcp_decode_matches_single_gpu(tmp_path: Path) -> None:
+    """Split a random fp8_ds_mla cache across two GPUs the DCP way, run the patched decode on
+    each rank, merge with each DCP combine (ag_rs; a2a direct and NCCL) and compare with one
+    GPU decoding over the whole cache."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    model = write_model_dir(tmp_path / "glm5")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_gpu_worker, args=(2, port, str(model), str(tmp_path)), nprocs=2, join=True)
+    rows = [r for k in range(2) for r in json.loads((tmp_path / f"rank{k}.json").read_text())]
+    report = os.environ.get("FLASHMLA_DCP_GPU_REPORT")
+    if report:
+        Path(report).write_text(json.dumps(rows, indent=1))
+    for r in rows:
+        print(json.dumps(r))
+    for r in rows:
+        assert r["loc_equal"], r
+        assert r["kernel_lse_vs_logsumexp"] < 1e-2, r  # natural log (base 2 would be ~30% off)
+        for name in ("ag_rs", "a2a", "a2a_nccl"):
+            assert not r[name + "_nan"], r
+            assert r[name] < GPU_ATOL, r

@@ -246,3 +246,153 @@ def run_two_ranks(tmp: Path, sizes: list[int], modes: dict[str, dict[str, str]] 
         assert "fatal" not in res, res["fatal"]
         results.append(res)
     return results
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: two H200s, vLLM 0.28.0's own direct A2A kernel over symmetric memory (no multicast).
+
+GPU_HEADS = 16  # heads per TP rank given to the manager (GLM-5: 64 heads / TP)
+GPU_DIM = 512  # kv_lora_rank
+
+
+def _gpu_batch(kind: str, num_tokens: int, rank: int):
+    """Partials of one rank for a ``mixed`` (4 decodes + 1 prefill) or ``prefill`` batch.
+
+    Local KV lengths: the second decode sequence holds nothing on rank 1 (an empty shard).
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(7919 * rank + num_tokens + len(kind))
+    out = torch.randn(num_tokens, 2 * GPU_HEADS, GPU_DIM, generator=gen).to(torch.bfloat16)
+    lse = torch.randn(num_tokens, 2 * GPU_HEADS, generator=gen) * 4
+    if kind == "mixed":
+        qsl = [0, 1, 2, 3, 4, num_tokens]
+        seq_lens = [300, 0 if rank == 1 else 1, 40, 7, 5000]
+    else:
+        qsl = [0, num_tokens // 3, num_tokens]
+        seq_lens = [num_tokens // 3, 9000]
+    return out, lse, torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(qsl, dtype=torch.int32)
+
+
+def _gpu_reference(kind: str, num_tokens: int, rank: int, world: int):
+    """float64 merge of every rank's partials (empty shards masked), this rank's head slice."""
+    import compat
+    import torch
+
+    a2a = compat.module("dcp_alltoall")
+    common = compat.module("ops_common")
+    outs, lses = [], []
+    for r in range(world):
+        out, lse, seq_lens, qsl = _gpu_batch(kind, num_tokens, r)
+        lse = lse.double()
+        common.mask_dcp_empty_shards_(lse, seq_lens, qsl)
+        outs.append(out.double())
+        lses.append(lse)
+    ref = a2a._lse_weighted_combine(torch.stack(outs), torch.stack(lses), is_lse_base_on_e=False)
+    return ref[:, rank * GPU_HEADS:(rank + 1) * GPU_HEADS]
+
+
+def gpu_worker(rank: int, world: int, port: int, model_dir: str, out_file: str) -> None:
+    """One rank of the GPU check; writes a JSON report to ``out_file`` + rank suffix."""
+    import time
+
+    os.environ.update(VLLM_USE_DIRECT_DCP_A2A="1", VLLM_USE_DIRECT_DCP_Q_GATHER="0",
+                      NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+                      VLLM_DCP_DIRECT_WORKSPACE_SIZING="decode")
+    import torch
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    import compat
+    import sparse_dcp_harness as h
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import get_dcp_group, init_distributed_environment, initialize_model_parallel
+
+    if not hasattr(torch.ops._C, "direct_dcp_a2a_lse_reduce"):
+        import vllm
+
+        torch.ops.load_library(str(Path(vllm.__file__).parent / "_C_stable_libtorch.abi3.so"))
+    dcp = compat.module("dcp")
+    a2a = compat.module("dcp_alltoall")
+    common = compat.module("ops_common")
+    report: dict[str, Any] = {"rank": rank, "checks": [], "timing": []}
+    vc = h.make_vllm_config(Path(model_dir), max_num_seqs=8, max_num_batched_tokens=8192, device="cuda")
+    with set_current_vllm_config(vc):
+        init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="nccl",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        initialize_model_parallel(tensor_model_parallel_size=world, decode_context_model_parallel_size=world)
+        group = get_dcp_group()
+
+        def manager(sizing: str):
+            os.environ["VLLM_DCP_DIRECT_WORKSPACE_SIZING"] = sizing
+            return dcp.MLADCPManager(
+                vllm_config=vc, device=device, num_heads=GPU_HEADS, query_head_dim=GPU_DIM + 64,
+                output_head_dim=GPU_DIM, query_dtype=torch.bfloat16, output_dtype=torch.bfloat16,
+                padded_num_heads=None, is_lse_base_on_e=False, use_pcp=False)
+
+        decode_mgr = manager("decode")
+        full_mgr = manager("max_num_batched_tokens")
+        cap = decode_mgr.max_num_tokens
+        report["capacity"] = {"decode": cap, "max_num_batched_tokens": full_mgr.max_num_tokens}
+        ws = decode_mgr.combine.args[0]  # the DirectDCPA2AWorkspace behind the patched combine
+        full_ws = full_mgr.combine.args[0]
+        report["workspaces"] = [type(ws).__name__, type(full_ws).__name__]
+
+        def on_gpu(kind, n):
+            out, lse, seq_lens, qsl = _gpu_batch(kind, n, rank)
+            return out.to(device), lse.to(device), seq_lens.to(device), qsl.to(device)
+
+        def err(got, kind, n):
+            ref = _gpu_reference(kind, n, rank, world)
+            return float((got.double().cpu() - ref).abs().max()), float(ref.abs().max())
+
+        def record(name, kind, n, fn):
+            out, lse, seq_lens, qsl = on_gpu(kind, n)
+            row: dict[str, Any] = {"check": name, "batch": kind, "tokens": n}
+            try:
+                got = fn(out, lse.clone(), seq_lens, qsl)
+                torch.cuda.synchronize()
+                row["max_err"], row["ref_max"] = err(got, kind, n)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"
+            group.barrier()
+            report["checks"].append(row)
+
+        unpatched = lambda o, lse_, s, q: ws.lse_reduce(o, lse_, False, seq_lens=s, query_start_loc=q)  # noqa: E731
+        patched = lambda o, lse_, s, q: decode_mgr.combine(o, lse_, seq_lens=s, query_start_loc=q)  # noqa: E731
+        nccl_a2a = lambda o, lse_, s, q: a2a.dcp_a2a_lse_reduce(  # noqa: E731
+            o, lse_, group, is_lse_base_on_e=False, seq_lens=s, query_start_loc=q)
+        ag_rs = lambda o, lse_, s, q: common.cp_lse_ag_out_rs(  # noqa: E731
+            o, lse_, group, is_lse_base_on_e=False, seq_lens=s, query_start_loc=q)
+        for n in (cap, cap + 1):
+            record("unpatched_direct", "mixed", n, unpatched)  # 0.28.0's combine = ws.lse_reduce
+            record("patched_combine", "mixed", n, patched)
+        for kind in ("mixed", "prefill"):
+            for name, fn in (("ag_rs", ag_rs), ("nccl_a2a", nccl_a2a), ("direct_a2a", unpatched)):
+                record(name, kind, cap, fn)
+            record("patched_combine", kind, 4 * cap + 3, patched)
+
+        def timed(fn, n, iters=30):
+            out, lse, seq_lens, qsl = on_gpu("prefill", n)
+            for _ in range(3):
+                fn(out, lse.clone(), seq_lens, qsl)
+            torch.cuda.synchronize()
+            group.barrier()
+            samples = []
+            for _ in range(iters):
+                lse_c = lse.clone()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn(out, lse_c, seq_lens, qsl)
+                end.record()
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(end) * 1000)
+            return sorted(samples)[len(samples) // 2]
+
+        full_direct = lambda o, lse_, s, q: full_ws.lse_reduce(o, lse_, False, seq_lens=s, query_start_loc=q)  # noqa: E731
+        t0 = time.time()
+        for n in (cap, 512, 2048, 8192):
+            report["timing"].append({"tokens": n, "direct_us": timed(full_direct, n),
+                                     "nccl_a2a_us": timed(nccl_a2a, n), "ag_rs_us": timed(ag_rs, n)})
+        report["timing_wall_s"] = time.time() - t0
+    Path(f"{out_file}.rank{rank}.json").write_text(json.dumps(report, indent=1))

@@ -41,7 +41,8 @@ GLM5_CONFIG: dict[str, Any] = {
 }
 
 
-def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 256):
+def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
+                     device: str = "cpu"):
     """A real VllmConfig for a small local GLM-5 model with TP=2, DCP=2."""
     from vllm.config import (
         CacheConfig,
@@ -57,7 +58,7 @@ def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 8, max_num_batched_
     model_config = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True,
                                dtype="bfloat16", max_model_len=4096)
     return VllmConfig(
-        device_config=DeviceConfig(device="cpu"),
+        device_config=DeviceConfig(device=device),
         model_config=model_config,
         parallel_config=ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=DCP,
                                        dcp_comm_backend="a2a"),

@@ -56,3 +56,40 @@ def test_batch_sizing_mode_keeps_every_step_direct(batch_sized, size):
         calls = rec["calls"]
         assert (calls["direct_a2a"], calls["nccl_a2a"]) == (1, 0)
         assert (calls["direct_q_gather"], calls["nccl_all_gather"]) == (1, 0)
+
+
+@pytest.mark.gpu
+def test_gpu_direct_a2a_capacity_and_transports(tmp_path):
+    """Two GPUs, vLLM's own direct A2A kernel over symmetric memory (multicast off).
+
+    0.28.0's combine (the workspace's ``lse_reduce``) raises the capacity error at capacity + 1;
+    the patched combine returns the float64 reference there and at prefill size; ag_rs, NCCL
+    a2a and direct a2a agree with the reference on mixed and pure-prefill batches. Timings
+    (direct vs NCCL fallback) go to the report named by ``DCP_A2A_GPU_REPORT``.
+    """
+    import json
+    import os
+    import socket
+
+    import sparse_dcp_harness as h
+    import torch.multiprocessing as mp
+    from dcp_direct_harness import gpu_worker
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(h.GLM5_CONFIG))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(gpu_worker, args=(2, port, str(tmp_path / "model"), str(tmp_path / "report")), nprocs=2)
+    reports = [json.loads((tmp_path / f"report.rank{r}.json").read_text()) for r in range(2)]
+    if os.environ.get("DCP_A2A_GPU_REPORT"):
+        with open(os.environ["DCP_A2A_GPU_REPORT"], "w") as f:
+            json.dump(reports, f, indent=1)
+    for rep in reports:
+        cap = rep["capacity"]["decode"]
+        for row in rep["checks"]:
+            if row["check"] == "unpatched_direct" and row["tokens"] == cap + 1:
+                assert "exceeds symmetric buffer capacity" in row.get("error", ""), row
+            else:
+                assert "error" not in row, row
+                assert row["max_err"] <= TOL * max(1.0, row["ref_max"]), row

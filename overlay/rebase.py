@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -144,11 +145,21 @@ def _junit(path: Path) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...
         bad = bad if bad is not None else case.find("error")
         if bad is not None:
             failed.append(name)
-            message = (bad.get("message") or bad.text or "").strip().splitlines()
-            reasons.append(message[0][:200] if message else "")
+            reasons.append(_reason(bad.get("message") or "", bad.text or ""))
         elif case.find("skipped") is None:
             passed.append(name)
     return tuple(passed), tuple(failed), tuple(reasons)
+
+
+_EXC = re.compile(r"^\s*(?:E\s+)?([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b.*)$")
+
+
+def _reason(message: str, text: str) -> str:
+    """One line saying why a test failed: the innermost exception, else the message's first line."""
+    found = [m[1] for line in (message + "\n" + text).splitlines() if (m := _EXC.match(line))]
+    found = [f for f in found if not f.startswith("AssertionError: Traceback")]
+    first = message.strip().splitlines()
+    return (found[-1] if found else first[0] if first else "")[:200]
 
 
 @dataclass

@@ -161,7 +161,8 @@ def test_launch_mode_server_exiting_at_startup_is_a_regression(tmp_path: Path) -
 
 def test_make_regress_passes_profile_base_url_and_out(tmp_path: Path) -> None:
     # Dry run only: the real target would first refresh the shared venv when pyproject changed.
-    out = subprocess.run(["make", "-n", "regress", "PROFILE=p.yaml", "BASE_URL=http://127.0.0.1:9", "OUT=o"],
+    out = subprocess.run(["make", "--no-print-directory", "-n", "regress", "PROFILE=p.yaml",
+                          "BASE_URL=http://127.0.0.1:9", "OUT=o"],
                          cwd=REPO, capture_output=True, text=True, check=True, timeout=30).stdout
     line = next(ln for ln in out.splitlines() if " regress " in ln).rstrip()
     assert line.endswith("-m overlay regress --profile p.yaml --out o --base-url http://127.0.0.1:9")

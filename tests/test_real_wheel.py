@@ -69,3 +69,14 @@ def test_vllm_cli_reports_the_overlay_version() -> None:
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=300, check=True, env=env)
     assert out.stdout.strip().splitlines()[-1] == expected_version()
+
+
+def test_bench_build_reports_its_numbers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from overlay.bench.build import run
+
+    out = tmp_path / "bench.json"
+    assert run(PATCHES, "0.28.0", repeat=1, json_out=out) == 0
+    doc = json.loads(out.read_text())
+    assert doc["build_s_median"] > 0 and doc["copy_s_median"] > 0
+    assert doc["ratio"] == round(doc["build_s_median"] / doc["copy_s_median"], 2)
+    assert "x the copy" in capsys.readouterr().out

@@ -78,5 +78,5 @@ def test_bench_build_reports_its_numbers(tmp_path: Path, capsys: pytest.CaptureF
     assert run(PATCHES, "0.28.0", repeat=1, json_out=out) == 0
     doc = json.loads(out.read_text())
     assert doc["build_s_median"] > 0 and doc["copy_s_median"] > 0
-    assert doc["ratio"] == round(doc["build_s_median"] / doc["copy_s_median"], 2)
+    assert abs(doc["ratio"] - doc["build_s_median"] / doc["copy_s_median"]) < 0.05 * doc["ratio"] + 0.01
     assert "x the copy" in capsys.readouterr().out

@@ -23,6 +23,14 @@ LOCATIONS: dict[str, list[tuple[str, str]]] = {
     "cp_utils": [("0.28.0", "vllm.v1.worker.cp_utils")],
     "sparse_utils": [("0.28.0", "vllm.v1.attention.backends.mla.sparse_utils")],
     "attention_layer_base": [("0.28.0", "vllm.model_executor.layers.attention_layer_base")],
+    # symmetric-memory probing and the direct workspaces' base class (0.29.0 split them out)
+    "cp_common": [("0.28.0", "vllm.v1.attention.ops.dcp_utils"), ("0.29.0", "vllm.v1.attention.ops.cp_common")],
+}
+
+# logical symbol -> [(first release, logical module, attribute)], newest last: for symbols
+# that were renamed, not only moved.
+SYMBOLS: dict[str, list[tuple[str, str, str]]] = {
+    "direct_workspace": [("0.28.0", "dcp", "_DirectDCPWorkspace"), ("0.29.0", "cp_common", "DirectCPWorkspace")],
 }
 
 
@@ -50,3 +58,13 @@ def module(name: str) -> ModuleType:
 def symbol(name: str, attr: str) -> object:
     """``getattr(module(name), attr)``."""
     return getattr(module(name), attr)
+
+
+def renamed(name: str, version: Version | None = None) -> object:
+    """The object that logical symbol ``name`` (see ``SYMBOLS``) is in the vLLM under test."""
+    version = version or vllm_version()
+    candidates = [(mod, attr) for first, mod, attr in SYMBOLS[name] if Version(first) <= version]
+    if not candidates:
+        raise LookupError(f"{name!r} has no known location in vllm {version}")
+    mod, attr = candidates[-1]
+    return getattr(importlib.import_module(module_path(mod, version)), attr)

@@ -56,18 +56,18 @@ def _install_standins(calls: dict[str, int]) -> None:
     import torch
     import torch.distributed as dist
 
-    dcp = compat.module("dcp")
     a2a = compat.module("dcp_alltoall")
     common = compat.module("ops_common")
+    workspace_cls = compat.renamed("direct_workspace")  # 0.29.0: cp_common.DirectCPWorkspace
 
     def allocate(self, shape, dtype):  # symmetric memory -> CPU tensor
         storage = torch.zeros(shape, dtype=dtype)
         self._allocations.append((storage, None, [storage]))
         return storage, torch.zeros((self.num_ubatches, self.world_size), dtype=torch.int64)
 
-    dcp._DirectDCPWorkspace._allocate = allocate
-    dcp._DirectDCPWorkspace._multicast_ptrs = lambda self, storage: [1] * self.num_ubatches
-    dcp._symm_mem_spans_group = lambda group: True
+    workspace_cls._allocate = allocate
+    workspace_cls._multicast_ptrs = lambda self, storage: [1] * self.num_ubatches
+    compat.module("cp_common")._symm_mem_spans_group = lambda group: True
     torch.accelerator.synchronize = lambda *a, **k: None
 
     def q_gather(local_query, output, signal, completion, epoch, world_size, rank, max_num_tokens,
@@ -107,8 +107,13 @@ def _install_standins(calls: dict[str, int]) -> None:
 
     class _Pack:  # Triton _dcp_a2a_pack_send_kernel[grid](...)
         def __getitem__(self, grid):
-            def run(out, lse, send, *strides, N, HEAD_DIM, H_PER_RANK, LSE_PACK_DIM):
+            def run(out, lse, send, *args, N, HEAD_DIM, H_PER_RANK, LSE_PACK_DIM, HAS_MASK=False,
+                    NUM_SEQS_POW2=None):
+                # 0.33.0 fuses the empty-shard mask into this kernel: (seq_lens, qsl, num_seqs, *strides)
                 calls["nccl_a2a"] += 1
+                if HAS_MASK:
+                    lse = lse.clone()
+                    common.mask_dcp_empty_shards_(lse, args[0], args[1])
                 b = out.shape[0]
                 for r in range(N):
                     heads = slice(r * H_PER_RANK, (r + 1) * H_PER_RANK)
@@ -127,6 +132,8 @@ def _install_standins(calls: dict[str, int]) -> None:
             return run
 
     a2a._dcp_a2a_pack_send_kernel = _Pack()
+    if not hasattr(a2a.triton, "next_power_of_2"):  # vLLM's Triton placeholder on CPU (0.33.0 grid)
+        a2a.triton.next_power_of_2 = lambda n: 1 << max(int(n) - 1, 0).bit_length()
     a2a._dcp_a2a_unpack_combine_kernel = _Unpack()
 
     orig_gather = type(_GROUP["dcp"]).all_gather

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,13 @@ NUM_HEADS = 4  # heads per TP rank
 NOPE, ROPE, LORA, V = 8, 4, 16, 8
 DCP = 2
 BLOCK = 64
+
+# vLLM inspects model classes in a subprocess (``python -m vllm.model_executor.models.registry``):
+# that process must import the same tree as this one, not the installed wheel.
+if os.environ.get("OVERLAY_VLLM_TREE") and os.environ["OVERLAY_VLLM_TREE"] not in os.environ.get(
+        "PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (os.environ["OVERLAY_VLLM_TREE"], os.environ.get("PYTHONPATH")) if p)
 
 GLM5_CONFIG: dict[str, Any] = {
     "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
@@ -69,6 +77,25 @@ def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 8, max_num_batched_
     )
 
 
+def _replace_token_to_req_kernel() -> None:
+    """0.33.0 maps tokens to requests with a Triton kernel: the same mapping in torch."""
+    try:
+        import vllm.v1.attention.ops.metadata as ops_metadata
+    except ImportError:  # releases before 0.33.0 compute it on the host
+        return
+    if not hasattr(ops_metadata, "compute_token_to_req_indices"):
+        return
+
+    def compute_token_to_req_indices(query_start_loc, out, num_mapped_tokens, num_tokens):
+        num_reqs = query_start_loc.shape[0] - 1
+        token = torch.arange(num_tokens, device=query_start_loc.device)
+        req = torch.searchsorted(query_start_loc[1:].long(), token, right=True).clamp(max=num_reqs - 1)
+        out[:num_tokens] = torch.where(token < num_mapped_tokens, req, 0).to(out.dtype)
+        return out[:num_tokens]
+
+    ops_metadata.compute_token_to_req_indices = compute_token_to_req_indices
+
+
 def build_metadata(vllm_config, layer_name: str, metadata_cls: type, query_lens: list[int],
                    seq_lens: list[int], decode_threshold: int):
     """Sparse metadata of ``metadata_cls`` from vLLM's own sparse builder for one batch.
@@ -86,6 +113,10 @@ def build_metadata(vllm_config, layer_name: str, metadata_cls: type, query_lens:
     builder_cls = type("Builder", (sparse.SparseMLACommonMetadataBuilder,), {"metadata_cls": metadata_cls})
     spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=LORA + ROPE, dtype=torch.bfloat16)
     torch_utils.PIN_MEMORY = False  # pinned host memory needs a GPU; no effect on the values
+    for mod in (sparse, compat.module("mla_attention")):  # 0.33.0 binds its own copies
+        if hasattr(mod, "PIN_MEMORY"):
+            mod.PIN_MEMORY = False
+    _replace_token_to_req_kernel()
     builder = builder_cls(spec, [layer_name], vllm_config, torch.device("cpu"))
     builder._init_reorder_batch_threshold(
         decode_threshold, supports_dcp_with_varlen=metadata_cls.__name__.startswith("FlashInfer"))
@@ -164,7 +195,9 @@ def make_layer(vllm_config, layer_name: str, recorder: Recorder, seed: int = 0,
         num_heads=NUM_HEADS, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, kv_lora_rank=LORA,
         v_head_dim=V, q_pad_num_heads=None, use_pcp=False, kv_cache_dtype="auto",
         prefill_backend=None, is_aiter_triton_fp4_bmm_enabled=False,
-        is_aiter_triton_fp8_bmm_enabled=False, _vllm_config=vllm_config, layer_name=layer_name,
+        is_aiter_triton_fp8_bmm_enabled=False, is_amx_bmm_enabled=False,  # read from 0.29.0 on
+        hisparse_cache=None,  # read from 0.33.0 on
+        _vllm_config=vllm_config, layer_name=layer_name,
         attn_backend=fi.FlashInferMLASparseTRTLLMBackend, W_UK_T_dcp_qrep=None,
     ).items():
         setattr(layer, name, value)

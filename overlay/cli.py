@@ -77,6 +77,13 @@ def cmd_bench_build(ns: argparse.Namespace) -> int:
     return run(_root(ns), ns.vllm, repeat=ns.repeat, json_out=Path(ns.json_out) if ns.json_out else None)
 
 
+def cmd_bench_merge(ns: argparse.Namespace) -> int:
+    from overlay.bench.merge import run
+
+    return run(Path(ns.out), tokens=ns.tokens, replays=ns.replays,
+               plot_from=Path(ns.plot) if ns.plot else None)
+
+
 def cmd_image(ns: argparse.Namespace) -> int:
     from overlay.image import build_image, format_plan, plan_image, prepare_kernel_source
 
@@ -179,6 +186,8 @@ COMMANDS: dict[str, tuple[str, Handler]] = {
     "workspace-plan": ("capacity (tokens) and bytes per GPU of the direct DCP q-gather and A2A workspaces, "
                        "both sizing modes, from flags or a regress profile", cmd_workspace_plan),
     "bench-build": ("time a rebuild from the cached wheel against a plain copy of it", cmd_bench_build),
+    "bench-merge": ("two GPUs: DCP merge + W_UV projection, merge-then-project vs project-then-merge, "
+                    "per transport (table, JSON, PNG)", cmd_bench_merge),
     "image": ("Docker image over the official vLLM image; kernels rebuilt only for kernel patches",
               cmd_image),
     "regress": ("GSM8K, long context, acceptance and latency of a served build against a profile's "
@@ -270,6 +279,11 @@ def parser() -> argparse.ArgumentParser:
         elif name == "bench-build":
             sp.add_argument("--repeat", type=int, default=5)
             sp.add_argument("--json-out")
+        elif name == "bench-merge":
+            sp.add_argument("--out", default="bench-merge", help="folder for merge.json/.txt/.png")
+            sp.add_argument("--tokens", type=int, nargs="+", help="token counts (default 1 16 128 768 8192)")
+            sp.add_argument("--replays", type=int, default=50, help="timed CUDA-graph replays (>= 50)")
+            sp.add_argument("--plot", help="only draw the table and plot from this merge.json")
     return p
 
 

@@ -1,0 +1,324 @@
+"""``make bench-merge``: DCP merge + W_UV projection, merge-then-project vs project-then-merge.
+
+Two ranks (one process per GPU, NCCL, vLLM's own DCP group with DCP = TP = 2). For each model's
+dimensions, token count and transport, both orders run through the patched vLLM's own code:
+
+- baseline (vLLM 0.28.0's order): the transport merges the latent partials
+  ``[T, 2 * heads, kv_lora_rank]``, then ``MLAAttention._v_up_proj`` projects this rank's heads;
+- optimized (dcp-project-before-merge): ``MLAAttention._dcp_project_and_merge`` projects every
+  gathered head through the DCP-gathered ``W_UV`` and the transport merges
+  ``[T, 2 * heads, v_head_dim]``.
+
+Transports: ``ag_rs`` (``cp_lse_ag_out_rs``), ``nccl_a2a`` (``dcp_a2a_lse_reduce``) and
+``direct_a2a`` (vLLM's symmetric-memory kernel, when it loads). Each is timed under CUDA-graph
+replay (median of ``--replays`` replays after warm-up, each replay fenced by a barrier and
+holding 10 back-to-back merges, reported per merge; the slower rank's median counts) and
+eagerly the same way. Payload: the bytes of the partial outputs handed to
+the merge, per rank. Outputs ``merge.json``, a text table (``merge.txt``) and ``merge.png``
+(matplotlib, Agg; with ``--plot JSON`` the plot is drawn from an earlier run's JSON, e.g. on a
+machine without matplotlib next to the GPUs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+MODELS: dict[str, dict[str, int]] = {
+    "GLM-5": {"heads": 8, "kv_lora_rank": 512, "v_head_dim": 256},
+    "DeepSeek-V3.2": {"heads": 8, "kv_lora_rank": 512, "v_head_dim": 128},
+}
+TOKENS = [1, 16, 128, 768, 8192]
+TRANSPORTS = ["ag_rs", "nccl_a2a", "direct_a2a"]
+
+
+def _combine_fn(transport: str, group: Any, device: Any, heads: int, head_dim: int,
+                max_tokens: int) -> Any:
+    """The vLLM combine of ``transport`` for ``head_dim``-wide partials (None if unavailable)."""
+    import functools
+
+    from vllm.v1.attention.ops.common import cp_lse_ag_out_rs
+    from vllm.v1.attention.ops.dcp_alltoall import dcp_a2a_lse_reduce
+
+    if transport == "ag_rs":
+        return functools.partial(cp_lse_ag_out_rs, cp_group=group, is_lse_base_on_e=True)
+    if transport == "nccl_a2a":
+        return functools.partial(dcp_a2a_lse_reduce, cp_group=group, is_lse_base_on_e=True)
+    import torch
+    from vllm.v1.attention.ops import dcp_utils
+
+    os.environ["VLLM_USE_DIRECT_DCP_A2A"] = "1"
+    ws = dcp_utils.get_direct_dcp_a2a_workspace(group, device, max_tokens, heads, head_dim,
+                                                torch.bfloat16, 1)
+    if ws is None:
+        return None
+    return lambda out, lse, **_: ws.lse_reduce(out, lse, True)
+
+
+def _time(fn: Any, replays: int, group: Any, graph: bool, inner: int = 10) -> float:
+    """Median microseconds per call of ``fn``, slower rank's.
+
+    One sample is ``inner`` back-to-back calls (one CUDA graph holding them, or eager calls)
+    after a barrier, divided by ``inner``: the two ranks' launch skew at the barrier is spread
+    over the calls instead of dominating a ~30 us decode-sized merge.
+    """
+    import torch
+
+    def calls() -> None:
+        for _ in range(inner):
+            fn()
+
+    if graph:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        group.barrier()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            calls()
+        step = g.replay
+    else:
+        step = calls
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(replays):
+        group.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1000.0 / inner)
+    med = torch.tensor([statistics.median(samples)], device="cuda")
+    torch.distributed.all_reduce(med, op=torch.distributed.ReduceOp.MAX, group=group.device_group)
+    return float(med.item())
+
+
+def _steps(layer: Any, base_combine: Any, partial: Any, lse: Any) -> tuple[Any, Any, Any, Any]:
+    """(baseline step, optimized step, baseline output, optimized output) for one batch."""
+    import torch
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    out_base = torch.empty(partial.shape[0], layer.num_heads * layer.v_head_dim,
+                           dtype=torch.bfloat16, device=partial.device)
+    out_opt = torch.empty_like(out_base)
+    lse_b, lse_o = lse.clone(), lse.clone()
+
+    def baseline() -> None:  # vLLM 0.28.0's order: merge the latent partials, then project
+        merged = base_combine(partial, lse_b, seq_lens=None, query_start_loc=None)
+        MLAAttention._v_up_proj(layer, merged, out=out_base)
+
+    def optimized() -> None:  # the patch: project every gathered head, then merge
+        MLAAttention._dcp_project_and_merge(layer, partial, lse_o, seq_lens=None,
+                                            query_start_loc=None, out=out_opt)
+
+    return baseline, optimized, out_base, out_opt
+
+
+def _worker(rank: int, world: int, port: int, tokens: list[int], replays: int, out_file: str) -> None:
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    import torch
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    from vllm.config import DeviceConfig, ParallelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed.parallel_state import (
+        get_dcp_group,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    if not hasattr(torch.ops._C, "direct_dcp_a2a_lse_reduce"):
+        import vllm
+
+        try:
+            torch.ops.load_library(str(Path(vllm.__file__).parent / "_C_stable_libtorch.abi3.so"))
+        except OSError:
+            pass  # no compiled kernels: the direct transport is reported unavailable
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    vc = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=world,
+                                                   decode_context_parallel_size=world),
+                    device_config=DeviceConfig(device="cuda"))
+    with set_current_vllm_config(vc):
+        init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="nccl",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        initialize_model_parallel(tensor_model_parallel_size=world,
+                                  decode_context_model_parallel_size=world)
+        group = get_dcp_group()
+        max_tokens = max(tokens)
+        for model, dims in MODELS.items():
+            heads, lora, v = dims["heads"], dims["kv_lora_rank"], dims["v_head_dim"]
+            gen = torch.Generator(device=device).manual_seed(11 + rank)
+            w_uv = torch.randn(heads, lora, v, generator=gen, device=device).bfloat16() / lora**0.5
+            w_uv_dcp = group.all_gather(w_uv.contiguous(), dim=0)
+            for transport in TRANSPORTS:
+                try:
+                    base_combine = _combine_fn(transport, group, device, heads, lora, max_tokens)
+                    opt_combine = _combine_fn(transport, group, device, heads, v, max_tokens)
+                except Exception as exc:  # e.g. symmetric memory unavailable
+                    base_combine = opt_combine = None
+                    notes.append(f"{model} {transport}: {type(exc).__name__}: {exc}")
+                if base_combine is None or opt_combine is None:
+                    notes.append(f"{model} {transport}: not available here")
+                    continue
+                layer = SimpleNamespace(
+                    num_heads=heads, kv_lora_rank=lora, v_head_dim=v, W_UV=w_uv, W_UV_dcp=w_uv_dcp,
+                    is_aiter_triton_fp4_bmm_enabled=False, is_aiter_triton_fp8_bmm_enabled=False,
+                    dcp_row_valid_counts=None, dcp_manager=SimpleNamespace(combine=opt_combine))
+                for n in tokens:
+                    g2 = torch.Generator(device=device).manual_seed(1000 * rank + n)
+                    partial = torch.randn(n, world * heads, lora, generator=g2, device=device).bfloat16()
+                    lse = torch.randn(n, world * heads, generator=g2, device=device) * 3
+                    baseline, optimized, out_base, out_opt = _steps(layer, base_combine, partial, lse)
+                    row: dict[str, Any] = {
+                        "model": model, "transport": transport, "tokens": n,
+                        "payload_baseline_bytes": n * world * heads * lora * 2,
+                        "payload_optimized_bytes": n * world * heads * v * 2,
+                    }
+                    try:
+                        baseline()
+                        optimized()
+                        torch.cuda.synchronize()
+                        ref = out_base.float()
+                        row["max_abs_diff"] = float((out_opt.float() - ref).abs().max())
+                        row["ref_max"] = float(ref.abs().max())
+                        for mode in ("eager", "graph"):
+                            try:
+                                row[f"baseline_{mode}_us"] = _time(baseline, replays, group, mode == "graph")
+                                row[f"optimized_{mode}_us"] = _time(optimized, replays, group, mode == "graph")
+                                row[f"speedup_{mode}"] = row[f"baseline_{mode}_us"] / row[f"optimized_{mode}_us"]
+                            except Exception as exc:
+                                row[f"{mode}_error"] = f"{type(exc).__name__}: {exc}"
+                                notes.append(f"{model} {transport} T={n} {mode}: "
+                                             f"{traceback.format_exc(limit=4)}")
+                                torch.cuda.synchronize()
+                                group.barrier()
+                    except Exception as exc:
+                        row["error"] = f"{type(exc).__name__}: {exc}"
+                        notes.append(f"{model} {transport} T={n}: {traceback.format_exc(limit=3)}")
+                    rows.append(row)
+                    group.barrier()
+    if rank == 0:
+        Path(out_file).write_text(json.dumps({
+            "world": world, "replays": replays, "models": MODELS, "tokens": tokens, "rows": rows,
+            "notes": notes, "gpu": torch.cuda.get_device_name(0),
+            "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")},
+        }, indent=1))
+
+
+def table(result: dict[str, Any]) -> str:
+    """The text table of a run."""
+    head = (f"{'model':<14}{'transport':<12}{'T':>6}{'payload B->O (KiB)':>22}{'ratio':>7}"
+            f"{'graph base us':>15}{'graph opt us':>14}{'x':>7}{'eager base':>12}{'eager opt':>11}{'x':>7}")
+    lines = [head, "-" * len(head)]
+    for r in result["rows"]:
+        pay = f"{r['payload_baseline_bytes'] / 1024:.0f} -> {r['payload_optimized_bytes'] / 1024:.0f}"
+        ratio = r["payload_baseline_bytes"] / r["payload_optimized_bytes"]
+        if "error" in r:
+            lines.append(f"{r['model']:<14}{r['transport']:<12}{r['tokens']:>6}{pay:>22}{ratio:>7.2f}  "
+                         f"error: {r['error'][:60]}")
+            continue
+
+        def cell(key: str, width: int, fmt: str = ".1f", r: dict[str, Any] = r) -> str:
+            return f"{r[key]:>{width}{fmt}}" if key in r else f"{'-':>{width}}"
+
+        lines.append(
+            f"{r['model']:<14}{r['transport']:<12}{r['tokens']:>6}{pay:>22}{ratio:>7.2f}"
+            f"{cell('baseline_graph_us', 15)}{cell('optimized_graph_us', 14)}{cell('speedup_graph', 7, '.2f')}"
+            f"{cell('baseline_eager_us', 12)}{cell('optimized_eager_us', 11)}{cell('speedup_eager', 7, '.2f')}")
+    lines += [f"note: {n.strip()}" for n in result.get("notes", [])]
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], png: Path) -> None:
+    """Latency under CUDA graphs against T, per model and transport (log-log), to ``png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(result["models"])
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.8), squeeze=False)
+    for ax, model in zip(axes[0], models, strict=True):
+        for i, transport in enumerate(TRANSPORTS):
+            rows = [r for r in result["rows"] if r["model"] == model and r["transport"] == transport
+                    and "baseline_graph_us" in r]
+            if not rows:
+                continue
+            t = [r["tokens"] for r in rows]
+            color = f"C{i}"
+            ax.plot(t, [r["baseline_graph_us"] for r in rows], "--o", color=color,
+                    label=f"{transport}: merge, then project")
+            ax.plot(t, [r["optimized_graph_us"] for r in rows], "-s", color=color,
+                    label=f"{transport}: project, then merge")
+        dims = result["models"][model]
+        ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="latency (us, CUDA graph median)",
+               title=f"{model}: kv_lora_rank {dims['kv_lora_rank']} -> v_head_dim {dims['v_head_dim']}, "
+                     f"{dims['heads']} heads/rank")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"DCP merge + W_UV projection, {result['world']} ranks ({result.get('gpu', '')})")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(result: dict[str, Any], out_dir: Path) -> None:
+    """``merge.txt`` and ``merge.png`` next to ``merge.json`` (the plot needs matplotlib)."""
+    text = table(result)
+    (out_dir / "merge.txt").write_text(text + "\n")
+    print(text)
+    try:
+        plot(result, out_dir / "merge.png")
+        print(f"plot: {out_dir / 'merge.png'}")
+    except ImportError:
+        print("matplotlib missing here: draw the plot later with --plot merge.json")
+
+
+def run(out_dir: Path, *, tokens: list[int] | None = None, replays: int = 50,
+        plot_from: Path | None = None) -> int:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    replays = max(replays, 50)  # the median of at least 50 replays
+    if plot_from is not None:
+        result = json.loads(plot_from.read_text())
+        write_outputs(result, out_dir)
+        return 0
+    import torch
+    import torch.multiprocessing as mp
+
+    if torch.cuda.device_count() < 2:
+        print("bench-merge needs two CUDA GPUs (e.g. the nvidia-h200-x2 device)", file=sys.stderr)
+        return 2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    json_path = out_dir / "merge.json"
+    mp.spawn(_worker, args=(2, port, tokens or TOKENS, replays, str(json_path)), nprocs=2)
+    write_outputs(json.loads(json_path.read_text()), out_dir)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("bench-merge"))
+    ap.add_argument("--tokens", type=int, nargs="+", default=None)
+    ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--plot", type=Path, default=None, help="only draw table + plot from this JSON")
+    ns = ap.parse_args(argv)
+    return run(ns.out, tokens=ns.tokens, replays=ns.replays, plot_from=ns.plot)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -153,6 +153,7 @@ def follow_deleted(repo: Path, old_rev: str, threshold: float = CONTAINMENT) -> 
     ``threshold`` of the old file's lines gets ``git merge-file <it> <old> <patched>``. A clean
     merge is staged; one with conflicts leaves markers there (and stays for a person).
     """
+    repo = repo.resolve()  # the scratch and target paths below are handed to git, which runs in repo
     followed: list[Followed] = []
     pending = [p for p in unmerged(repo) if _stages(repo, p) == {1, 3}]
     if not pending:

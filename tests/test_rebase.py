@@ -411,3 +411,34 @@ def test_real_releases_rename_dcp_utils_to_dcp(tmp_path: Path) -> None:
     assert entry["outcome"] == "refreshed"
     assert f"followed {path} to vllm/v1/attention/ops/dcp.py" in entry["evidence"]
     assert Patch.load(root / "0.29.0" / "dcp-comment.patch").touched == ("vllm/v1/attention/ops/dcp.py",)
+
+
+@pytest.mark.slow
+def test_committed_0_33_0_series_applies_to_its_wheel() -> None:
+    """``patches/0.33.0`` (written by the real rebase) applies to the pinned 0.33.0 wheel, as in
+    ``overlay status --vllm 0.33.0``; the wheel comes from the cache (sha256 checked), never pip."""
+    from overlay.pins import load_pin
+    from overlay.status import series_status
+
+    patches = Path(__file__).resolve().parent.parent / "patches"
+    pin = load_pin(patches, "0.33.0")
+    wheel = _cached_wheel("0.33.0")
+    if wheel is None or wheel.name != pin.wheel:
+        pytest.skip("needs the 0.33.0 wheel in the cache (make build VLLM=0.33.0 fetches it)")
+    assert sha256_file(wheel) == pin.sha256
+    rows = series_status(patches, "0.33.0", base_wheel=wheel)
+    assert [r.name for r in rows] == [p.name for p in Series.load(patches / "0.33.0").patches]
+    assert rows and all(r.applies for r in rows), [(r.name, r.detail) for r in rows if not r.applies]
+
+
+def test_absorbed_file_conflict_with_a_relative_work_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The folded file's merge conflicts and the work dir is relative (as `.work/rebase-<to>` is):
+    the conflict is left staged in the absorbing file, not a failing ``git hash-object``."""
+    target = {**TARGET, "vllm/v1/attention/ops/dcp.py": lines("dcp", 40) + lines("newdcp", 12),
+              "vllm/v1/attention/ops/big.py": lines("big", 150) + lines("a2a", 30, l15="a2a_15 = 'upstream'")}
+    root = tmp_path / "patches"
+    series_dir(root, {"f.patch": make_patch(tmp_path, "f", CASES["absorbed-file"][0])})
+    monkeypatch.chdir(tmp_path)
+    out = start(root, FROM, TARGET_PIN, fill(BASE), fill(target), work=Path("w"), tests_dir=tmp_path)
+    assert not out.done and not (root / TO).exists()
+    assert "vllm/v1/attention/ops/big.py" in {h.path for h in out.conflict}, out.message

@@ -416,15 +416,14 @@ def test_real_releases_rename_dcp_utils_to_dcp(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_committed_0_33_0_series_applies_to_its_wheel() -> None:
     """``patches/0.33.0`` (written by the real rebase) applies to the pinned 0.33.0 wheel, as in
-    ``overlay status --vllm 0.33.0``; the wheel comes from the cache (sha256 checked), never pip."""
+    ``overlay status --vllm 0.33.0``; the wheel is fetched once into the cache and verified."""
+    from overlay.fetch import fetch_wheel
     from overlay.pins import load_pin
     from overlay.status import series_status
 
     patches = Path(__file__).resolve().parent.parent / "patches"
     pin = load_pin(patches, "0.33.0")
-    wheel = _cached_wheel("0.33.0")
-    if wheel is None or wheel.name != pin.wheel:
-        pytest.skip("needs the 0.33.0 wheel in the cache (make build VLLM=0.33.0 fetches it)")
+    wheel = fetch_wheel(pin)
     assert sha256_file(wheel) == pin.sha256
     rows = series_status(patches, "0.33.0", base_wheel=wheel)
     assert [r.name for r in rows] == [p.name for p in Series.load(patches / "0.33.0").patches]

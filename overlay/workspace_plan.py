@@ -37,6 +37,11 @@ _SIGNAL_BYTES = 4  # int32
 _LSE_BYTES = 4  # float32
 
 
+HOPPER_DEFAULT_MAX_CAPTURE = 512
+SERVE_DEFAULT_MAX_NUM_SEQS = 1024
+SERVE_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
 def tokens_per_seq(speculative_tokens: int = 0, parallel_drafting: bool = False) -> int:
     """Query tokens one decode sequence brings to a step: 1 + s (2s with parallel drafting)."""
     return 1 + (2 if parallel_drafting else 1) * speculative_tokens
@@ -117,6 +122,19 @@ class ServingConfig:
     def heads_per_rank(self) -> int:
         return self.num_heads // self.tp
 
+    @property
+    def effective_cudagraph_capture_size(self) -> int:
+        """The capture size vLLM 0.28.0 uses: the given one, else its Hopper default.
+
+        ``VllmConfig._set_cudagraph_sizes`` picks ``min(max_num_seqs * (1 + speculative
+        tokens) * 2, 512)`` (1024 on Blackwell), capped by the batched tokens, when
+        ``--max-cudagraph-capture-size`` is not given.
+        """
+        if self.cudagraph_capture_size is not None:
+            return self.cudagraph_capture_size
+        return min(self.max_num_seqs * (1 + self.speculative_tokens) * 2, HOPPER_DEFAULT_MAX_CAPTURE,
+                   self.max_num_batched_tokens)
+
 
 @dataclass(frozen=True)
 class SizingRow:
@@ -154,7 +172,7 @@ def plan(config: ServingConfig) -> Plan:
     for sizing in SIZINGS:
         tokens = capacity_tokens(config.max_num_seqs, config.max_num_batched_tokens,
                                  config.speculative_tokens, config.parallel_drafting,
-                                 config.cudagraph_capture_size, sizing)
+                                 config.effective_cudagraph_capture_size, sizing)
         rows.append(SizingRow(
             sizing=sizing, tokens=tokens,
             q_gather_bytes=q_gather_workspace_bytes(
@@ -203,7 +221,10 @@ def config_from_profile(name_or_path: str) -> dict[str, Any]:
     from overlay.regress.profiles import load_profile
 
     server = load_profile(name_or_path).server
-    found: dict[str, Any] = {}
+    # What `vllm serve` 0.28.0 uses on H100/H200 (>= 70 GiB, not A100) when a flag is absent
+    # (EngineArgs: OPENAI_API_SERVER defaults), so an unset flag is sized as served.
+    found: dict[str, Any] = {"max_num_seqs": SERVE_DEFAULT_MAX_NUM_SEQS,
+                             "max_num_batched_tokens": SERVE_DEFAULT_MAX_NUM_BATCHED_TOKENS}
     for key, flags in (("tp", ("--tensor-parallel-size", "-tp")),
                        ("dcp", ("--decode-context-parallel-size", "-dcp")),
                        ("max_num_seqs", ("--max-num-seqs",)),

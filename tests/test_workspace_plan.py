@@ -131,3 +131,20 @@ def test_profile_is_read_and_flags_override():
     assert build_config(name, dcp=2).dcp == 2
     seeded = build_config(name, parallel_drafting=True)
     assert plan(seeded).row("decode").tokens == capacity_tokens(128, 8192, 5, True) == 1408
+
+
+@pytest.mark.parametrize("profile", ["glm5.2-fp8-tp8-dcp8", "glm5.2-nvfp4-tp8-dcp4-mtp5-a2a"])
+def test_shipped_profiles_state_the_capacity_their_server_has(profile: str) -> None:
+    """The long-context check must overflow the real capacity: the profile's number is computed."""
+    from overlay.regress.profiles import load_profile
+
+    stated = load_profile(profile).long_context.workspace_capacity_tokens
+    assert stated == plan(build_config(profile)).row("decode").tokens
+
+
+def test_default_cudagraph_capture_size_follows_vllm() -> None:
+    assert ServingConfig(max_num_seqs=128).effective_cudagraph_capture_size == 256
+    assert ServingConfig(max_num_seqs=128, speculative_tokens=5).effective_cudagraph_capture_size == 512
+    assert ServingConfig(max_num_seqs=4, max_num_batched_tokens=4).effective_cudagraph_capture_size == 4
+    assert ServingConfig(cudagraph_capture_size=64).effective_cudagraph_capture_size == 64
+    assert plan(ServingConfig(max_num_seqs=128)).row("decode").tokens == 256

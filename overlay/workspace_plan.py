@@ -199,7 +199,8 @@ def format_plan(p: Plan) -> str:
         f"kv_lora_rank {c.kv_lora_rank}, rope {c.qk_rope_head_dim}",
         f"max_num_seqs {c.max_num_seqs}, {spec} -> {tokens_per_seq(c.speculative_tokens, c.parallel_drafting)}"
         f" tokens/seq; max_num_batched_tokens {c.max_num_batched_tokens}; "
-        f"cudagraph capture {c.cudagraph_capture_size or 0}; ubatches {c.num_ubatches}",
+        f"cudagraph capture {c.effective_cudagraph_capture_size}"
+        f"{'' if c.cudagraph_capture_size is not None else ' (vLLM default)'}; ubatches {c.num_ubatches}",
         f"q-gather: {q_heads} query heads x {c.kv_lora_rank + c.qk_rope_head_dim} x {c.query_dtype_bytes} B; "
         f"A2A: {c.dcp} ranks x 2 buffers x {c.heads_per_rank} heads x {c.kv_lora_rank} x "
         f"{c.output_dtype_bytes} B (+ fp32 LSE)",

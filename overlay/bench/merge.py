@@ -7,7 +7,10 @@ dimensions, token count and transport, both orders run through the patched vLLM'
   ``[T, 2 * heads, kv_lora_rank]``, then ``MLAAttention._v_up_proj`` projects this rank's heads;
 - optimized (dcp-project-before-merge): ``MLAAttention._dcp_project_and_merge`` projects every
   gathered head through the DCP-gathered ``W_UV`` and the transport merges
-  ``[T, 2 * heads, v_head_dim]``.
+  ``[T, 2 * heads, v_head_dim]``, through the transport's fused ``project_combine``
+  (``cp_lse_ag_out_rs_project``, ``dcp_a2a_project_lse_reduce``,
+  ``MLADCPManager._project_combine_direct_a2a``): the projection lands in the layout the
+  transport sends and the merge writes this rank's heads into the output.
 
 Transports: ``ag_rs`` (``cp_lse_ag_out_rs``), ``nccl_a2a`` (``dcp_a2a_lse_reduce``) and
 ``direct_a2a`` (vLLM's symmetric-memory kernel, when it loads). Each is timed under CUDA-graph
@@ -61,6 +64,29 @@ def _combine_fn(transport: str, group: Any, device: Any, heads: int, head_dim: i
     if ws is None:
         return None
     return lambda out, lse, **_: ws.lse_reduce(out, lse, True)
+
+
+def _project_fn(transport: str, group: Any, device: Any, heads: int, v_head_dim: int,
+                max_tokens: int) -> Any:
+    """The patch's fused project-and-merge of ``transport`` (``MLADCPManager.project_combine``)."""
+    import functools
+
+    from vllm.v1.attention.ops import dcp_utils
+    from vllm.v1.attention.ops.common import cp_lse_ag_out_rs_project
+    from vllm.v1.attention.ops.dcp_alltoall import dcp_a2a_project_lse_reduce
+
+    if transport == "ag_rs":
+        return functools.partial(cp_lse_ag_out_rs_project, cp_group=group, is_lse_base_on_e=True)
+    if transport == "nccl_a2a":
+        return functools.partial(dcp_a2a_project_lse_reduce, cp_group=group, is_lse_base_on_e=True)
+    import torch
+
+    ws = dcp_utils.get_direct_dcp_a2a_workspace(group, device, max_tokens, heads, v_head_dim,
+                                                torch.bfloat16, 1)
+    if ws is None:
+        return None
+    return functools.partial(dcp_utils.MLADCPManager._project_combine_direct_a2a,
+                             SimpleNamespace(group=group), ws, is_lse_base_on_e=True)
 
 
 def _time(fn: Any, replays: int, group: Any, graph: bool, inner: int = 10) -> float:
@@ -167,16 +193,18 @@ def _worker(rank: int, world: int, port: int, tokens: list[int], replays: int, o
                 try:
                     base_combine = _combine_fn(transport, group, device, heads, lora, max_tokens)
                     opt_combine = _combine_fn(transport, group, device, heads, v, max_tokens)
+                    project_combine = _project_fn(transport, group, device, heads, v, max_tokens)
                 except Exception as exc:  # e.g. symmetric memory unavailable
                     base_combine = opt_combine = None
                     notes.append(f"{model} {transport}: {type(exc).__name__}: {exc}")
-                if base_combine is None or opt_combine is None:
+                if base_combine is None or opt_combine is None or project_combine is None:
                     notes.append(f"{model} {transport}: not available here")
                     continue
                 layer = SimpleNamespace(
                     num_heads=heads, kv_lora_rank=lora, v_head_dim=v, W_UV=w_uv, W_UV_dcp=w_uv_dcp,
                     is_aiter_triton_fp4_bmm_enabled=False, is_aiter_triton_fp8_bmm_enabled=False,
-                    dcp_row_valid_counts=None, dcp_manager=SimpleNamespace(combine=opt_combine))
+                    dcp_row_valid_counts=None, dcp_manager=SimpleNamespace(combine=opt_combine,
+                                                project_combine=project_combine))
                 for n in tokens:
                     g2 = torch.Generator(device=device).manual_seed(1000 * rank + n)
                     partial = torch.randn(n, world * heads, lora, generator=g2, device=device).bfloat16()

@@ -200,6 +200,8 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
                 latent_mgr, projected_mgr = manager(transport, lora), manager(transport, v)
                 kinds = [getattr(m.combine, "func", m.combine).__name__
                          for m in (latent_mgr, projected_mgr)]
+                fused = getattr(projected_mgr, "project_combine", None)  # the fused merge used
+                kinds.append(getattr(fused, "func", fused).__name__ if fused is not None else None)
                 for name, *_ in BATCHES:
                     out, lse, seq_lens, qsl, valid = (
                         t.to(device) for t in batch_tensors(name, rank, world * heads, lora))

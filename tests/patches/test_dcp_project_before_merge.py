@@ -59,9 +59,11 @@ def test_gathered_w_uv_and_manager_sized_for_v_head_dim(cpu_reports) -> None:
     for rep in cpu_reports:
         assert rep["W_UV_dcp_shape"] == [8, 64, 32]  # dcp * heads, kv_lora_rank, v_head_dim
         names = {tuple(r["combine"]) for r in rep["checks"]}
-        assert names == {("cp_lse_ag_out_rs", "cp_lse_ag_out_rs"),
-                         ("dcp_a2a_lse_reduce", "dcp_a2a_lse_reduce"),
-                         ("_combine_direct_a2a", "_combine_direct_a2a")}
+        # (latent combine, projected combine, fused project-and-merge the layer calls)
+        assert names == {("cp_lse_ag_out_rs", "cp_lse_ag_out_rs", "cp_lse_ag_out_rs_project"),
+                         ("dcp_a2a_lse_reduce", "dcp_a2a_lse_reduce", "dcp_a2a_project_lse_reduce"),
+                         ("_combine_direct_a2a", "_combine_direct_a2a",
+                          "_project_combine_direct_a2a")}
 
 
 @pytest.mark.parametrize(("env", "dcp", "pcp", "expected"), [
@@ -117,6 +119,9 @@ def _forward(vllm_config, name: str, batch: str, project: bool):
         return merged[:, :h.NUM_HEADS].to(partial_output.dtype)
 
     layer.dcp_manager.combine = combine
+    # The layer's generic path (bmm, then the manager's combine): the fused per-transport
+    # combines are checked on two real ranks by the harness.
+    layer.dcp_manager.project_combine = None
     if project:  # what __init__ / process_weights_after_loading set up with the switch on
         layer.dcp_project_before_merge = True
         layer.W_UV_dcp = torch.cat([layer.W_UV, peer_w_uv])

@@ -25,6 +25,7 @@ import os
 import socket
 import sys
 import traceback
+import types
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,10 @@ def make_layer(heads: int, nope: int, lora: int, v: int, rank: int, device: Any,
         setattr(layer, key, value)
     for scale in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale"):
         setattr(layer, scale, torch.ones((), device=device))
+    # 0.29.0+: process_weights_after_loading first lets the backend impl pack its own
+    # weights (a no-op unless overridden) and checks the AMX path; unused by 0.28.0.
+    layer.impl = types.SimpleNamespace(process_weights_after_loading=lambda act_dtype: None)
+    layer.is_amx_bmm_enabled = False
     layer.process_weights_after_loading(torch.bfloat16)
     return layer
 
@@ -139,6 +144,16 @@ def _install_ag_rs_standin() -> None:
         new_out.copy_(res)
 
     common.CPTritonContext.call_kernel = call_kernel
+    if hasattr(common, "_CORRECT_ATTN_CP_OUT_KERNEL"):
+        # 0.29.0+: correct_attn_out launches a jit-warmup kernel object, not through the
+        # context; stand in for the whole function with the same arithmetic.
+        def correct_attn_out(out, lses, cp_rank, ctx=None, is_lse_base_on_e=True):
+            vlse = torch.empty(lses.shape[1:], dtype=lses.dtype, device=lses.device)
+            call_kernel(None, None, None, out, out, lses, vlse, cp_rank, HEAD_DIM=out.shape[-1],
+                        N_ROUNDED=lses.shape[0], IS_BASE_E=is_lse_base_on_e)
+            return out, vlse
+
+        common.correct_attn_out = correct_attn_out
 
 
 def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_path: list[str],

@@ -34,6 +34,13 @@ SYMBOLS: dict[str, list[tuple[str, str, str]]] = {
 }
 
 
+# logical name -> [(first release, attribute name)], newest last: names that tests compare
+# against recorded call names (methods renamed without moving).
+NAMES: dict[str, list[tuple[str, str]]] = {
+    "combine_direct_a2a": [("0.28.0", "_combine_direct_a2a"), ("0.29.0", "_direct_workspace_combine")],
+}
+
+
 def vllm_version() -> Version:
     """The release of the vLLM being tested (local label dropped)."""
     import vllm
@@ -68,3 +75,12 @@ def renamed(name: str, version: Version | None = None) -> object:
         raise LookupError(f"{name!r} has no known location in vllm {version}")
     mod, attr = candidates[-1]
     return getattr(importlib.import_module(module_path(mod, version)), attr)
+
+
+def name(key: str, version: Version | None = None) -> str:
+    """The attribute name logical ``key`` (see ``NAMES``) has in the vLLM under test."""
+    version = version or vllm_version()
+    candidates = [attr for first, attr in NAMES[key] if Version(first) <= version]
+    if not candidates:
+        raise LookupError(f"{key!r} has no known name in vllm {version}")
+    return candidates[-1]

@@ -62,7 +62,7 @@ def test_gathered_w_uv_and_manager_sized_for_v_head_dim(cpu_reports) -> None:
         # (latent combine, projected combine, fused project-and-merge the layer calls)
         assert names == {("cp_lse_ag_out_rs", "cp_lse_ag_out_rs", "cp_lse_ag_out_rs_project"),
                          ("dcp_a2a_lse_reduce", "dcp_a2a_lse_reduce", "dcp_a2a_project_lse_reduce"),
-                         ("_combine_direct_a2a", "_combine_direct_a2a",
+                         (compat.name("combine_direct_a2a"), compat.name("combine_direct_a2a"),
                           "_project_combine_direct_a2a")}
 
 

@@ -24,7 +24,7 @@ def _root(ns: argparse.Namespace) -> Path:
 
 def cmd_build(ns: argparse.Namespace) -> int:
     from overlay.build import build
-    from overlay.install import install
+    from overlay.install import cpu_installable, install
 
     kernels = None
     if ns.kernels:
@@ -35,7 +35,11 @@ def cmd_build(ns: argparse.Namespace) -> int:
                    base_wheel=Path(ns.base_wheel) if ns.base_wheel else None, kernels=kernels)
     print(f"built {result.wheel} ({result.version}, {result.patches} patch(es), {result.seconds:.2f} s)",
           file=sys.stderr)
-    if ns.install:
+    why_not = cpu_installable(result.wheel) if ns.install else None
+    if why_not:
+        print(f"not installed into {ns.install}: {why_not}; install it on a GPU machine with "
+              f"`pip install {result.wheel}`", file=sys.stderr)
+    elif ns.install:
         install(result.wheel, Path(ns.install), with_deps=not ns.no_deps)
         print(f"installed {result.version} into {ns.install}", file=sys.stderr)
     print(result.wheel)

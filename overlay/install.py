@@ -49,6 +49,20 @@ def requirements(wheel: Path, skip: frozenset[str] = CPU_SKIP) -> list[str]:
     return out
 
 
+def cpu_installable(wheel: Path) -> str | None:
+    """Why ``wheel`` cannot go into the CPU environment, or None when it can.
+
+    Later releases pin a newer torch (0.33.0: torch 2.14.0, a CUDA build of several GB), which
+    would replace the CPU torch 2.13.0 the environment and the tests are built on.
+    """
+    cpu = TORCH_CPU.split("==", 1)[1]
+    for line in requirements(wheel, skip=frozenset()):
+        req = Requirement(line)
+        if req.name.lower() == "torch" and req.specifier and not req.specifier.contains(cpu):
+            return f"it requires torch{req.specifier}, and this environment is built on CPU torch {cpu}"
+    return None
+
+
 def _pip(python: Path, args: list[str]) -> None:
     quiet = [] if sys.stderr.isatty() else ["-q"]
     proc = subprocess.run([str(python), "-m", "pip", *args, *quiet], check=False)

@@ -58,8 +58,13 @@ def absorbed_in(patches_root: Path, version: str) -> dict[str, str]:
         if doc.get("from") != version:
             continue
         for entry in entries:
-            into = found if entry.get("outcome") in UPSTREAM_OUTCOMES else (
-                partly if entry.get("outcome") == "partly-upstream" else None)
+            outcome, evidence = entry.get("outcome"), str(entry.get("evidence", ""))
+            if outcome in UPSTREAM_OUTCOMES or entry.get("carried") is False:
+                into = found  # dropped: upstream has it (a resolved conflict may drop it too)
+            elif outcome == "partly-upstream" or evidence.startswith("partly upstream"):
+                into = partly
+            else:
+                into = None
             name = entry.get("name")
             if into is not None and name and (name not in into or release < into[name][0]):
                 into[name] = (release, str(release))

@@ -66,3 +66,24 @@ def test_cli_status_exit_code(tmp_path: Path) -> None:
                                "VLLM_OVERLAY_CACHE": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr
     assert "good.patch" in proc.stdout
+
+
+def test_absorbed_in_reads_later_rebase_reports(tmp_path: Path) -> None:
+    import json
+
+    from overlay.status import absorbed_in
+
+    def report(to: str, entries: list[dict[str, object]]) -> None:
+        (tmp_path / to).mkdir()
+        (tmp_path / to / "rebase.json").write_text(json.dumps({"from": "0.28.0", "to": to, "patches": entries}))
+
+    report("0.33.0", [{"name": "a.patch", "outcome": "upstream-by-behaviour", "carried": False},
+                      {"name": "b.patch", "outcome": "conflict-resolved", "carried": False},
+                      {"name": "c.patch", "outcome": "conflict-resolved", "carried": True}])
+    report("0.29.0", [{"name": "a.patch", "outcome": "upstream", "carried": False},
+                      {"name": "b.patch", "outcome": "conflict-resolved", "carried": True,
+                       "evidence": "partly upstream: the a2a half is still ours"},
+                      {"name": "c.patch", "outcome": "applied", "carried": True}])
+    assert absorbed_in(tmp_path, "0.28.0") == {"a.patch": "0.29.0", "b.patch": "0.33.0"}
+    (tmp_path / "0.33.0" / "rebase.json").unlink()
+    assert absorbed_in(tmp_path, "0.28.0") == {"a.patch": "0.29.0", "b.patch": "partly 0.29.0"}

@@ -233,12 +233,14 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--num-heads", type=int, help="attention heads of the model (default 64, GLM-5)")
             sp.add_argument("--kv-lora-rank", type=int, help="default 512")
             sp.add_argument("--rope-dim", type=int, help="qk_rope_head_dim (default 64)")
-            sp.add_argument("--max-num-seqs", type=int, help="default 128 (vLLM's)")
+            sp.add_argument("--max-num-seqs", type=int,
+                            help="default 128 (the seed's setup; a profile without the flag: vLLM's 1024)")
             sp.add_argument("--speculative-tokens", type=int, help="num_speculative_tokens (default 0)")
             sp.add_argument("--parallel-drafting", action=argparse.BooleanOptionalAction, default=None,
                             help="speculative parallel drafting (2 tokens per draft position)")
             sp.add_argument("--max-num-batched-tokens", type=int, help="default 8192")
-            sp.add_argument("--cudagraph-capture-size", type=int, help="max cudagraph capture size (default 0)")
+            sp.add_argument("--cudagraph-capture-size", type=int,
+                            help="max cudagraph capture size (default: vLLM's, min(seqs x (1 + spec) x 2, 512))")
             sp.add_argument("--num-ubatches", type=int, help="DBO micro-batches (default 1)")
             sp.add_argument("--query-dtype-bytes", type=int, help="2 (bf16, default) or 1 (fp8 query)")
             sp.add_argument("--q-padded-heads", type=int, help="query heads the backend pads to (default DCP x H)")

@@ -74,39 +74,47 @@ def verify(path: Path, expected: str) -> None:
         )
 
 
-def fetch_wheel(pin: Pin, *, cache: Path | None = None, downloader: Downloader | None = None) -> Path:
-    """Return the verified base wheel of ``pin`` from the cache, downloading it if needed."""
-    cache = cache or cache_dir()
-    wheels = cache / "wheels"
-    target = wheels / pin.wheel
+def fetch_verified(folder: Path, filename: str, sha256: str, download: Callable[[Path], None]) -> Path:
+    """Return ``folder/filename`` once it hashes to ``sha256``, downloading it if needed.
+
+    ``download(dest_dir)`` puts the file into a temporary folder beside the cache entry; it
+    is moved into place only after it verified, so a bad download is never kept, and a
+    corrupted cache entry is fetched again.
+    """
+    target = folder / filename
     if target.exists():
         try:
-            verify(target, pin.sha256)
+            verify(target, sha256)
         except FetchError:
             target.unlink()  # a corrupted cache entry is never used; fetch it again
         else:
             return target
-    wheels.mkdir(parents=True, exist_ok=True)
-    download = downloader or pip_download_wheel
-    with tempfile.TemporaryDirectory(dir=wheels, prefix=".download-") as tmp:
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
         tmpdir = Path(tmp)
-        print(f"fetching {pin.wheel} ...", file=sys.stderr)
-        download(f"vllm=={pin.version}", tmpdir)
-        got = tmpdir / pin.wheel
-        if not got.exists():
+        print(f"fetching {filename} ...", file=sys.stderr)
+        download(tmpdir)
+        got = tmpdir / filename
+        if not got.is_file():
             names = sorted(p.name for p in tmpdir.iterdir())
-            raise FetchError(f"pip did not produce {pin.wheel} (got {names or 'nothing'})")
-        verify(got, pin.sha256)  # the temp dir, bad file included, is removed on error
+            raise FetchError(f"pip did not produce {filename} (got {names or 'nothing'})")
+        verify(got, sha256)  # the temp dir, bad file included, is removed on error
         os.replace(got, target)
     return target
 
 
-def copy_into_cache(src: Path, pin: Pin, *, cache: Path | None = None) -> Path:
-    """Put an already downloaded wheel into the cache after verifying it (offline use)."""
-    verify(src, pin.sha256)
-    wheels = (cache or cache_dir()) / "wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    target = wheels / pin.wheel
+def fetch_wheel(pin: Pin, *, cache: Path | None = None, downloader: Downloader | None = None) -> Path:
+    """Return the verified base wheel of ``pin`` from the cache, downloading it if needed."""
+    download = downloader or pip_download_wheel
+    return fetch_verified((cache or cache_dir()) / "wheels", pin.wheel, pin.sha256,
+                          lambda dest: download(f"vllm=={pin.version}", dest))
+
+
+def copy_into_cache(src: Path, folder: Path, sha256: str) -> Path:
+    """Copy an already downloaded file into a cache folder after verifying it (offline use)."""
+    verify(src, sha256)
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / src.name
     tmp = target.with_name(f".{target.name}.tmp")
     shutil.copyfile(src, tmp)
     os.replace(tmp, target)
@@ -175,14 +183,10 @@ def fetch_release(
     cache = cache or cache_dir()
     name, sha = (index_digest or pip_index_digest)(f"vllm=={version}")
     pin = Pin.from_dict({"version": version, "wheel": name, "sha256": sha}, f"index entry for vllm {version}")
-    wheels = cache / "wheels"
-    target = wheels / name
-    for candidate in (target, cache / "wheels-unpinned" / name):
-        if candidate.exists() and sha256_file(candidate) == sha:
-            if candidate != target:
-                wheels.mkdir(parents=True, exist_ok=True)
-                tmp = target.with_name(f".{name}.tmp")
-                shutil.copyfile(candidate, tmp)
-                os.replace(tmp, target)
-            return pin, target
+    unpinned = cache / "wheels-unpinned" / name
+    if unpinned.exists() and not (cache / "wheels" / name).exists():
+        try:
+            copy_into_cache(unpinned, cache / "wheels", sha)
+        except FetchError:
+            pass  # not the published file: fetch_wheel downloads it
     return pin, fetch_wheel(pin, cache=cache, downloader=downloader)

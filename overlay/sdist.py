@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from overlay.errors import FetchError, PinError
-from overlay.fetch import cache_dir, verify
+from overlay.fetch import cache_dir, fetch_verified
 from overlay.pins import Pin
 
 Downloader = Callable[[str, str, Path], None]
@@ -96,28 +96,9 @@ def fetch_sdist(
 ) -> Path:
     """Return the verified sdist of ``pin`` from ``<cache>/sdists/``, downloading it if needed."""
     filename, sha256 = sdist_fields(pin, source)
-    sdists = (cache or cache_dir()) / "sdists"
-    target = sdists / filename
-    if target.exists():
-        try:
-            verify(target, sha256)
-        except FetchError:
-            target.unlink()  # a corrupted cache entry is never used; fetch it again
-        else:
-            return target
-    sdists.mkdir(parents=True, exist_ok=True)
     download = downloader or pip_download_sdist
-    with tempfile.TemporaryDirectory(dir=sdists, prefix=".download-") as tmp:
-        tmpdir = Path(tmp)
-        print(f"fetching {filename} ...", file=sys.stderr)
-        download(pin.version, filename, tmpdir)
-        got = tmpdir / filename
-        if not got.is_file():
-            names = sorted(p.name for p in tmpdir.iterdir())
-            raise FetchError(f"pip did not produce {filename} (got {names or 'nothing'})")
-        verify(got, sha256)  # the temp dir, bad file included, is removed on error
-        os.replace(got, target)
-    return target
+    return fetch_verified((cache or cache_dir()) / "sdists", filename, sha256,
+                          lambda dest: download(pin.version, filename, dest))
 
 
 def _top(sdist: Path, tf: tarfile.TarFile) -> str:

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import traceback
 from pathlib import Path
 from typing import Any
+
+from ranks import spawn_ranks
 
 H = 4  # query/output heads per TP rank
 QD = 32  # query head dim (kv_lora_rank + rope in the real model)
@@ -228,31 +229,8 @@ def run_two_ranks(tmp: Path, sizes: list[int], modes: dict[str, dict[str, str]] 
     On a tree without the sizing mode the variable is ignored and every manager is
     decode-sized.
     """
-    import multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp / "model"), modes or MODES, sizes,
-                                               str(tmp), list(sys.path)))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    results = []
-    for r in range(2):
-        f = tmp / f"rank{r}.json"
-        assert f.exists(), f"rank {r} wrote no result (exit code {procs[r].exitcode})"
-        res = json.loads(f.read_text())
-        assert "fatal" not in res, res["fatal"]
-        results.append(res)
-    return results
+    return spawn_ranks(_worker, lambda r, port: (r, port, str(tmp / "model"), modes or MODES, sizes,
+                                                 str(tmp), list(sys.path)), tmp, timeout=timeout)
 
 
 # --------------------------------------------------------------------------------------------

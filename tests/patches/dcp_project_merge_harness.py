@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import traceback
 import types
 from pathlib import Path
 from typing import Any
+
+from ranks import spawn_ranks
 
 # Batches: (name, query lens, per-rank local seq lens, rows with no local top-k per rank).
 # Rows with no local index carry what the FlashMLA kernel reports (LSE +inf) and garbage
@@ -257,28 +258,5 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
 def run_two_ranks(tmp: Path, device_kind: str = "cpu", dims: tuple[int, int, int, int] = (4, 16, 64, 32),
                   timeout: float = 240) -> list[dict[str, Any]]:
     """Run :func:`worker` on two spawned ranks; each rank's report (asserts none is fatal)."""
-    import multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=(r, 2, port, str(tmp / "model"), str(tmp),
-                                              list(sys.path), device_kind, *dims))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    reports = []
-    for r in range(2):
-        f = tmp / f"rank{r}.json"
-        assert f.exists(), f"rank {r} wrote no result (exit code {procs[r].exitcode})"
-        rep = json.loads(f.read_text())
-        assert "fatal" not in rep, rep["fatal"]
-        reports.append(rep)
-    return reports
+    return spawn_ranks(worker, lambda r, port: (r, 2, port, str(tmp / "model"), str(tmp), list(sys.path),
+                                                device_kind, *dims), tmp, timeout=timeout)

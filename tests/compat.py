@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Any
 
 from packaging.version import Version
 
@@ -48,13 +49,18 @@ def vllm_version() -> Version:
     return Version(Version(vllm.__version__).base_version)
 
 
+def _newest(table: dict[str, list[tuple[Any, ...]]], key: str, version: Version | None) -> tuple[Any, ...]:
+    """The entry of ``table[key]`` (``(first release, ...)`` rows, oldest first) in force at ``version``."""
+    version = version or vllm_version()
+    rows = [row[1:] for row in table[key] if Version(row[0]) <= version]
+    if not rows:
+        raise LookupError(f"{key!r} has no known location in vllm {version}")
+    return rows[-1]
+
+
 def module_path(name: str, version: Version | None = None) -> str:
     """The module path of logical ``name`` in ``version`` (default: the imported vLLM)."""
-    version = version or vllm_version()
-    candidates = [path for first, path in LOCATIONS[name] if Version(first) <= version]
-    if not candidates:
-        raise LookupError(f"{name!r} has no known location in vllm {version}")
-    return candidates[-1]
+    return _newest(LOCATIONS, name, version)[0]
 
 
 def module(name: str) -> ModuleType:
@@ -70,17 +76,10 @@ def symbol(name: str, attr: str) -> object:
 def renamed(name: str, version: Version | None = None) -> object:
     """The object that logical symbol ``name`` (see ``SYMBOLS``) is in the vLLM under test."""
     version = version or vllm_version()
-    candidates = [(mod, attr) for first, mod, attr in SYMBOLS[name] if Version(first) <= version]
-    if not candidates:
-        raise LookupError(f"{name!r} has no known location in vllm {version}")
-    mod, attr = candidates[-1]
+    mod, attr = _newest(SYMBOLS, name, version)
     return getattr(importlib.import_module(module_path(mod, version)), attr)
 
 
 def name(key: str, version: Version | None = None) -> str:
     """The attribute name logical ``key`` (see ``NAMES``) has in the vLLM under test."""
-    version = version or vllm_version()
-    candidates = [attr for first, attr in NAMES[key] if Version(first) <= version]
-    if not candidates:
-        raise LookupError(f"{key!r} has no known name in vllm {version}")
-    return candidates[-1]
+    return _newest(NAMES, key, version)[0]

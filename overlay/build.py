@@ -124,29 +124,29 @@ def build(
         # sources were built into ``kernels`` by make image's kernel stage.
         applied = apply_series(series.patches, read, label=f"vllm {pin.version}", skip_kernel_files=True)
         version_py = read(VERSION_PY)
-    if version_py is None:
-        raise WheelError(f"{wheel.name}: has no {VERSION_PY}")
-    changed = dict(applied.changed)
-    changed[VERSION_PY] = patch_version_py(changed.get(VERSION_PY, version_py), full_version)
-    changed[OVERLAY_JSON] = overlay_manifest(series, pin, full_version)
-    for archive_path, binary in sorted((kernels or {}).items()):
-        if archive_path not in members:
-            raise WheelError(f"{binary}: {archive_path!r} is not a library of {wheel.name}; "
-                             "rebuilt kernels must replace existing ones")
-        changed[archive_path] = binary.read_bytes()
-    dist.mkdir(parents=True, exist_ok=True)
-    for stale in dist.glob(".building-*.whl.tmp"):  # left by a build that was killed
-        stale.unlink(missing_ok=True)
-    target = dist / wheel_name(pin, full_version)
-    fd, tmp_name = tempfile.mkstemp(dir=dist, prefix=".building-", suffix=".whl.tmp")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        rewrite_wheel(wheel, tmp, package="vllm", version=full_version, changed=changed,
-                      deleted=frozenset(applied.deleted))
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+        if version_py is None:
+            raise WheelError(f"{wheel.name}: has no {VERSION_PY}")
+        changed = dict(applied.changed)
+        changed[VERSION_PY] = patch_version_py(changed.get(VERSION_PY, version_py), full_version)
+        changed[OVERLAY_JSON] = overlay_manifest(series, pin, full_version)
+        for archive_path, binary in sorted((kernels or {}).items()):
+            if archive_path not in members:
+                raise WheelError(f"{binary}: {archive_path!r} is not a library of {wheel.name}; "
+                                 "rebuilt kernels must replace existing ones")
+            changed[archive_path] = binary.read_bytes()
+        dist.mkdir(parents=True, exist_ok=True)
+        for stale in dist.glob(".building-*.whl.tmp"):  # left by a build that was killed
+            stale.unlink(missing_ok=True)
+        target = dist / wheel_name(pin, full_version)
+        fd, tmp_name = tempfile.mkstemp(dir=dist, prefix=".building-", suffix=".whl.tmp")
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            rewrite_wheel(wheel, tmp, package="vllm", version=full_version, changed=changed,
+                          deleted=frozenset(applied.deleted), source=zf)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
     elapsed = time.perf_counter() - start
     return BuildResult(target, full_version, tag, len(series.patches), elapsed)
 

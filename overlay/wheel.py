@@ -15,6 +15,7 @@ Every base member is cross-checked against that RECORD (present, same size).
 from __future__ import annotations
 
 import base64
+import contextlib
 import csv
 import hashlib
 import io
@@ -228,16 +229,18 @@ def rewrite_wheel(
     version: str,
     changed: dict[str, bytes],
     deleted: frozenset[str] = frozenset(),
-    edit: dict[str, bytes] | None = None,
+    source: zipfile.ZipFile | None = None,
 ) -> None:
     """Write ``out`` = ``base`` with ``changed`` files, a new version and a fresh RECORD.
 
     ``changed`` maps archive paths to new bytes (created or replaced members); ``deleted``
     lists members to drop. The dist-info folder is renamed for ``version`` and its
     METADATA updated. ``out`` is written directly: callers write to a temporary name and
-    rename it into place.
+    rename it into place. ``source`` is ``base`` already open (its central directory is read
+    once per build, not twice).
     """
-    with zipfile.ZipFile(base) as zf:
+    with contextlib.ExitStack() as stack:
+        zf = source if source is not None else stack.enter_context(zipfile.ZipFile(base))
         infos = zf.infolist()
         dist_info = dist_info_name(infos, base)
         base_record = read_record(zf, dist_info, base)
@@ -249,8 +252,7 @@ def rewrite_wheel(
         for path in changed:
             if path.startswith(f"{dist_info}/"):
                 raise WheelError(f"{path!r}: the overlay cannot patch dist-info files")
-        edits = dict(edit or {})
-        edits[f"{dist_info}/METADATA"] = set_metadata_version(zf.read(f"{dist_info}/METADATA"), version)
+        metadata = {f"{dist_info}/METADATA": set_metadata_version(zf.read(f"{dist_info}/METADATA"), version)}
 
         entries: list[_Entry] = []
         meta: list[_Entry] = []
@@ -258,7 +260,7 @@ def rewrite_wheel(
             name = info.filename
             if name in deleted or name == f"{dist_info}/RECORD" or name.endswith("/"):
                 continue
-            data = changed.get(name, edits.get(name))
+            data = changed.get(name, metadata.get(name))
             if name.startswith(f"{dist_info}/"):
                 new_name = new_dist_info + name[len(dist_info):]
                 meta.append(_Entry(new_name, None if data is not None else info, data, info.external_attr))

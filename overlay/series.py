@@ -229,7 +229,13 @@ class Series:
     @staticmethod
     def parse_names(text: str, source: str) -> list[str]:
         """Patch names in order; '#' starts a comment; errors name the line."""
-        names: list[str] = []
+        return [name for _, name in Series.parse_entries(text, source)]
+
+    @staticmethod
+    def parse_entries(text: str, source: str) -> list[tuple[int, str]]:
+        """``(line number, patch name)`` in order; errors name the line."""
+        entries: list[tuple[int, str]] = []
+        names: set[str] = set()
         for lineno, line in enumerate(text.splitlines(), start=1):
             entry = line.split("#", 1)[0].strip()
             if not entry:
@@ -247,8 +253,9 @@ class Series:
                 raise SeriesError(f"{where}: not a patch file name (want 'topic-name.patch'): {entry!r}")
             if entry in names:
                 raise SeriesError(f"{where}: {entry!r} is listed twice")
-            names.append(entry)
-        return names
+            names.add(entry)
+            entries.append((lineno, entry))
+        return entries
 
     @classmethod
     def load(cls, directory: Path) -> Series:
@@ -258,9 +265,8 @@ class Series:
             text = series_file.read_text()
         except FileNotFoundError:
             raise SeriesError(f"{series_file}: no series file") from None
-        names = cls.parse_names(text, str(series_file))
         patches: list[Patch] = []
-        for lineno, name in _with_lines(text, names):
+        for lineno, name in cls.parse_entries(text, str(series_file)):
             path = directory / name
             if not path.is_file():
                 raise SeriesError(f"{series_file}:{lineno}: names {name!r}, which does not exist")
@@ -279,13 +285,3 @@ class Series:
             h.update(f"patch {p.name} {p.sha256}\n".encode())
         return h.hexdigest()
 
-
-def _with_lines(text: str, names: list[str]) -> list[tuple[int, str]]:
-    wanted = iter(names)
-    out: list[tuple[int, str]] = []
-    nxt = next(wanted, None)
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if nxt is not None and line.split("#", 1)[0].strip() == nxt:
-            out.append((lineno, nxt))
-            nxt = next(wanted, None)
-    return out

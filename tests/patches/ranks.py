@@ -44,3 +44,38 @@ def spawn_ranks(target: Callable[..., None], args: Callable[[int, int], tuple[An
         assert "fatal" not in rep, rep["fatal"]
         reports.append(rep)
     return reports
+
+
+RANKS_ENV = "OVERLAY_DCP_RANKS"
+
+
+def parse_ranks(value: str | None, default: int = 2) -> int:
+    """The DCP rank count named by ``OVERLAY_DCP_RANKS``: an int >= 2 and a power of two."""
+    if value is None or not value.strip():
+        return default
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"{RANKS_ENV}={value!r}: not an integer (want a power of two >= 2)") from None
+    if n < 2 or n & (n - 1):
+        raise ValueError(f"{RANKS_ENV}={value!r}: want a power of two >= 2 (2, 4, 8, ...)")
+    return n
+
+
+def dcp_ranks() -> int:
+    """How many ranks (TP = DCP = N) the GPU tests spawn: ``OVERLAY_DCP_RANKS``, default 2."""
+    import os
+
+    return parse_ranks(os.environ.get(RANKS_ENV))
+
+
+def gpu_ranks() -> int:
+    """:func:`dcp_ranks`, after skipping the calling test when fewer CUDA devices exist."""
+    import pytest
+    import torch
+
+    n = dcp_ranks()
+    have = torch.cuda.device_count()
+    if have < n:
+        pytest.skip(f"needs {n} CUDA devices ({RANKS_ENV}={n}), found {have}")
+    return n

@@ -5,7 +5,8 @@ real sparse metadata (``FlashInferMLASparseMetadata`` / ``FlashMLASparseMetadata
 vLLM's own ``SparseMLACommonMetadataBuilder.build``, and an ``MLAAttention`` whose real
 ``forward_impl`` runs the DCP branch. Only GPU-only pieces are replaced, at their call
 boundary: the backend's ``forward_mqa`` kernel, and the DCP query all-gather / output combine
-collectives of a two-rank DCP group (rank 0 here; rank 1's partial results are simulated).
+collectives of a DCP group of ``dcp`` ranks (default 2; rank 0 here, the other ranks' partial
+results simulated).
 
 The combine stand-in does what every transport does with the arguments it is given: the NCCL
 paths mask the LSE with vLLM's real ``mask_dcp_empty_shards_``; the direct A2A kernel checks
@@ -27,7 +28,7 @@ import torch
 
 NUM_HEADS = 4  # heads per TP rank
 NOPE, ROPE, LORA, V = 8, 4, 16, 8
-DCP = 2
+DCP = 2  # the default DCP size (TP = DCP); every builder below takes ``dcp`` for other sizes
 BLOCK = 64
 
 # vLLM inspects model classes in a subprocess (``python -m vllm.model_executor.models.registry``):
@@ -37,9 +38,11 @@ if os.environ.get("OVERLAY_VLLM_TREE") and os.environ["OVERLAY_VLLM_TREE"] not i
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (os.environ["OVERLAY_VLLM_TREE"], os.environ.get("PYTHONPATH")) if p)
 
+
+
 GLM5_CONFIG: dict[str, Any] = {
     "architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa",
-    "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 8,
+    "hidden_size": 256, "num_attention_heads": NUM_HEADS * DCP, "num_key_value_heads": NUM_HEADS * DCP,
     "num_hidden_layers": 2, "intermediate_size": 512, "moe_intermediate_size": 128,
     "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
     "kv_lora_rank": LORA, "q_lora_rank": 64, "qk_nope_head_dim": NOPE, "qk_rope_head_dim": ROPE,
@@ -49,9 +52,18 @@ GLM5_CONFIG: dict[str, Any] = {
 }
 
 
+def glm5_config(num_heads: int = NUM_HEADS * DCP) -> dict[str, Any]:
+    """The small local GLM-5 ``config.json`` with ``num_heads`` attention heads in all."""
+    return {**GLM5_CONFIG, "num_attention_heads": num_heads, "num_key_value_heads": num_heads}
+
+
 def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
-                     device: str = "cpu"):
-    """A real VllmConfig for a small local GLM-5 model with TP=2, DCP=2."""
+                     device: str = "cpu", dcp: int = DCP, heads_per_rank: int = NUM_HEADS):
+    """A real VllmConfig for a small local GLM-5 model with TP = DCP = ``dcp``.
+
+    The model has ``dcp * heads_per_rank`` attention heads, so each TP rank holds
+    ``heads_per_rank`` of them.
+    """
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -62,13 +74,13 @@ def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 8, max_num_batched_
     )
 
     model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(GLM5_CONFIG))
+    (model_dir / "config.json").write_text(json.dumps(glm5_config(dcp * heads_per_rank)))
     model_config = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True,
                                dtype="bfloat16", max_model_len=4096)
     return VllmConfig(
         device_config=DeviceConfig(device=device),
         model_config=model_config,
-        parallel_config=ParallelConfig(tensor_parallel_size=2, decode_context_parallel_size=DCP,
+        parallel_config=ParallelConfig(tensor_parallel_size=dcp, decode_context_parallel_size=dcp,
                                        dcp_comm_backend="a2a"),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                          max_num_batched_tokens=max_num_batched_tokens,
@@ -136,11 +148,14 @@ def build_metadata(vllm_config, layer_name: str, metadata_cls: type, query_lens:
 
 @dataclass
 class Recorder:
-    """What the DCP collectives were given, and rank 1's simulated partial results."""
+    """What the DCP collectives were given, and the other ranks' simulated partial results.
+
+    ``peer_outs[i]`` / ``peer_lses[i]`` are rank ``i + 1``'s partials (``dcp - 1`` of each).
+    """
 
     combine_calls: list[dict[str, torch.Tensor]] = field(default_factory=list)
-    peer_out: torch.Tensor | None = None
-    peer_lse: torch.Tensor | None = None
+    peer_outs: list[torch.Tensor] = field(default_factory=list)
+    peer_lses: list[torch.Tensor] = field(default_factory=list)
 
 
 def _check_direct_contract(num_rows: int, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> None:
@@ -152,8 +167,8 @@ def _check_direct_contract(num_rows: int, seq_lens: torch.Tensor, query_start_lo
 
 
 def make_layer(vllm_config, layer_name: str, recorder: Recorder, seed: int = 0,
-               transport: str = "nccl"):
-    """An MLAAttention (sparse, DCP=2) running vLLM's real ``forward_impl``.
+               transport: str = "nccl", dcp: int = DCP):
+    """An MLAAttention (sparse, DCP = ``dcp``, this is rank 0) running vLLM's real ``forward_impl``.
 
     ``transport`` picks the combine's contract: ``"nccl"`` (ag_rs / NCCL a2a: mask the LSE by
     the given bounds) or ``"direct"`` (the direct A2A kernel: also require the bounds to have
@@ -166,7 +181,7 @@ def make_layer(vllm_config, layer_name: str, recorder: Recorder, seed: int = 0,
 
     mla = compat.module("mla_attention")
     fi = compat.module("flashinfer_mla_sparse")
-    dcp = compat.module("dcp")
+    dcp_mod = compat.module("dcp")
     a2a = compat.module("dcp_alltoall")
     common = compat.module("ops_common")
     gen = torch.Generator().manual_seed(seed)
@@ -174,19 +189,22 @@ def make_layer(vllm_config, layer_name: str, recorder: Recorder, seed: int = 0,
     layer = mla.MLAAttention.__new__(mla.MLAAttention)
     torch.nn.Module.__init__(layer)
     impl = fi.FlashInferMLASparseImpl.__new__(fi.FlashInferMLASparseImpl)
-    impl.dcp_world_size, impl.pcp_world_size, impl.dcp_rank = DCP, 1, 0
+    impl.dcp_world_size, impl.pcp_world_size, impl.dcp_rank = dcp, 1, 0
     impl.supports_quant_query_input = False
     impl.masked_mha_available = False
     impl.need_to_return_lse_for_decode = True
 
     def forward_mqa(q, kv_cache, attn_metadata, layer_):  # GPU kernel boundary
         q = torch.cat(q, dim=-1) if isinstance(q, tuple) else q
-        assert q.shape[1] == DCP * NUM_HEADS, q.shape
+        assert q.shape[1] == dcp * NUM_HEADS, q.shape
         n = q.shape[0]
-        out = torch.randn(n, DCP * NUM_HEADS, LORA, generator=gen)
-        lse = torch.randn(n, DCP * NUM_HEADS, generator=gen)
-        recorder.peer_out = torch.randn(n, DCP * NUM_HEADS, LORA, generator=gen)
-        recorder.peer_lse = torch.randn(n, DCP * NUM_HEADS, generator=gen)
+        out = torch.randn(n, dcp * NUM_HEADS, LORA, generator=gen)
+        lse = torch.randn(n, dcp * NUM_HEADS, generator=gen)
+        recorder.peer_outs.clear()
+        recorder.peer_lses.clear()
+        for _ in range(dcp - 1):  # rank 1, 2, ...: same draw order as rank 1 alone for dcp = 2
+            recorder.peer_outs.append(torch.randn(n, dcp * NUM_HEADS, LORA, generator=gen))
+            recorder.peer_lses.append(torch.randn(n, dcp * NUM_HEADS, generator=gen))
         return out, lse
 
     impl.forward_mqa = forward_mqa
@@ -206,7 +224,7 @@ def make_layer(vllm_config, layer_name: str, recorder: Recorder, seed: int = 0,
     layer._k_scale = torch.ones(())
 
     def query_gather(q: torch.Tensor) -> torch.Tensor:  # collective boundary (all-gather heads)
-        return torch.cat([q, q], dim=1)
+        return torch.cat([q] * dcp, dim=1)
 
     def combine(partial_output, partial_lse, *, seq_lens, query_start_loc):  # collective boundary
         recorder.combine_calls.append(
@@ -217,11 +235,11 @@ def make_layer(vllm_config, layer_name: str, recorder: Recorder, seed: int = 0,
         lse = partial_lse.clone()
         common.mask_dcp_empty_shards_(lse, seq_lens, query_start_loc)  # what NCCL paths do
         merged = a2a._lse_weighted_combine(
-            torch.stack([partial_output, recorder.peer_out]).double(),
-            torch.stack([lse, recorder.peer_lse]).double(), is_lse_base_on_e=False)
+            torch.stack([partial_output, *recorder.peer_outs]).double(),
+            torch.stack([lse, *recorder.peer_lses]).double(), is_lse_base_on_e=False)
         return merged[:, :NUM_HEADS].to(partial_output.dtype)  # rank 0's head slice
 
-    manager = dcp.MLADCPManager.__new__(dcp.MLADCPManager)
+    manager = dcp_mod.MLADCPManager.__new__(dcp_mod.MLADCPManager)
     manager.query_gather, manager.combine = query_gather, combine
     layer.dcp_manager = manager
     with set_current_vllm_config(vllm_config):
@@ -230,10 +248,10 @@ def make_layer(vllm_config, layer_name: str, recorder: Recorder, seed: int = 0,
 
 
 def expected_rows(layer, recorder: Recorder, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Every MQA row merged over both ranks (no row masked) and projected by W_UV."""
+    """Every MQA row merged over all ranks (no row masked) and projected by W_UV."""
     a2a = compat.module("dcp_alltoall")
     merged = a2a._lse_weighted_combine(
-        torch.stack([out, recorder.peer_out]).double(), torch.stack([lse, recorder.peer_lse]).double(),
+        torch.stack([out, *recorder.peer_outs]).double(), torch.stack([lse, *recorder.peer_lses]).double(),
         is_lse_base_on_e=False)[:, :NUM_HEADS].float()
     return torch.einsum("bnl,nlv->bnv", merged, layer.W_UV.float()).reshape(out.shape[0], -1)
 

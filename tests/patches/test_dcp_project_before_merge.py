@@ -81,7 +81,7 @@ def test_switch_decides(monkeypatch: pytest.MonkeyPatch, env: str | None, dcp: i
 
 
 # --------------------------------------------------------------------------------------------
-# The real forward_impl (sparse_dcp_harness layer: rank 0 of DCP = 2, rank 1 simulated)
+# The real forward_impl (sparse_dcp_harness layer: rank 0 of DCP = 2, the peer simulated)
 # --------------------------------------------------------------------------------------------
 FORWARD_BATCHES = {
     "decode": ("flashinfer_mla_sparse", "FlashInferMLASparseMetadata", [1, 1, 1], [90, 5, 40], 1),
@@ -99,7 +99,7 @@ def _forward(vllm_config, name: str, batch: str, project: bool):
     rec = h.Recorder()
     layer = h.make_layer(vllm_config, name, rec)
     gen = torch.Generator().manual_seed(5)
-    peer_w_uv = torch.randn(h.NUM_HEADS, h.LORA, h.V, generator=gen)
+    peer_w_uv = torch.randn((layer.impl.dcp_world_size - 1) * h.NUM_HEADS, h.LORA, h.V, generator=gen)
     latent_combine = layer.dcp_manager.combine
     seen: dict[str, Any] = {}
 
@@ -108,13 +108,13 @@ def _forward(vllm_config, name: str, batch: str, project: bool):
         if partial_output.shape[-1] == h.LORA:
             return latent_combine(partial_output, partial_lse, seq_lens=seq_lens,
                                   query_start_loc=query_start_loc)
-        # Projected: rank 1 projects its partials through the same gathered W_UV.
+        # Projected: the peers project their partials through the same gathered W_UV.
         a2a = compat.module("dcp_alltoall")
         lse = partial_lse.clone()
         compat.module("ops_common").mask_dcp_empty_shards_(lse, seq_lens, query_start_loc)
-        peer = torch.einsum("bhl,hlv->bhv", rec.peer_out.double(), layer.W_UV_dcp.double())
-        merged = a2a._lse_weighted_combine(torch.stack([partial_output.double(), peer]),
-                                           torch.stack([lse, rec.peer_lse]).double(),
+        peers = [torch.einsum("bhl,hlv->bhv", p.double(), layer.W_UV_dcp.double()) for p in rec.peer_outs]
+        merged = a2a._lse_weighted_combine(torch.stack([partial_output.double(), *peers]),
+                                           torch.stack([lse, *rec.peer_lses]).double(),
                                            is_lse_base_on_e=False)
         return merged[:, :h.NUM_HEADS].to(partial_output.dtype)
 

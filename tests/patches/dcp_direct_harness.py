@@ -1,6 +1,7 @@
-"""Two-rank CPU harness for the direct DCP workspace patches (issue 4).
+"""N-rank CPU harness for the direct DCP workspace patches (issue 4).
 
-Spawns two processes that form a real vLLM DCP group over gloo (TP=2, DCP=2) and build the
+Spawns ``world`` processes (default 2; any power of two) that form a real vLLM DCP group over
+gloo (TP = DCP = world) and build the
 real ``MLADCPManager`` with the direct (symmetric-memory) q-gather and A2A workspaces forced
 on. Only GPU-only pieces are replaced, at their call boundary:
 
@@ -13,7 +14,7 @@ on. Only GPU-only pieces are replaced, at their call boundary:
   (the rest of that function, its LSE mask and its ``all_to_all_single``, runs for real).
 
 Each scenario records which path ran, any error, and the largest deviation from the float64
-reference (vLLM's ``_lse_weighted_combine`` over both ranks' partials).
+reference (vLLM's ``_lse_weighted_combine`` over every rank's partials).
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ QD = 32  # query head dim (kv_lora_rank + rope in the real model)
 LD = 16  # output head dim (kv_lora_rank)
 
 
-def _partials(rank: int, num_tokens: int):
+def _partials(rank: int, num_tokens: int, world: int):
+    """This rank's query ``[T, H, QD]`` and partials over all ``world * H`` gathered heads."""
     import torch
 
     gen = torch.Generator().manual_seed(1000 * rank + num_tokens)
     q = torch.randn(num_tokens, H, QD, generator=gen).to(torch.bfloat16)
-    out = torch.randn(num_tokens, 2 * H, LD, generator=gen).to(torch.bfloat16)
-    lse = torch.randn(num_tokens, 2 * H, generator=gen) * 3
+    out = torch.randn(num_tokens, world * H, LD, generator=gen).to(torch.bfloat16)
+    lse = torch.randn(num_tokens, world * H, generator=gen) * 3
     return q, out, lse
 
 
@@ -154,25 +156,25 @@ MODES = {
 }
 
 
-def _run_sizes(manager, rank: int, sizes: list[int], calls: dict[str, int], a2a) -> dict[str, Any]:
+def _run_sizes(manager, rank: int, world: int, sizes: list[int], calls: dict[str, int], a2a) -> dict[str, Any]:
     import torch
 
     scenarios: dict[str, Any] = {}
     for n in sizes:
         rec: dict[str, Any] = {}
-        q, out, lse = _partials(rank, n)
+        q, out, lse = _partials(rank, n, world)
         before = dict(calls)
         try:
             got = manager.query_gather(q)
-            ref = torch.cat([_partials(r, n)[0] for r in range(2)], dim=1)
+            ref = torch.cat([_partials(r, n, world)[0] for r in range(world)], dim=1)
             rec["q_err"] = float((got.float() - ref.float()).abs().max())
         except Exception as exc:
             rec["q_error"] = f"{type(exc).__name__}: {exc}"
         seq_lens, qsl = _bounds(n)
         try:
             got = manager.combine(out, lse.clone(), seq_lens=seq_lens, query_start_loc=qsl)
-            outs = torch.stack([_partials(r, n)[1] for r in range(2)]).double()
-            lses = torch.stack([_partials(r, n)[2] for r in range(2)]).double()
+            outs = torch.stack([_partials(r, n, world)[1] for r in range(world)]).double()
+            lses = torch.stack([_partials(r, n, world)[2] for r in range(world)]).double()
             ref = a2a._lse_weighted_combine(outs, lses, is_lse_base_on_e=False)[:, rank * H:(rank + 1) * H]
             rec["a2a_err"] = float((got.double() - ref).abs().max())
             rec["a2a_ref_max"] = float(ref.abs().max())
@@ -183,7 +185,7 @@ def _run_sizes(manager, rank: int, sizes: list[int], calls: dict[str, int], a2a)
     return scenarios
 
 
-def _worker(rank: int, port: int, model_dir: str, modes: dict[str, dict[str, str]],
+def _worker(rank: int, world: int, port: int, model_dir: str, modes: dict[str, dict[str, str]],
             sizes: list[int], out_dir: str, sys_path: list[str]) -> None:
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
     os.environ.update({"VLLM_USE_DIRECT_DCP_A2A": "1", "VLLM_USE_DIRECT_DCP_Q_GATHER": "1"})
@@ -199,13 +201,14 @@ def _worker(rank: int, port: int, model_dir: str, modes: dict[str, dict[str, str
 
     results: dict[str, Any] = {}
     try:
-        vc = h.make_vllm_config(Path(model_dir), max_num_seqs=4, max_num_batched_tokens=64)
+        vc = h.make_vllm_config(Path(model_dir), max_num_seqs=4, max_num_batched_tokens=64, dcp=world,
+                                heads_per_rank=H)
         a2a = compat.module("dcp_alltoall")
         dcp = compat.module("dcp")
         with set_current_vllm_config(vc):
-            init_distributed_environment(world_size=2, rank=rank, local_rank=rank, backend="gloo",
+            init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
                                          distributed_init_method=f"tcp://127.0.0.1:{port}")
-            initialize_model_parallel(tensor_model_parallel_size=2, decode_context_model_parallel_size=2)
+            initialize_model_parallel(tensor_model_parallel_size=world, decode_context_model_parallel_size=world)
             _GROUP["dcp"] = get_dcp_group()
             calls = dict.fromkeys(["direct_q_gather", "direct_a2a", "nccl_a2a", "nccl_all_gather"], 0)
             _install_standins(calls)
@@ -216,43 +219,46 @@ def _worker(rank: int, port: int, model_dir: str, modes: dict[str, dict[str, str
                     output_head_dim=LD, query_dtype=torch.bfloat16, output_dtype=torch.bfloat16,
                     padded_num_heads=None, is_lse_base_on_e=False, use_pcp=False)
                 results[mode] = {"capacity": manager.max_num_tokens,
-                                 "scenarios": _run_sizes(manager, rank, sizes, calls, a2a)}
+                                 "scenarios": _run_sizes(manager, rank, world, sizes, calls, a2a)}
     except Exception:
         results["fatal"] = traceback.format_exc()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def run_two_ranks(tmp: Path, sizes: list[int], modes: dict[str, dict[str, str]] | None = None,
-                  timeout: float = 240) -> list[dict[str, Any]]:
-    """Run the scenarios on two gloo ranks, one manager per sizing mode; each rank's results.
+def run_ranks(tmp: Path, sizes: list[int], modes: dict[str, dict[str, str]] | None = None,
+              world: int = 2, timeout: float = 240) -> list[dict[str, Any]]:
+    """Run the scenarios on ``world`` gloo ranks, one manager per sizing mode; each rank's results.
 
     On a tree without the sizing mode the variable is ignored and every manager is
     decode-sized.
     """
-    return spawn_ranks(_worker, lambda r, port: (r, port, str(tmp / "model"), modes or MODES, sizes,
-                                                 str(tmp), list(sys.path)), tmp, timeout=timeout)
+    return spawn_ranks(_worker, lambda r, port: (r, world, port, str(tmp / "model"), modes or MODES, sizes,
+                                                 str(tmp), list(sys.path)), tmp, world=world, timeout=timeout)
 
 
 # --------------------------------------------------------------------------------------------
-# GPU: two H200s, vLLM 0.28.0's own direct A2A kernel over symmetric memory (no multicast).
+# GPU: ``world`` H200s (two by default), vLLM 0.28.0's own direct A2A kernel over symmetric
+# memory (no multicast).
 
-GPU_HEADS = 16  # heads per TP rank given to the manager (GLM-5: 64 heads / TP)
+GPU_HEADS = 16  # heads per TP rank given to the manager (fixed; world * GPU_HEADS in all)
 GPU_DIM = 512  # kv_lora_rank
 
 
-def _gpu_batch(kind: str, num_tokens: int, rank: int):
-    """Partials of one rank for a ``mixed`` (4 decodes + 1 prefill) or ``prefill`` batch.
+def _gpu_batch(kind: str, num_tokens: int, rank: int, world: int):
+    """Partials of one rank (``world * GPU_HEADS`` heads) for a ``mixed`` (4 decodes + 1
+    prefill) or ``prefill`` batch.
 
-    Local KV lengths: the second decode sequence holds nothing on rank 1 (an empty shard).
+    Local KV lengths: the second decode sequence holds nothing on the odd ranks (an empty
+    shard; with two ranks: rank 1).
     """
     import torch
 
     gen = torch.Generator().manual_seed(7919 * rank + num_tokens + len(kind))
-    out = torch.randn(num_tokens, 2 * GPU_HEADS, GPU_DIM, generator=gen).to(torch.bfloat16)
-    lse = torch.randn(num_tokens, 2 * GPU_HEADS, generator=gen) * 4
+    out = torch.randn(num_tokens, world * GPU_HEADS, GPU_DIM, generator=gen).to(torch.bfloat16)
+    lse = torch.randn(num_tokens, world * GPU_HEADS, generator=gen) * 4
     if kind == "mixed":
         qsl = [0, 1, 2, 3, 4, num_tokens]
-        seq_lens = [300, 0 if rank == 1 else 1, 40, 7, 5000]
+        seq_lens = [300, 0 if rank % 2 else 1, 40, 7, 5000]
     else:
         qsl = [0, num_tokens // 3, num_tokens]
         seq_lens = [num_tokens // 3, 9000]
@@ -268,7 +274,7 @@ def _gpu_reference(kind: str, num_tokens: int, rank: int, world: int):
     common = compat.module("ops_common")
     outs, lses = [], []
     for r in range(world):
-        out, lse, seq_lens, qsl = _gpu_batch(kind, num_tokens, r)
+        out, lse, seq_lens, qsl = _gpu_batch(kind, num_tokens, r, world)
         lse = lse.double()
         common.mask_dcp_empty_shards_(lse, seq_lens, qsl)
         outs.append(out.double())
@@ -301,7 +307,8 @@ def gpu_worker(rank: int, world: int, port: int, model_dir: str, out_file: str) 
     a2a = compat.module("dcp_alltoall")
     common = compat.module("ops_common")
     report: dict[str, Any] = {"rank": rank, "checks": [], "timing": []}
-    vc = h.make_vllm_config(Path(model_dir), max_num_seqs=8, max_num_batched_tokens=8192, device="cuda")
+    vc = h.make_vllm_config(Path(model_dir), max_num_seqs=8, max_num_batched_tokens=8192, device="cuda",
+                            dcp=world, heads_per_rank=GPU_HEADS)
     with set_current_vllm_config(vc):
         init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="nccl",
                                      distributed_init_method=f"tcp://127.0.0.1:{port}")
@@ -324,7 +331,7 @@ def gpu_worker(rank: int, world: int, port: int, model_dir: str, out_file: str) 
         report["workspaces"] = [type(ws).__name__, type(full_ws).__name__]
 
         def on_gpu(kind, n):
-            out, lse, seq_lens, qsl = _gpu_batch(kind, n, rank)
+            out, lse, seq_lens, qsl = _gpu_batch(kind, n, rank, world)
             return out.to(device), lse.to(device), seq_lens.to(device), qsl.to(device)
 
         def err(got, kind, n):

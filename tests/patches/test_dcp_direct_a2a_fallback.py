@@ -12,7 +12,8 @@ checked against the float64 reference. The opt-in sizing mode
 from __future__ import annotations
 
 import pytest
-from dcp_direct_harness import run_two_ranks
+from dcp_direct_harness import run_ranks
+from ranks import free_port, gpu_ranks
 
 SIZES = [2, 4, 5, 40, 64]  # decode sizing: capacity 4; max_num_batched_tokens = 64
 TOL = 0.02  # bf16 partials, output rounded to bf16
@@ -20,7 +21,7 @@ TOL = 0.02  # bf16 partials, output rounded to bf16
 
 @pytest.fixture(scope="module")
 def both_modes(tmp_path_factory):
-    return run_two_ranks(tmp_path_factory.mktemp("a2a"), SIZES)
+    return run_ranks(tmp_path_factory.mktemp("a2a"), SIZES)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,8 @@ def test_batch_sizing_mode_keeps_every_step_direct(batch_sized, size):
 
 @pytest.mark.gpu
 def test_gpu_direct_a2a_capacity_and_transports(tmp_path):
-    """Two GPUs, vLLM's own direct A2A kernel over symmetric memory (multicast off).
+    """``OVERLAY_DCP_RANKS`` GPUs (default 2), vLLM's own direct A2A kernel over symmetric memory
+    (multicast off); TP = DCP = ranks, 16 heads per rank.
 
     0.28.0's combine (the workspace's ``lse_reduce``) raises the capacity error at capacity + 1;
     the patched combine returns the float64 reference there and at prefill size; ag_rs, NCCL
@@ -69,19 +71,15 @@ def test_gpu_direct_a2a_capacity_and_transports(tmp_path):
     """
     import json
     import os
-    import socket
 
-    import sparse_dcp_harness as h
     import torch.multiprocessing as mp
     from dcp_direct_harness import gpu_worker
 
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps(h.GLM5_CONFIG))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(gpu_worker, args=(2, port, str(tmp_path / "model"), str(tmp_path / "report")), nprocs=2)
-    reports = [json.loads((tmp_path / f"report.rank{r}.json").read_text()) for r in range(2)]
+    world = gpu_ranks()
+    # gpu_worker writes the model's config.json (world * 16 heads) into the directory.
+    mp.spawn(gpu_worker, args=(world, free_port(), str(tmp_path / "model"), str(tmp_path / "report")),
+             nprocs=world)
+    reports = [json.loads((tmp_path / f"report.rank{r}.json").read_text()) for r in range(world)]
     if os.environ.get("DCP_A2A_GPU_REPORT"):
         with open(os.environ["DCP_A2A_GPU_REPORT"], "w") as f:
             json.dump(reports, f, indent=1)

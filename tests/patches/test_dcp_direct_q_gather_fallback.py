@@ -10,15 +10,15 @@ prefill-sized batch. Multicast is never enabled: only the path selection runs he
 from __future__ import annotations
 
 import pytest
-from dcp_direct_harness import run_two_ranks
+from dcp_direct_harness import run_ranks
 
 SIZES = [2, 4, 5, 40]  # capacity is 4 (max_num_seqs=4, no speculation)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return [r["decode"] for r in run_two_ranks(tmp_path_factory.mktemp("qgather"), SIZES,
-                                               modes={"decode": {}})]
+    return [r["decode"] for r in run_ranks(tmp_path_factory.mktemp("qgather"), SIZES,
+                                           modes={"decode": {}})]
 
 
 def test_capacity_is_decode_sized(results):

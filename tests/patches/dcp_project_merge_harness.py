@@ -1,6 +1,7 @@
-"""Two-rank harness for dcp-project-before-merge (issue 9): real DCP group, real combines.
+"""N-rank harness for dcp-project-before-merge (issue 9): real DCP group, real combines.
 
-Each rank forms a real vLLM DCP group (TP=2, DCP=2; gloo on CPU, NCCL on GPU), builds an
+Each of ``world`` ranks (default 2; any power of two) forms a real vLLM DCP group
+(TP = DCP = world; gloo on CPU, NCCL on GPU), builds an
 ``MLAAttention`` without ``__init__`` (which needs CUDA kernels) but runs its real
 ``process_weights_after_loading`` (so ``W_UV`` is all-gathered over the DCP group by the
 patched code) and its real ``_dcp_project_and_merge`` / ``_v_up_proj``, with real
@@ -30,9 +31,10 @@ from typing import Any
 
 from ranks import spawn_ranks
 
-# Batches: (name, query lens, per-rank local seq lens, rows with no local top-k per rank).
-# Rows with no local index carry what the FlashMLA kernel reports (LSE +inf) and garbage
-# (NaN) output; the valid counts handed to the merge must keep them out.
+# Batches: (name, query lens, local seq lens of ranks 0 and 1, rows with no local top-k on
+# ranks 0 and 1); ranks 2, 3, ... are derived from these by ``rank_batch``. Rows with no local
+# index carry what the FlashMLA kernel reports (LSE +inf) and garbage (NaN) output; the valid
+# counts handed to the merge must keep them out. Every row has local KV on rank 0 or rank 1.
 BATCHES: list[tuple[str, list[int], list[list[int]], list[list[int]]]] = [
     ("decode", [1, 1, 1, 1, 1], [[300, 1, 40, 7, 12], [290, 0, 41, 6, 12]], [[], []]),
     ("mtp", [3, 3, 3], [[70, 9, 130], [69, 8, 0]], [[], []]),
@@ -42,22 +44,38 @@ BATCHES: list[tuple[str, list[int], list[list[int]], list[list[int]]]] = [
 ]
 
 
+def rank_batch(name: str, rank: int) -> tuple[list[int], list[int], list[int]]:
+    """(query lens, local seq lens, rows with no local top-k) of batch ``name`` on ``rank``.
+
+    Ranks 0 and 1 hold the table's data. Rank ``r >= 2`` holds rank ``r % 2``'s seq lens
+    shortened by ``r // 2`` (an empty shard stays empty, a one-token shard may become one) and,
+    in a batch with empty sparse rows, the rows ``i`` with ``(i + r) % 3 == 0``: deterministic in
+    (batch, rank), independent of the rank count.
+    """
+    _, query_lens, seq_lens, empty = next(b for b in BATCHES if b[0] == name)
+    if rank < 2:
+        return query_lens, seq_lens[rank], empty[rank]
+    lens = [max(0, s - rank // 2) for s in seq_lens[rank % 2]]
+    rows = [i for i in range(sum(query_lens)) if (i + rank) % 3 == 0] if any(empty) else []
+    return query_lens, lens, rows
+
+
 def batch_tensors(name: str, rank: int, heads: int, lora: int, seed: int = 0):
     """(out [T, heads, L] bf16, lse [T, heads] fp32, seq_lens, query_start_loc, valid_counts)."""
     import torch
 
-    _, query_lens, seq_lens, empty = next(b for b in BATCHES if b[0] == name)
+    query_lens, seq_lens, empty = rank_batch(name, rank)
     num_tokens = sum(query_lens)
     gen = torch.Generator().manual_seed(7919 * rank + 31 * num_tokens + seed + len(name))
     out = torch.randn(num_tokens, heads, lora, generator=gen).to(torch.bfloat16)
     lse = torch.randn(num_tokens, heads, generator=gen) * 3
     valid = torch.full((num_tokens,), 5, dtype=torch.int32)
-    for row in empty[rank]:
+    for row in empty:
         valid[row] = 0
         out[row] = float("nan")
         lse[row] = float("inf")
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return out, lse, torch.tensor(seq_lens[rank], dtype=torch.int32), qsl, valid
+    return out, lse, torch.tensor(seq_lens, dtype=torch.int32), qsl, valid
 
 
 def weights(rank: int, heads: int, nope: int, lora: int, v: int):
@@ -184,7 +202,7 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
             torch.ops.load_library(str(Path(vllm.__file__).parent / "_C_stable_libtorch.abi3.so"))
         dcp = compat.module("dcp")
         vc = h.make_vllm_config(Path(model_dir), max_num_seqs=8, max_num_batched_tokens=64,
-                                device=device_kind)
+                                device=device_kind, dcp=world, heads_per_rank=heads)
         with set_current_vllm_config(vc):
             init_distributed_environment(world_size=world, rank=rank, local_rank=rank,
                                          backend="nccl" if gpu else "gloo",
@@ -255,8 +273,12 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report, indent=1))
 
 
-def run_two_ranks(tmp: Path, device_kind: str = "cpu", dims: tuple[int, int, int, int] = (4, 16, 64, 32),
-                  timeout: float = 240) -> list[dict[str, Any]]:
-    """Run :func:`worker` on two spawned ranks; each rank's report (asserts none is fatal)."""
-    return spawn_ranks(worker, lambda r, port: (r, 2, port, str(tmp / "model"), str(tmp), list(sys.path),
-                                                device_kind, *dims), tmp, timeout=timeout)
+def run_ranks(tmp: Path, device_kind: str = "cpu", dims: tuple[int, int, int, int] = (4, 16, 64, 32),
+              world: int = 2, timeout: float = 240) -> list[dict[str, Any]]:
+    """Run :func:`worker` on ``world`` spawned ranks; each rank's report (asserts none is fatal).
+
+    ``dims`` = (heads per rank, qk_nope_head_dim, kv_lora_rank, v_head_dim); the ranks hold
+    ``world * heads`` heads in all (TP = DCP = ``world``).
+    """
+    return spawn_ranks(worker, lambda r, port: (r, world, port, str(tmp / "model"), str(tmp), list(sys.path),
+                                                device_kind, *dims), tmp, world=world, timeout=timeout)

@@ -8,8 +8,9 @@ index-conversion kernel of the DCP = 1 path (by its PyTorch twin) and the compil
 decode kernel (by a float32 implementation of its documented contract: natural-log LSE, +inf
 LSE and zero output for a query with no valid index).
 
-GPU part (``-m gpu``, two GPUs): vLLM 0.28.0's compiled FlashMLA kernels, NCCL, vLLM's own DCP
-combines (ag_rs and a2a); see ``test_gpu_dcp_decode_matches_single_gpu``.
+GPU part (``-m gpu``, ``OVERLAY_DCP_RANKS`` GPUs, default 2): vLLM 0.28.0's compiled FlashMLA
+kernels, NCCL, vLLM's own DCP combines (ag_rs and a2a); see
+``test_gpu_dcp_decode_matches_single_gpu``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import compat
 import pytest
 import torch
+from ranks import free_port, gpu_ranks
 
 NUM_HEADS_TOTAL = 16  # heads the MQA kernel sees after the DCP query all-gather
 TOPK = 256  # index_topk of the test model (a multiple of the Triton tile, 128)
@@ -227,9 +229,11 @@ class StandInGroup:
     rank_in_group: int
 
 
-def write_model_dir(root: Path) -> Path:
+def write_model_dir(root: Path, num_heads: int = NUM_HEADS_TOTAL) -> Path:
+    """The test model's ``config.json`` in ``root``, with ``num_heads`` attention heads in all."""
     root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(GLM5_CONFIG))
+    config = {**GLM5_CONFIG, "num_attention_heads": num_heads, "num_key_value_heads": num_heads}
+    (root / "config.json").write_text(json.dumps(config))
     return root
 
 
@@ -537,8 +541,10 @@ def test_dcp_forward_merges_to_single_rank_result(
 
 
 # --------------------------------------------------------------------------------------------
-# GPU: two ranks, vLLM's compiled FlashMLA kernels, NCCL and vLLM's DCP combines
+# GPU: OVERLAY_DCP_RANKS ranks (default 2), vLLM's compiled FlashMLA kernels, NCCL and vLLM's
+# DCP combines. Heads per rank are fixed (8); the model has world * 8 heads (TP = DCP = world).
 # --------------------------------------------------------------------------------------------
+GPU_HEADS_PER_RANK = NUM_HEADS_TOTAL // 2
 GPU_CASES = ["decode", "mtp6", "mtp11", "mixed", "one_rank", "empty_rows"]
 GPU_INTERLEAVES = [1, 16]
 # Merged vs single-GPU output: each rank's partial output is rounded to bf16 (relative 2^-9),
@@ -575,7 +581,8 @@ def _gpu_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) 
         initialize_model_parallel(tensor_model_parallel_size=world,
                                   decode_context_model_parallel_size=world)
     init_workspace_manager(torch.device(device))
-    heads = NUM_HEADS_TOTAL // world
+    heads = GPU_HEADS_PER_RANK
+    total = world * heads
     mine = slice(rank * heads, (rank + 1) * heads)
     results: list[dict[str, Any]] = []
     for interleave in GPU_INTERLEAVES:
@@ -602,7 +609,7 @@ def _gpu_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) 
             _, whole, shards, whole_table, dcp_table = build_caches(batch, world, interleave,
                                                                     gen, device)
             n_tok = batch.topk.shape[0]
-            q = (torch.randn((n_tok, NUM_HEADS_TOTAL, D_QK), generator=gen)).bfloat16().to(device)
+            q = (torch.randn((n_tok, total, D_QK), generator=gen)).bfloat16().to(device)
             buf.fill_(-1)
             buf[:n_tok] = batch.topk.to(device)
             with set_current_vllm_config(vcs["ag_rs"]):
@@ -627,7 +634,7 @@ def _gpu_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) 
             ref_out, ref_lse = impl._fp8_flash_mla_kernel(q.unsqueeze(0), whole,
                                                          slots.unsqueeze(0), ref_meta)
             ref_out = ref_out.squeeze(0).float()
-            ref_lse = ref_lse[0, :NUM_HEADS_TOTAL].transpose(0, 1)
+            ref_lse = ref_lse[0, :total].transpose(0, 1)
             # The kernel's LSE against torch.logsumexp in float32 (natural log).
             _, contract_lse = sparse_decode_contract(
                 q.unsqueeze(0).cpu(), dequantize_fp8_ds_mla(whole.view(-1, 656).cpu()),
@@ -659,21 +666,15 @@ def _gpu_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) 
 
 @pytest.mark.gpu
 def test_gpu_dcp_decode_matches_single_gpu(tmp_path: Path) -> None:
-    """Split a random fp8_ds_mla cache across two GPUs the DCP way, run the patched decode on
-    each rank, merge with each DCP combine (ag_rs; a2a direct and NCCL) and compare with one
-    GPU decoding over the whole cache."""
-    import socket
-
+    """Split a random fp8_ds_mla cache across ``OVERLAY_DCP_RANKS`` GPUs (default 2) the DCP way,
+    run the patched decode on each rank, merge with each DCP combine (ag_rs; a2a direct and
+    NCCL) and compare with one GPU decoding over the whole cache."""
     import torch.multiprocessing as mp
 
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two GPUs")
-    model = write_model_dir(tmp_path / "glm5")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_gpu_worker, args=(2, port, str(model), str(tmp_path)), nprocs=2, join=True)
-    rows = [r for k in range(2) for r in json.loads((tmp_path / f"rank{k}.json").read_text())]
+    world = gpu_ranks()
+    model = write_model_dir(tmp_path / "glm5", num_heads=world * GPU_HEADS_PER_RANK)
+    mp.spawn(_gpu_worker, args=(world, free_port(), str(model), str(tmp_path)), nprocs=world, join=True)
+    rows = [r for k in range(world) for r in json.loads((tmp_path / f"rank{k}.json").read_text())]
     report = os.environ.get("FLASHMLA_DCP_GPU_REPORT")
     if report:
         Path(report).write_text(json.dumps(rows, indent=1))

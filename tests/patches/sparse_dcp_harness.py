@@ -74,7 +74,11 @@ def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 8, max_num_batched_
     )
 
     model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(glm5_config(dcp * heads_per_rank)))
+    # Every spawned rank writes the same file: write a private copy, then rename it into place,
+    # so that no rank reads one another rank is half-way through writing.
+    tmp = model_dir / f"config.json.{os.getpid()}"
+    tmp.write_text(json.dumps(glm5_config(dcp * heads_per_rank)))
+    os.replace(tmp, model_dir / "config.json")
     model_config = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True,
                                dtype="bfloat16", max_model_len=4096)
     return VllmConfig(

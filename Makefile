@@ -48,8 +48,8 @@ export: $(TOOL_STAMP) ## write .work/<VLLM>'s commits back to patches/<VLLM>/ (d
 bench-build: $(TOOL_STAMP) ## rebuild time from the cached wheel vs cp of that wheel, as a ratio
 	$(OVERLAY) bench-build --vllm $(VLLM)
 
-bench-merge: $(TOOL_STAMP) ## two GPUs: DCP merge + W_UV projection, baseline vs project-first, per transport [OUT=bench-merge PLOT=merge.json]
-	$(OVERLAY) bench-merge --vllm $(VLLM)$(if $(OUT), --out $(OUT))$(if $(PLOT), --plot $(PLOT))
+bench-merge: $(TOOL_STAMP) ## GPUs: DCP merge + W_UV projection, baseline vs project-first, per transport [OUT=bench-merge PLOT=merge.json RANKS=2]
+	$(OVERLAY) bench-merge --vllm $(VLLM)$(if $(OUT), --out $(OUT))$(if $(PLOT), --plot $(PLOT))$(if $(RANKS), --ranks $(RANKS))
 
 image: $(TOOL_STAMP) ## Docker image over vllm/vllm-openai (kernels rebuilt only for kernel patches) [DRY_RUN=1 IMAGE= TAGS= ARCH=9.0a BASE_DIGEST= PUSH=1]
 	$(OVERLAY) image --vllm $(VLLM)$(if $(DRY_RUN), --dry-run)$(if $(IMAGE), --image $(IMAGE))$(foreach t,$(TAGS), --tag $(t))$(if $(ARCH), --arch '$(ARCH)')$(if $(MAX_JOBS), --max-jobs $(MAX_JOBS))$(if $(NVCC_THREADS), --nvcc-threads $(NVCC_THREADS))$(if $(BASE_DIGEST), --base-digest $(BASE_DIGEST))$(if $(PUSH), --push)

@@ -85,7 +85,7 @@ def cmd_bench_merge(ns: argparse.Namespace) -> int:
     from overlay.bench.merge import run
 
     return run(Path(ns.out), tokens=ns.tokens, replays=ns.replays,
-               plot_from=Path(ns.plot) if ns.plot else None)
+               plot_from=Path(ns.plot) if ns.plot else None, ranks=ns.ranks)
 
 
 def cmd_image(ns: argparse.Namespace) -> int:
@@ -190,7 +190,7 @@ COMMANDS: dict[str, tuple[str, Handler]] = {
     "workspace-plan": ("capacity (tokens) and bytes per GPU of the direct DCP q-gather and A2A workspaces, "
                        "both sizing modes, from flags or a regress profile", cmd_workspace_plan),
     "bench-build": ("time a rebuild from the cached wheel against a plain copy of it", cmd_bench_build),
-    "bench-merge": ("two GPUs: DCP merge + W_UV projection, merge-then-project vs project-then-merge, "
+    "bench-merge": ("GPUs: DCP merge + W_UV projection, merge-then-project vs project-then-merge, "
                     "per transport (table, JSON, PNG)", cmd_bench_merge),
     "image": ("Docker image over the official vLLM image; kernels rebuilt only for kernel patches",
               cmd_image),
@@ -290,6 +290,8 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--tokens", type=int, nargs="+", help="token counts (default 1 16 128 768 8192)")
             sp.add_argument("--replays", type=int, default=50, help="timed CUDA-graph replays (>= 50)")
             sp.add_argument("--plot", help="only draw the table and plot from this merge.json")
+            sp.add_argument("--ranks", type=int, default=2,
+                            help="DCP ranks, one GPU each, 8 heads per rank (2; 4 and 8 need as many GPUs)")
     return p
 
 

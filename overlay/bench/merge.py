@@ -1,6 +1,7 @@
 """``make bench-merge``: DCP merge + W_UV projection, merge-then-project vs project-then-merge.
 
-Two ranks (one process per GPU, NCCL, vLLM's own DCP group with DCP = TP = 2). For each model's
+``--ranks`` ranks, 2 by default (one process per GPU, NCCL, vLLM's own DCP group with
+DCP = TP = ranks, 8 heads per rank as GLM-5's 64 heads at TP8). For each model's
 dimensions, token count and transport, both orders run through the patched vLLM's own code:
 
 - baseline (vLLM 0.28.0's order): the transport merges the latent partials
@@ -89,46 +90,59 @@ def _project_fn(transport: str, group: Any, device: Any, heads: int, v_head_dim:
                              SimpleNamespace(group=group), ws, is_lse_base_on_e=True)
 
 
-def _time(fn: Any, replays: int, group: Any, graph: bool, inner: int = 10) -> float:
-    """Median microseconds per call of ``fn``, slower rank's.
-
-    One sample is ``inner`` back-to-back calls (one CUDA graph holding them, or eager calls)
-    after a barrier, divided by ``inner``: the two ranks' launch skew at the barrier is spread
-    over the calls instead of dominating a ~30 us decode-sized merge.
-    """
+def _stepper(fn: Any, group: Any, graph: bool, inner: int = 10) -> Any:
+    """One sample's step: ``inner`` back-to-back calls of ``fn`` (one CUDA graph, or eager)."""
     import torch
 
     def calls() -> None:
         for _ in range(inner):
             fn()
 
-    if graph:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        group.barrier()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            calls()
-        step = g.replay
-    else:
-        step = calls
+    if not graph:
+        return calls
     for _ in range(3):
-        step()
+        fn()
     torch.cuda.synchronize()
-    samples = []
-    for _ in range(replays):
-        group.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1000.0 / inner)
-    med = torch.tensor([statistics.median(samples)], device="cuda")
+    group.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        calls()
+    return g.replay
+
+
+def _time_pair(base: Any, opt: Any, replays: int, group: Any, graph: bool, rounds: int = 5,
+               inner: int = 10) -> tuple[float, float]:
+    """Median microseconds per call of ``base`` and ``opt``, the slower rank's each.
+
+    One sample is ``inner`` back-to-back calls after a barrier, divided by ``inner``: the
+    ranks' launch skew at the barrier is spread over the calls instead of dominating a
+    ~20 us decode-sized merge. The ``replays`` samples of each are taken in ``rounds``
+    alternating blocks (base, opt, base, ...), so clock or neighbour drift during the run
+    weighs on both alike.
+    """
+    import torch
+
+    steps = [_stepper(base, group, graph, inner), _stepper(opt, group, graph, inner)]
+    for step in steps:
+        for _ in range(3):
+            step()
+    torch.cuda.synchronize()
+    samples: list[list[float]] = [[], []]
+    per_round = -(-replays // rounds)
+    for _ in range(rounds):
+        for which, step in enumerate(steps):
+            for _ in range(per_round):
+                group.barrier()
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step()
+                end.record()
+                end.synchronize()
+                samples[which].append(start.elapsed_time(end) * 1000.0 / inner)
+    med = torch.tensor([statistics.median(s) for s in samples], device="cuda")
     torch.distributed.all_reduce(med, op=torch.distributed.ReduceOp.MAX, group=group.device_group)
-    return float(med.item())
+    return float(med[0].item()), float(med[1].item())
 
 
 def _steps(layer: Any, base_combine: Any, partial: Any, lse: Any) -> tuple[Any, Any, Any, Any]:
@@ -224,8 +238,9 @@ def _worker(rank: int, world: int, port: int, tokens: list[int], replays: int, o
                         row["ref_max"] = float(ref.abs().max())
                         for mode in ("eager", "graph"):
                             try:
-                                row[f"baseline_{mode}_us"] = _time(baseline, replays, group, mode == "graph")
-                                row[f"optimized_{mode}_us"] = _time(optimized, replays, group, mode == "graph")
+                                (row[f"baseline_{mode}_us"],
+                                 row[f"optimized_{mode}_us"]) = _time_pair(baseline, optimized, replays, group,
+                                                                           mode == "graph")
                                 row[f"speedup_{mode}"] = row[f"baseline_{mode}_us"] / row[f"optimized_{mode}_us"]
                             except Exception as exc:
                                 row[f"{mode}_error"] = f"{type(exc).__name__}: {exc}"
@@ -316,7 +331,7 @@ def write_outputs(result: dict[str, Any], out_dir: Path) -> None:
 
 
 def run(out_dir: Path, *, tokens: list[int] | None = None, replays: int = 50,
-        plot_from: Path | None = None) -> int:
+        plot_from: Path | None = None, ranks: int = 2) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     replays = max(replays, 50)  # the median of at least 50 replays
     if plot_from is not None:
@@ -326,14 +341,18 @@ def run(out_dir: Path, *, tokens: list[int] | None = None, replays: int = 50,
     import torch
     import torch.multiprocessing as mp
 
-    if torch.cuda.device_count() < 2:
-        print("bench-merge needs two CUDA GPUs (e.g. the nvidia-h200-x2 device)", file=sys.stderr)
+    if ranks < 2 or ranks & (ranks - 1):
+        print(f"bench-merge: --ranks {ranks}: want a power of two >= 2 (DCP 2, 4 or 8)", file=sys.stderr)
+        return 2
+    if torch.cuda.device_count() < ranks:
+        print(f"bench-merge: --ranks {ranks} needs {ranks} CUDA GPUs, found {torch.cuda.device_count()}"
+              " (e.g. the nvidia-h200-x2 device for 2)", file=sys.stderr)
         return 2
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     json_path = out_dir / "merge.json"
-    mp.spawn(_worker, args=(2, port, tokens or TOKENS, replays, str(json_path)), nprocs=2)
+    mp.spawn(_worker, args=(ranks, port, tokens or TOKENS, replays, str(json_path)), nprocs=ranks)
     write_outputs(json.loads(json_path.read_text()), out_dir)
     return 0
 
@@ -344,8 +363,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=None)
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--plot", type=Path, default=None, help="only draw table + plot from this JSON")
+    ap.add_argument("--ranks", type=int, default=2,
+                    help="DCP = TP ranks, one GPU each, 8 heads per rank (2; 4 and 8 as in production)")
     ns = ap.parse_args(argv)
-    return run(ns.out, tokens=ns.tokens, replays=ns.replays, plot_from=ns.plot)
+    return run(ns.out, tokens=ns.tokens, replays=ns.replays, plot_from=ns.plot, ranks=ns.ranks)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,142 @@
+"""Check dcp-project-before-merge's Triton kernels (``vllm.v1.attention.ops.dcp_project``).
+
+Run as a script, one process standing in for every rank: on CPU under Triton's interpreter
+(``TRITON_INTERPRET=1``, set before Triton is imported), on a GPU natively. For each layout
+(ag_rs reduce-scatter chunks, NCCL a2a send rows, direct a2a peer receive slots) the ranks'
+kernel outputs are exchanged the way the transport would (sum of chunks, row exchange,
+shared receive buffers) and the merged result is compared with a float64 reference: LSE
+merge of the ranks' latent partials (NaN partials of masked rows included), then projection.
+Prints one JSON line: {"checks": [{"name", "err", "ref_max"}...]}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+
+def reference(xs, lses, w_uv, rank: int, world: int, base_e: bool = True):
+    """Rank ``rank``'s merged heads [B, H/N, V] in float64: merge the latent partials, then project."""
+    import torch
+
+    lse = torch.stack([lv.double() for lv in lses])  # [N, B, H]
+    lse = torch.where(lse.isnan() | (lse == float("inf")), float("-inf"), lse)
+    top = lse.max(0).values
+    top = torch.where(top == float("-inf"), 0.0, top)
+    w = torch.exp(lse - top) if base_e else torch.exp2(lse - top)
+    w = w / w.sum(0).clamp_min(1e-300)
+    parts = torch.stack([x.double() for x in xs])  # [N, B, H, L]
+    parts = torch.where(w[..., None] == 0, 0.0, parts)
+    merged = (parts * w[..., None]).sum(0)  # [B, H, L]
+    hpr = merged.shape[1] // world
+    heads = slice(rank * hpr, (rank + 1) * hpr)
+    return torch.einsum("bhl,hlv->bhv", merged[:, heads], w_uv.double()[heads])
+
+
+def _workspace(rank: int, world: int, hpr: int, v: int, capacity: int, dtype, device):
+    """A stand-in for one rank's ``DirectDCPA2AWorkspace`` (one ubatch); peer tables set later."""
+    import torch
+
+    return SimpleNamespace(
+        world_size=world, rank=rank, heads_per_rank=hpr, head_dim=v, max_num_tokens=capacity,
+        received_output=torch.full((1, 2, world, capacity, hpr, v), float("nan"), dtype=dtype, device=device),
+        received_lse=torch.full((1, 2, world, capacity, hpr), float("nan"), device=device),
+        received_signal=torch.zeros((1, 2, world), dtype=torch.int32, device=device),
+        epoch=torch.zeros(1, dtype=torch.int64, device=device))
+
+
+def main() -> None:
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    if device == "cpu":  # vLLM disables Triton without a GPU driver; the interpreter needs none
+        import triton
+        import triton.language as tl
+        import vllm.triton_utils as tu
+
+        tu.triton, tu.tl = triton, tl
+    from vllm.v1.attention.ops import dcp_project as dp
+    from vllm.v1.attention.ops.common import mask_dcp_empty_shards_
+
+    # Triton's interpreter mishandles bf16 tiles (tl.dot of bf16 gives garbage); the kernels
+    # are dtype-generic, so on CPU they run in fp16.
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    gen = torch.Generator().manual_seed(5)
+    checks = []
+
+    def record(name: str, got, ref) -> None:
+        err = float((got.double().cpu() - ref.cpu()).abs().max())
+        checks.append({"name": name, "err": err, "ref_max": float(ref.abs().max())})
+
+    # masked_lse == mask_dcp_empty_shards_ (sequence bounds, empty shards, valid counts)
+    lse = torch.randn(9, 6, generator=gen)
+    seq_lens = torch.tensor([3, 0, 5, 1], dtype=torch.int32)
+    qsl = torch.tensor([0, 2, 3, 6, 7], dtype=torch.int32)  # rows 7, 8 past the last bound
+    valid = torch.tensor([4, 0, 2, 2, 0, 1, 1, 1, 1], dtype=torch.int32)
+    want = lse.clone()
+    mask_dcp_empty_shards_(want, seq_lens, qsl, valid)
+    got = dp.masked_lse(lse.to(device), seq_lens.to(device), qsl.to(device), valid.to(device))
+    checks.append({"name": "masked_lse", "err": float((got.cpu() == want).logical_not().sum()), "ref_max": 1.0})
+
+    for world, hpr, lora, v, tokens in ((2, 2, 64, 32, 5), (4, 1, 128, 48, 19), (2, 4, 64, 32, 40)):
+        heads = world * hpr
+        w_uv = (torch.randn(heads, lora, v, generator=gen) / lora**0.5).to(dtype)
+        xs, lses = [], []
+        for r in range(world):
+            x = torch.randn(tokens, heads, lora, generator=gen).to(dtype)
+            lv = torch.randn(tokens, heads, generator=gen) * 3
+            x[r % tokens] = float("nan")  # a masked row: garbage partial, no weight
+            lv[r % tokens] = float("-inf")
+            xs.append(x)
+            lses.append(lv)
+        refs = [reference(xs, lses, w_uv, r, world) for r in range(world)]
+        dev = [x.to(device) for x in xs]
+        w_dev = w_uv.to(device)
+        tag = f"N{world} H{heads} L{lora} V{v} T{tokens}"
+
+        # ag_rs: rank d's merged heads = sum over ranks of their chunk d
+        gathered = torch.stack(lses).to(device)
+        chunks = [dp.project_for_reduce_scatter(dev[r], w_dev, gathered, r, world) for r in range(world)]
+        for d in range(world):
+            merged = sum(c[d].float() for c in chunks).to(dtype)
+            record(f"ag_rs {tag} rank{d}", merged, refs[d])
+
+        # NCCL a2a: rank d receives chunk d of every rank's send rows
+        row = -(-(v + 2) // 8) * 8
+        sends = []
+        for r in range(world):
+            send = torch.full((world, hpr, tokens, row), float("nan"), dtype=dtype, device=device)
+            dp.project_into_a2a_send(dev[r], w_dev, lses[r].to(device), send, world)
+            sends.append(send)
+        for d in range(world):
+            recv = torch.stack([s[d] for s in sends])
+            out = torch.full((tokens, hpr, v), float("nan"), dtype=dtype, device=device)
+            dp.merge_a2a_recv(recv, v, out)
+            record(f"nccl_a2a {tag} rank{d}", out, refs[d])
+
+        # direct a2a: N stand-in workspaces whose peer tables point at each other's buffers
+        spaces = [_workspace(r, world, hpr, v, tokens + 3, dtype, device) for r in range(world)]
+        for ws in spaces:
+            for name in ("output", "lse", "signal"):
+                table = [getattr(p, f"received_{name}")[0].data_ptr() for p in spaces]
+                setattr(ws, f"peer_{name}_ptrs", torch.tensor([table], dtype=torch.int64, device=device))
+        for step in range(3):  # both parity slots, then the first again
+            outs = []
+            for r in range(world):  # each rank projects and signals before any rank merges
+                out = torch.full((tokens, hpr, v), float("nan"), dtype=dtype, device=device)
+                ws = spaces[r]
+                dp.dispatch_direct(ws, 0, dev[r], w_dev, lses[r].to(device))
+                outs.append(out)
+            for r in range(world):
+                ws = spaces[r]
+                assert int(ws.epoch) == step + 1
+                assert ws.received_signal[0][(step + 1) % 2].tolist() == [step + 1] * world
+                dp.merge_direct(ws, 0, outs[r], True)
+                record(f"direct_a2a {tag} step{step} rank{r}", outs[r], refs[r])
+    print(json.dumps({"device": device, "checks": checks}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -154,9 +154,11 @@ def _steps(layer: Any, base_combine: Any, partial: Any, lse: Any) -> tuple[Any, 
                            dtype=torch.bfloat16, device=partial.device)
     out_opt = torch.empty_like(out_base)
     lse_b, lse_o = lse.clone(), lse.clone()
+    # Each order gets its own partials: 0.28.0's ag_rs correction rescales its input in place.
+    partial_b = partial.clone()
 
     def baseline() -> None:  # vLLM 0.28.0's order: merge the latent partials, then project
-        merged = base_combine(partial, lse_b, seq_lens=None, query_start_loc=None)
+        merged = base_combine(partial_b, lse_b, seq_lens=None, query_start_loc=None)
         MLAAttention._v_up_proj(layer, merged, out=out_base)
 
     def optimized() -> None:  # the patch: project every gathered head, then merge
@@ -264,7 +266,8 @@ def _worker(rank: int, world: int, port: int, tokens: list[int], replays: int, o
 def table(result: dict[str, Any]) -> str:
     """The text table of a run."""
     head = (f"{'model':<14}{'transport':<12}{'T':>6}{'payload B->O (KiB)':>22}{'ratio':>7}"
-            f"{'graph base us':>15}{'graph opt us':>14}{'x':>7}{'eager base':>12}{'eager opt':>11}{'x':>7}")
+            f"{'graph base us':>15}{'graph opt us':>14}{'x':>7}{'eager base':>12}{'eager opt':>11}{'x':>7}"
+            f"{'|opt-base|/max':>16}")
     lines = [head, "-" * len(head)]
     for r in result["rows"]:
         pay = f"{r['payload_baseline_bytes'] / 1024:.0f} -> {r['payload_optimized_bytes'] / 1024:.0f}"
@@ -280,7 +283,8 @@ def table(result: dict[str, Any]) -> str:
         lines.append(
             f"{r['model']:<14}{r['transport']:<12}{r['tokens']:>6}{pay:>22}{ratio:>7.2f}"
             f"{cell('baseline_graph_us', 15)}{cell('optimized_graph_us', 14)}{cell('speedup_graph', 7, '.2f')}"
-            f"{cell('baseline_eager_us', 12)}{cell('optimized_eager_us', 11)}{cell('speedup_eager', 7, '.2f')}")
+            f"{cell('baseline_eager_us', 12)}{cell('optimized_eager_us', 11)}{cell('speedup_eager', 7, '.2f')}"
+            f"{r.get('max_abs_diff', float('nan')) / max(r.get('ref_max', 1.0), 1e-30):>16.1e}")
     lines += [f"note: {n.strip()}" for n in result.get("notes", [])]
     return "\n".join(lines)
 

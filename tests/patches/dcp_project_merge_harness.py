@@ -175,11 +175,36 @@ def _install_ag_rs_standin() -> None:
         common.correct_attn_out = correct_attn_out
 
 
+def _graph_err(layer, out, lse, seq_lens, qsl, valid, like, ref) -> float:
+    """Max error of ``_dcp_project_and_merge`` captured in a CUDA graph and replayed twice.
+
+    Under capture the transports take the paths decode takes in production (e.g. the direct
+    a2a's fused Triton path, which eager steps below a few thousand tokens leave to the
+    compiled kernel); two replays use both parity slots of the direct workspace.
+    """
+    import torch
+
+    lse_g = lse.clone()
+    got = torch.full_like(like, float("nan"))
+    layer.dcp_row_valid_counts = valid
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer._dcp_project_and_merge(out, lse_g, seq_lens=seq_lens, query_start_loc=qsl, out=got)
+    err = 0.0
+    for _ in range(2):
+        lse_g.copy_(lse)
+        got.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        err = max(err, float((got.double().cpu() - ref).abs().max()))
+    return err
+
+
 def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_path: list[str],
            device_kind: str, heads: int, nope: int, lora: int, v: int) -> None:
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
-    report: dict[str, Any] = {"rank": rank, "checks": []}
+    report: dict[str, Any] = {"rank": rank, "device": device_kind, "checks": []}
     try:
         import torch
 
@@ -262,6 +287,9 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
                                                      query_start_loc=qsl, out=got)
                         row["projected_err"] = float((got.double().cpu() - ref).abs().max())
                         row["valid_counts_consumed"] = layer.dcp_row_valid_counts is None
+                        if gpu:  # decode runs under CUDA graphs: the captured path, replayed twice
+                            row["projected_graph_err"] = _graph_err(layer, out, lse, seq_lens, qsl, valid,
+                                                                    got, ref)
                     except Exception as exc:
                         row["error"] = f"{type(exc).__name__}: {exc}"
                     if gpu:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import tempfile
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,12 @@ from overlay.series import Patch, is_kernel_path
 
 BaseReader = Callable[[str], bytes | None]
 """``read(path)`` returns the base file's bytes, or ``None`` when the base has no such file."""
+
+
+def wheel_reader(zf: zipfile.ZipFile) -> BaseReader:
+    """A :data:`BaseReader` over an open wheel (its member list is read once)."""
+    members = set(zf.namelist())
+    return lambda path: zf.read(path) if path in members else None
 
 _FAILED_AT = re.compile(r"^error: patch failed: (?P<path>.+):(?P<line>\d+)$", re.M)
 _CORRUPT = re.compile(r"corrupt patch at line (?P<line>\d+)")

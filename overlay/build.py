@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from overlay import __version__ as TOOL_VERSION
-from overlay.apply import apply_series
+from overlay.apply import apply_series, wheel_reader
 from overlay.errors import KernelPatchError, WheelError
 from overlay.fetch import fetch_wheel
 from overlay.pins import Pin, load_pin, pin_dir
@@ -115,11 +115,7 @@ def build(
     tag = series_tag(series, pin)
     full_version = f"{pin.version}+{tag}"
     with zipfile.ZipFile(wheel) as zf:
-        members = set(zf.namelist())
-
-        def read(path: str) -> bytes | None:
-            return zf.read(path) if path in members else None
-
+        read = wheel_reader(zf)
         # Kernel patches may carry Python changes too: those are overlaid; their compiled
         # sources were built into ``kernels`` by make image's kernel stage.
         applied = apply_series(series.patches, read, label=f"vllm {pin.version}", skip_kernel_files=True)
@@ -130,7 +126,7 @@ def build(
         changed[VERSION_PY] = patch_version_py(changed.get(VERSION_PY, version_py), full_version)
         changed[OVERLAY_JSON] = overlay_manifest(series, pin, full_version)
         for archive_path, binary in sorted((kernels or {}).items()):
-            if archive_path not in members:
+            if archive_path not in zf.namelist():
                 raise WheelError(f"{binary}: {archive_path!r} is not a library of {wheel.name}; "
                                  "rebuilt kernels must replace existing ones")
             changed[archive_path] = binary.read_bytes()

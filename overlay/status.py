@@ -13,7 +13,7 @@ import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from overlay.apply import apply_series
+from overlay.apply import apply_series, wheel_reader
 from overlay.errors import ApplyError
 from overlay.fetch import fetch_wheel
 from overlay.pins import load_pin, pin_dir
@@ -81,11 +81,7 @@ def series_status(patches_root: Path, version: str, *, base_wheel: Path | None =
     rows: list[PatchStatus] = []
     absorbed = absorbed_in(patches_root, version)
     with zipfile.ZipFile(wheel) as zf:
-        members = set(zf.namelist())
-
-        def read(path: str) -> bytes | None:
-            return zf.read(path) if path in members else None
-
+        read = wheel_reader(zf)
         good: list = []
         for patch in series.patches:
             if patch.kind == "kernel":

@@ -81,17 +81,24 @@ def series_status(patches_root: Path, version: str, *, base_wheel: Path | None =
     rows: list[PatchStatus] = []
     absorbed = absorbed_in(patches_root, version)
     with zipfile.ZipFile(wheel) as zf:
-        read = wheel_reader(zf)
-        good: list = []
+        read_base = wheel_reader(zf)
+        # The files as the patches that applied so far left them (None: deleted). Each patch is
+        # applied once, on top of that, instead of the whole good prefix again.
+        state: dict[str, bytes | None] = {}
+
+        def read(path: str) -> bytes | None:
+            return state[path] if path in state else read_base(path)
+
         for patch in series.patches:
             if patch.kind == "kernel":
                 # Compiled sources are not in the wheel; make image applies them to the sdist.
                 ok, detail = True, "kernel patch: applied by `make image` to the source"
             else:
                 try:
-                    apply_series((*good, patch), read, label=f"vllm {pin.version}")
+                    applied = apply_series((patch,), read, label=f"vllm {pin.version}")
                     ok, detail = True, ""
-                    good.append(patch)
+                    state.update(applied.changed)
+                    state.update(dict.fromkeys(applied.deleted))
                 except ApplyError as exc:
                     ok, detail = False, str(exc)
             rows.append(PatchStatus(patch.name, patch.subject, patch.origin, patch.kind,

@@ -18,20 +18,18 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from overlay.errors import ApplyError, GitError, OverlayError, SeriesError
 from overlay.git import git, git_text
 from overlay.pins import load_pin, pin_dir
-from overlay.replay import ConflictHunk, conflict_report, unmerged
+from overlay.replay import ConflictHunk, TreeSource, am, conflict_report, init_base, unmerged
 from overlay.series import Patch, Series, parse_diffs
 from overlay.workspace import format_patch, slug
 
 DEFAULT_REMOTE = "https://github.com/vllm-project/vllm.git"
 STATE = "overlay-cherry-pick.json"
-TreeSource = Callable[[Path], None]
 
 
 class CherryPickError(OverlayError):
@@ -256,15 +254,10 @@ def cherry_pick(
         raise CherryPickError(f"{work}: a cherry-pick is in progress: `make cherry-pick-continue`, or remove it")
     remote = remote or remote_url()
     work.parent.mkdir(parents=True, exist_ok=True)
-    work.mkdir()
     try:
-        git(["init", "-q"], work)
-        fill_base(work)
-        git(["add", "-A"], work)
-        git(["commit", "-q", "--allow-empty", "-m", f"vllm {version}"], work)
-        git(["tag", "base"], work)
+        init_base(work, fill_base, version)
         for patch in series.patches[:pos]:
-            _am(work, patch, f"vllm {version}")
+            am(work, patch, f"vllm {version} with the patches before it")
         git(["tag", "place"], work)
         if ref.isdigit():
             change = change_from_pr(work, remote, int(ref))
@@ -315,13 +308,6 @@ def cherry_pick_continue(work: Path) -> PickOutcome:
     return _finish(work, state, series)
 
 
-def _am(repo: Path, patch: Patch, label: str) -> None:
-    proc = git(["am", "-q", "--keep-cr", "--keep", "-"], repo, input=patch.raw, check=False)
-    if proc.returncode != 0:
-        git(["am", "--abort"], repo, check=False)
-        raise SeriesError(f"patch {patch.name}: does not apply to {label} with the patches before it")
-
-
 def _finish(work: Path, state: dict, series: Series) -> PickOutcome:
     change = Change(b"", **{**state["change"], "left_out": tuple(state["change"]["left_out"])})
     git(["add", "-A"], work)
@@ -340,7 +326,7 @@ def _finish(work: Path, state: dict, series: Series) -> PickOutcome:
     later = series.patches[state["pos"]:]
     for patch in later:
         try:
-            _am(work, patch, f"vllm {state['version']} with {name}")
+            am(work, patch, f"vllm {state['version']} with {name} with the patches before it")
         except SeriesError:
             raise ApplyError(f"with {name} at position {state['pos'] + 1}, the later patch {patch.name} no "
                              "longer applies; place it after that patch (AFTER=) or refresh that patch") from None

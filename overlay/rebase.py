@@ -38,24 +38,24 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from overlay.errors import KernelPatchError, OverlayError, SeriesError
+from overlay.errors import KernelPatchError, OverlayError
 from overlay.git import git, git_text
 from overlay.pins import Pin, load_pin, pin_dir
 from overlay.replay import (
     FIND_RENAMES,
     ConflictHunk,
+    TreeSource,
     absorbed_hunks,
+    am,
     applies,
     conflict_report,
     follow_deleted,
     in_progress,
+    init_base,
     unmerged,
 )
 from overlay.series import Patch, Series
 from overlay.workspace import extract_text_tree, format_patch
-
-TreeSource = Callable[[Path], None]
-"""``fill(dest)`` writes a release's text files into the empty folder ``dest``."""
 
 STATE = "overlay-rebase.json"  # inside the scratch repository's .git: survives git commands
 # What git does while it replays: 3-way merge, renames followed down to FIND_RENAMES.
@@ -340,20 +340,11 @@ def _clear_worktree(repo: Path) -> None:
 def _prepare(work: Path, series: Series, from_version: str, to: str,
              fill_base: TreeSource, fill_target: TreeSource) -> list[str]:
     """History ``base`` -> ``target`` (branch ``new``) and ``base`` + series (branch ``old``)."""
-    work.mkdir()
-    git(["init", "-q"], work)
-    fill_base(work)
-    git(["add", "-A"], work)
-    git(["commit", "-q", "--allow-empty", "-m", f"vllm {from_version}"], work)
-    git(["tag", "base"], work)
+    init_base(work, fill_base, from_version)
     git(["checkout", "-q", "-b", "old"], work)
     old_commits: list[str] = []
     for patch in series.patches:
-        proc = git(["am", "-q", "--keep-cr", "--keep", "-"], work, input=patch.raw, check=False)
-        if proc.returncode != 0:
-            git(["am", "--abort"], work, check=False)
-            raise SeriesError(f"patch {patch.name}: does not apply to vllm {from_version} itself; "
-                              "fix the series first (`make status`)")
+        am(work, patch, f"vllm {from_version} itself; fix the series first (`make status`)")
         old_commits.append(_rev(work, "HEAD"))
     git(["checkout", "-q", "-b", "new", "base"], work)
     _clear_worktree(work)
@@ -463,7 +454,7 @@ def _classify(work: Path, state: State, patch: Patch, old_commit: str, old_paren
         return Result(patch.name, "upstream-by-behaviour", note + "; dropped", absorbed=fixed,
                       behaviour=runs), None
     if applies(work, patch.raw):
-        git(["am", "-q", "--keep-cr", "--keep", "-"], work, input=patch.raw)
+        am(work, patch, f"vllm {to}")
         state.exported[patch.name] = "verbatim"
         if verdict == "partial":
             return Result(patch.name, "partly-upstream", note + "; the patch applies unchanged and is carried",

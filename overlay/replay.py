@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from overlay.errors import SeriesError
 from overlay.git import git, git_text
-from overlay.series import parse_diffs
+from overlay.series import Patch, parse_diffs
+
+TreeSource = Callable[[Path], None]
+"""``fill(dest)`` writes a release's text files into the empty folder ``dest``."""
 
 # Rename threshold for the 3-way merge. Git's default (50%) misses 0.29.0's
 # dcp_utils.py -> ops/dcp.py (43% similar: the new file absorbed two others).
@@ -57,6 +62,24 @@ class Followed:
     old: str
     new: str
     containment: float
+
+
+def init_base(work: Path, fill: TreeSource, version: str) -> None:
+    """Make ``work`` a repository whose first commit (tag ``base``) is the tree ``fill`` writes."""
+    work.mkdir()
+    git(["init", "-q"], work)
+    fill(work)
+    git(["add", "-A"], work)
+    git(["commit", "-q", "--allow-empty", "-m", f"vllm {version}"], work)
+    git(["tag", "base"], work)
+
+
+def am(repo: Path, patch: Patch, where: str) -> None:
+    """Commit ``patch`` on ``HEAD`` with ``git am``; on failure abort it and raise ``SeriesError``."""
+    proc = git(["am", "-q", "--keep-cr", "--keep", "-"], repo, input=patch.raw, check=False)
+    if proc.returncode != 0:
+        git(["am", "--abort"], repo, check=False)
+        raise SeriesError(f"patch {patch.name}: does not apply to {where}")
 
 
 def applies(repo: Path, raw: bytes, *, reverse: bool = False) -> bool:

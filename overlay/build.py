@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import tempfile
 import time
 import zipfile
@@ -145,8 +144,3 @@ def build(
             tmp.unlink(missing_ok=True)
     elapsed = time.perf_counter() - start
     return BuildResult(target, full_version, tag, len(series.patches), elapsed)
-
-
-def log(msg: str) -> None:
-    """Progress line on stderr."""
-    print(msg, file=sys.stderr, flush=True)

@@ -125,10 +125,6 @@ class Patch:
         return self.trailers.get("Applied-Upstream", "")
 
     @property
-    def last_update(self) -> str:
-        return self.trailers.get("Last-Update", "")
-
-    @property
     def touched(self) -> tuple[str, ...]:
         """Every path the patch reads or writes, sorted, without duplicates."""
         paths = {p for f in self.files for p in (f.old_path, f.new_path) if p}

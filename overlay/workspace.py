@@ -72,7 +72,7 @@ def create(patches_root: Path, version: str, dest: Path, *, base_wheel: Path | N
         git(["tag", "base"], tmp)
         for patch in series.patches:
             try:
-                git(["am", "-q", "--keep-cr", "--keep", "-"], tmp, input=patch.raw, keep_identity=False)
+                git(["am", "-q", "--keep-cr", "--keep", "-"], tmp, input=patch.raw)
             except GitError as exc:
                 raise SeriesError(f"patch {patch.name}: git am failed: {exc.stderr.strip().splitlines()[0]}") from None
             msg = git_text(["log", "-1", "--format=%B"], tmp).rstrip("\n")

@@ -41,8 +41,11 @@ _ZIP64_LIMIT = 0xFFFFFFFF
 
 def record_hash(data: bytes) -> str:
     """``sha256=<urlsafe base64, no padding>`` as RECORD wants it."""
-    digest = hashlib.sha256(data).digest()
-    return "sha256=" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+    return _record_digest(hashlib.sha256(data))
+
+
+def _record_digest(h: hashlib._Hash) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode()
 
 
 def escape_version(version: str) -> str:
@@ -86,6 +89,11 @@ class _Writer:
         header_offset = self.offset
         self._write(_LOCAL.pack(0x04034B50, 20, flags, method, dostime, dosdate, crc, csize,
                                 usize, len(raw_name), 0) + raw_name)
+        self._central_entry(raw_name, flags, method, dostime, dosdate, crc, csize, usize, external_attr,
+                            header_offset)
+
+    def _central_entry(self, raw_name: bytes, flags: int, method: int, dostime: int, dosdate: int, crc: int,
+                       csize: int, usize: int, external_attr: int, header_offset: int) -> None:
         self.central.append(
             _CENTRAL.pack(0x02014B50, 0x031E, 20, flags, method, dostime, dosdate, crc, csize,
                           usize, len(raw_name), 0, 0, 0, 0, external_attr, header_offset)
@@ -119,14 +127,9 @@ class _Writer:
         for info in run:
             dostime, dosdate = _dos_time(info)
             self._check_size(info.filename, info.compress_size, info.file_size)
-            raw_name = info.filename.encode("utf-8")
-            flags = 0 if info.filename.isascii() else _UTF8_FLAG
-            self.central.append(
-                _CENTRAL.pack(0x02014B50, 0x031E, 20, flags, info.compress_type, dostime, dosdate, info.CRC,
-                              info.compress_size, info.file_size, len(raw_name), 0, 0, 0, 0,
-                              info.external_attr, info.header_offset + shift)
-                + raw_name
-            )
+            self._central_entry(info.filename.encode("utf-8"), 0 if info.filename.isascii() else _UTF8_FLAG,
+                                info.compress_type, dostime, dosdate, info.CRC, info.compress_size,
+                                info.file_size, info.external_attr, info.header_offset + shift)
         self._copy(src_fd, first, end - first)
 
     def _check_size(self, name: str, csize: int, usize: int) -> None:
@@ -335,11 +338,8 @@ def verify_record(wheel: Path) -> int:
         for info in infos:
             if info.filename == f"{dist_info}/RECORD" or info.filename.endswith("/"):
                 continue
-            h = hashlib.sha256()
             with zf.open(info) as fh:  # zipfile checks each member's CRC as it reads
-                for block in iter(lambda fh=fh: fh.read(1 << 20), b""):
-                    h.update(block)
-            digest = "sha256=" + base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode()
+                digest = _record_digest(hashlib.file_digest(fh, "sha256"))
             if digest != record[info.filename][0]:
                 raise WheelError(f"{wheel.name}: {info.filename!r} does not match its RECORD hash")
             count += 1

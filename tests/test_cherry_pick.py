@@ -177,18 +177,13 @@ def test_web_url(remote: str, web: str | None) -> None:
 @pytest.mark.slow
 def test_real_release_change_as_upstream_pr(tmp_path: Path) -> None:
     """The 0.28.0 -> 0.29.0 change of one real file, as pull request 1 of a local remote."""
-    from test_rebase import _cached_wheel
+    from test_rebase import cached_tree, copy_of
 
-    from overlay.workspace import extract_text_tree
-
-    old, new = _cached_wheel("0.28.0"), _cached_wheel("0.29.0")
+    old, new = cached_tree("0.28.0"), cached_tree("0.29.0")
     if old is None or new is None:
         pytest.skip("needs the 0.28.0 and 0.29.0 wheels in the cache")
     path = "vllm/v1/attention/backends/mla/prefill/flashinfer.py"
-    trees = {}
-    for label, wheel in (("old", old), ("new", new)):
-        extract_text_tree(wheel, tmp_path / label)
-        trees[label] = (tmp_path / label / path).read_text()
+    trees = {"old": (old / path).read_text(), "new": (new / path).read_text()}
     assert trees["old"] != trees["new"]
     remote = tmp_path / "upstream"
     init_repo(remote)
@@ -201,10 +196,10 @@ def test_real_release_change_as_upstream_pr(tmp_path: Path) -> None:
     git(["reset", "-q", "--hard", "HEAD~1"], remote)  # main stays at the release
     root = tmp_path / "patches"
     series_dir(root, {}, version="0.28.0")
-    out = cherry_pick(root, "0.28.0", "1", fill_base=lambda d: extract_text_tree(old, d) and None,
+    out = cherry_pick(root, "0.28.0", "1", fill_base=copy_of(old),
                       work=tmp_path / "work", remote=str(remote), today="2026-12-01")
     assert out.done and out.left_out == ("tests/test_x.py",)
     series = Series.load(root / "0.28.0")
     assert [p.touched for p in series.patches] == [(path,)]
-    changed = apply_series(series.patches, lambda p: (tmp_path / "old" / p).read_bytes())
+    changed = apply_series(series.patches, lambda p: (old / p).read_bytes())
     assert changed.changed[path].decode() == trees["new"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -379,32 +380,44 @@ def test_status_names_the_release_that_absorbed_a_patch(tmp_path: Path) -> None:
     assert absorbed_in(root, FROM) == {"up.patch": TO}
 
 
-def _cached_wheel(version: str) -> Path | None:
-    from overlay.fetch import cache_dir
+REPO_PATCHES = Path(__file__).resolve().parent.parent / "patches"
 
-    found = sorted(cache_dir().glob(f"wheels*/vllm-{version}-*.whl"))
-    return found[0] if found else None
+
+def cached_tree(version: str) -> Path | None:
+    """The pinned release's text tree, extracted once into the cache (:func:`overlay.trees.base_tree`);
+    ``None`` when its wheel was never fetched (nothing is downloaded here)."""
+    from overlay.fetch import cache_dir
+    from overlay.pins import load_pin
+    from overlay.trees import base_tree
+
+    if not (cache_dir() / "wheels" / load_pin(REPO_PATCHES, version).wheel).is_file():
+        return None
+    return base_tree(REPO_PATCHES, version)
+
+
+def copy_of(tree: Path):
+    """A tree source that copies ``tree`` (the cached tree itself is never written to)."""
+    def fill(dest: Path) -> None:
+        shutil.copytree(tree, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    return fill
 
 
 @pytest.mark.slow
 def test_real_releases_rename_dcp_utils_to_dcp(tmp_path: Path) -> None:
     """On the real 0.28.0 -> 0.29.0 trees a patch to ops/dcp_utils.py is carried into ops/dcp.py."""
-    from overlay.workspace import extract_text_tree
+    from overlay.pins import load_pin
 
-    old, new = _cached_wheel("0.28.0"), _cached_wheel("0.29.0")
+    old, new = cached_tree("0.28.0"), cached_tree("0.29.0")
     if old is None or new is None:
         pytest.skip("needs the 0.28.0 and 0.29.0 wheels in the cache (make rebase TO=0.29.0 fetches them)")
     path = "vllm/v1/attention/ops/dcp_utils.py"
-    base = tmp_path / "base"
-    extract_text_tree(old, base)
-    text = (base / path).read_text().splitlines(keepends=True)
+    text = (old / path).read_text().splitlines(keepends=True)
     at = next(i for i, ln in enumerate(text) if "def gather(self, local_query" in ln)
     text.insert(at, "    # overlay: a comment the rebase must carry across the rename\n")
-    raw = make_patch(tmp_path, "dcp-comment", {path: "".join(text)}, base={path: (base / path).read_text()})
+    raw = make_patch(tmp_path, "dcp-comment", {path: "".join(text)}, base={path: (old / path).read_text()})
     root = tmp_path / "patches"
     series_dir(root, {"dcp-comment.patch": raw}, version="0.28.0")
-    pin = Pin("0.29.0", new.name, sha256_file(new))
-    out = start(root, "0.28.0", pin, lambda d: extract_text_tree(old, d), lambda d: extract_text_tree(new, d),
+    out = start(root, "0.28.0", load_pin(REPO_PATCHES, "0.29.0"), copy_of(old), copy_of(new),
                 work=tmp_path / "w", tests_dir=tmp_path)
     assert out.done, out.message
     entry = json.loads((root / "0.29.0" / "rebase.json").read_text())["patches"][0]
@@ -421,12 +434,11 @@ def test_committed_0_33_0_series_applies_to_its_wheel() -> None:
     from overlay.pins import load_pin
     from overlay.status import series_status
 
-    patches = Path(__file__).resolve().parent.parent / "patches"
-    pin = load_pin(patches, "0.33.0")
+    pin = load_pin(REPO_PATCHES, "0.33.0")
     wheel = fetch_wheel(pin)
     assert sha256_file(wheel) == pin.sha256
-    rows = series_status(patches, "0.33.0", base_wheel=wheel)
-    assert [r.name for r in rows] == [p.name for p in Series.load(patches / "0.33.0").patches]
+    rows = series_status(REPO_PATCHES, "0.33.0", base_wheel=wheel)
+    assert [r.name for r in rows] == [p.name for p in Series.load(REPO_PATCHES / "0.33.0").patches]
     assert rows and all(r.applies for r in rows), [(r.name, r.detail) for r in rows if not r.applies]
 
 

@@ -381,8 +381,7 @@ def plan_image(
     if kernel_patches:
         source = str(pin_dir(patches_root, version) / "pin.toml")
         files = (cmake_files or sdist_cmake_files)(pin, source)
-        touched = tuple(sorted({p for patch in series.kernel_patches for p in patch.touched}))
-        kernels = resolve_targets(touched, read_kernel_map(files))
+        kernels = resolve_targets(series.kernel_touched, read_kernel_map(files))
         wheel = "dist/" + wheel_name(pin, overlay_version)  # written inside the kernel stage
     else:
         wheel = (dist / wheel_name(pin, overlay_version)).as_posix()
@@ -487,11 +486,12 @@ def prepare_kernel_source(patches_root: Path, version: str, dest: Path) -> Kerne
         out.write_bytes(data)
     for path in applied.deleted:
         (dest / path).unlink(missing_ok=True)
+    # Only CMakeLists.txt and cmake/**/*.cmake (is_cmake_source): no walk of the whole source tree.
+    candidates = [dest / "CMakeLists.txt", *(dest / "cmake").rglob("*.cmake")]
     files = {
         rel: (dest / rel).read_text(errors="replace")
-        for rel in (p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file())
+        for rel in (p.relative_to(dest).as_posix() for p in candidates if p.is_file())
         if is_cmake_source(rel)
     }
-    touched = tuple(sorted({p for patch in series.kernel_patches for p in patch.touched}))
-    return resolve_targets(touched, read_kernel_map(files))
+    return resolve_targets(series.kernel_touched, read_kernel_map(files))
 

@@ -273,6 +273,11 @@ class Series:
     def kernel_patches(self) -> tuple[Patch, ...]:
         return tuple(p for p in self.patches if p.kind == "kernel")
 
+    @property
+    def kernel_touched(self) -> tuple[str, ...]:
+        """Every path the kernel patches touch, sorted, without duplicates."""
+        return tuple(sorted({p for patch in self.kernel_patches for p in patch.touched}))
+
     def digest(self, base_sha256: str) -> str:
         """sha256 over the base wheel digest and each patch's name and digest, in order."""
         h = hashlib.sha256()

@@ -309,14 +309,7 @@ def resume(work: Path, *, runner: TestRunner | None = None) -> Outcome:
 
 
 def _refuse_kernel(series: Series) -> None:
-    import importlib.util
-
     names = ", ".join(p.name for p in series.kernel_patches)
-    if importlib.util.find_spec("overlay.sdist") is None:
-        raise KernelPatchError(
-            f"patch {names} touches compiled sources; rebasing csrc/ needs the source distributions, "
-            "and overlay/sdist.py (sdist fetching) is not available yet"
-        )
     raise KernelPatchError(
         f"patch {names} touches compiled sources; rebasing csrc/ from the sdists is not wired into "
         "`make rebase` yet"

@@ -15,7 +15,9 @@ import zipfile
 from pathlib import Path
 
 from packaging.markers import default_environment
+from packaging.metadata import parse_email
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from overlay.errors import OverlayError
 from overlay.wheel import dist_info_name
@@ -29,24 +31,20 @@ class InstallError(OverlayError):
     """pip failed while installing into the environment."""
 
 
-def requirements(wheel: Path, skip: frozenset[str] = CPU_SKIP) -> list[str]:
-    """The wheel's ``Requires-Dist`` for this machine, without extras and without ``skip``."""
+def _requires_dist(wheel: Path) -> list[Requirement]:
+    """The wheel's ``Requires-Dist`` whose markers hold on this machine, extras left out."""
     with zipfile.ZipFile(wheel) as zf:
         dist_info = dist_info_name(zf.infolist(), wheel)
-        metadata = zf.read(f"{dist_info}/METADATA").decode()
-    head = metadata.split("\n\n", 1)[0]
-    env = default_environment()
-    out: list[str] = []
-    for line in head.splitlines():
-        if not line.startswith("Requires-Dist: "):
-            continue
-        req = Requirement(line[len("Requires-Dist: "):])
-        if req.marker is not None and not req.marker.evaluate({**env, "extra": ""}):
-            continue
-        if req.name.lower().replace("_", "-") in skip:
-            continue
-        out.append(str(req))
-    return out
+        metadata = zf.read(f"{dist_info}/METADATA")
+    raw, _ = parse_email(metadata)
+    env = {**default_environment(), "extra": ""}
+    reqs = map(Requirement, raw.get("requires_dist", []))
+    return [req for req in reqs if req.marker is None or req.marker.evaluate(env)]
+
+
+def requirements(wheel: Path) -> list[str]:
+    """The wheel's ``Requires-Dist`` for this machine, without extras and without :data:`CPU_SKIP`."""
+    return [str(req) for req in _requires_dist(wheel) if canonicalize_name(req.name) not in CPU_SKIP]
 
 
 def cpu_installable(wheel: Path) -> str | None:
@@ -56,9 +54,8 @@ def cpu_installable(wheel: Path) -> str | None:
     would replace the CPU torch 2.13.0 the environment and the tests are built on.
     """
     cpu = TORCH_CPU.split("==", 1)[1]
-    for line in requirements(wheel, skip=frozenset()):
-        req = Requirement(line)
-        if req.name.lower() == "torch" and req.specifier and not req.specifier.contains(cpu):
+    for req in _requires_dist(wheel):
+        if canonicalize_name(req.name) == "torch" and req.specifier and not req.specifier.contains(cpu):
             return f"it requires torch{req.specifier}, and this environment is built on CPU torch {cpu}"
     return None
 

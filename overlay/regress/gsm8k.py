@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from overlay.regress.errors import RegressError
-from overlay.regress.profiles import Profile
+from overlay.regress.profiles import Profile, check_gsm8k_data
 from overlay.regress.results import Finding
 from overlay.regress.server import Server
 
@@ -44,9 +44,7 @@ def lm_eval_gsm8k_yaml() -> Path:
 def write_local_task(data_dir: Path, task_dir: Path) -> str:
     """Write the ``gsm8k_local`` task (lm-eval's GSM8K over local JSON lines); return its name."""
     data_dir = data_dir.resolve()
-    missing = [s for s in ("train.jsonl", "test.jsonl") if not (data_dir / s).is_file()]
-    if missing:
-        raise RegressError(f"gsm8k.data: {data_dir} lacks {' and '.join(missing)} (GSM8K-format JSON lines)")
+    check_gsm8k_data(data_dir, "gsm8k.data")
     task_dir.mkdir(parents=True, exist_ok=True)
     task = {
         "include": str(lm_eval_gsm8k_yaml()),

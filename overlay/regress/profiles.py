@@ -136,7 +136,7 @@ class Profile:
         if latency_tool is not None and latency_tool not in LATENCY_TOOLS:
             raise ProfileError(f"--latency-tool: {latency_tool!r} is not one of {', '.join(LATENCY_TOOLS)}")
         if gsm8k_data is not None:
-            _check_gsm8k_data(Path(gsm8k_data), "--gsm8k-data")
+            check_gsm8k_data(Path(gsm8k_data), "--gsm8k-data")
         gsm8k = replace(self.gsm8k, data=gsm8k_data or self.gsm8k.data,
                         limit=gsm8k_limit if gsm8k_limit is not None else self.gsm8k.limit)
         latency = replace(self.latency, tool=latency_tool or self.latency.tool)
@@ -163,11 +163,11 @@ def load_profile(name_or_path: str) -> Profile:
     return parse_profile(shipped.read_text(encoding="utf-8"), f"overlay/regress/profiles/{name_or_path}.yaml")
 
 
-def _check_gsm8k_data(folder: Path, where: str) -> list[str]:
+def check_gsm8k_data(folder: Path, where: str) -> None:
+    """Raise :class:`ProfileError` unless ``folder`` holds GSM8K's ``train.jsonl`` and ``test.jsonl``."""
     missing = [s for s in ("train.jsonl", "test.jsonl") if not (folder / s).is_file()]
     if missing:
         raise ProfileError(f"{where}: {folder} lacks {' and '.join(missing)} (GSM8K-format JSON lines)")
-    return []
 
 
 class _Fields:

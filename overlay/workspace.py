@@ -126,18 +126,17 @@ def export(repo: Path, patches_root: Path, version: str) -> list[str]:
         raw = re.sub(rb"^" + NAME_TRAILER.encode() + rb": \S+\n", b"", raw, count=1, flags=re.M)
         files[name] = raw
         names.append(name)
-    old = Series.parse_names((directory / "series").read_text(), str(directory / "series")) \
-        if (directory / "series").exists() else []
+    series_file = directory / "series"
+    old_text = series_file.read_text() if series_file.exists() else ""
+    old = Series.parse_names(old_text, str(series_file))
     for name, raw in files.items():
         tmp = directory / f".{name}.tmp"
         tmp.write_bytes(raw)
         os.replace(tmp, directory / name)
-    header = "".join(
-        line + "\n" for line in (directory / "series").read_text().splitlines() if line.startswith("#")
-    ) if (directory / "series").exists() else ""
+    header = "".join(line + "\n" for line in old_text.splitlines() if line.startswith("#"))
     tmp = directory / ".series.tmp"
     tmp.write_text(header + "".join(f"{n}\n" for n in names))
-    os.replace(tmp, directory / "series")
+    os.replace(tmp, series_file)
     for stale in set(old) - set(names):
         (directory / stale).unlink(missing_ok=True)
     return names

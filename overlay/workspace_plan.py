@@ -28,7 +28,6 @@ these formulas against vLLM's own functions and workspace constructors.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -236,10 +235,9 @@ def config_from_profile(name_or_path: str) -> dict[str, Any]:
             if value is not None:
                 found[key] = int(value)
                 break
-    raw = server.arg_value("--speculative-config")
-    if raw is not None:
-        spec = json.loads(raw)
-        found["speculative_tokens"] = int(spec.get("num_speculative_tokens", 0))
+    spec = server.speculative_config
+    if spec is not None:
+        found["speculative_tokens"] = server.speculative_tokens
         if "parallel_drafting" in spec:
             found["parallel_drafting"] = bool(spec["parallel_drafting"])
     return found

@@ -62,11 +62,19 @@ class ServerSpec:
         return None
 
     @property
-    def speculative_tokens(self) -> int:
+    def speculative_config(self) -> dict[str, Any] | None:
+        """The JSON object given to ``--speculative-config``, or None without the flag."""
         raw = self.arg_value("--speculative-config")
         if raw is None:
-            return 0
-        return int(json.loads(raw).get("num_speculative_tokens", 0))
+            return None
+        spec = json.loads(raw)
+        if not isinstance(spec, dict):
+            raise ValueError(f"got {raw!r}")
+        return spec
+
+    @property
+    def speculative_tokens(self) -> int:
+        return int((self.speculative_config or {}).get("num_speculative_tokens", 0))
 
 
 @dataclass(frozen=True)

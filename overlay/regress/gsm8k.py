@@ -24,11 +24,9 @@ from typing import Any
 import yaml
 
 from overlay.regress.errors import RegressError
-from overlay.regress.profiles import Profile, check_gsm8k_data
+from overlay.regress.profiles import GSM8K_METRICS, Profile, check_gsm8k_data
 from overlay.regress.results import Finding
 from overlay.regress.server import Server
-
-METRICS = ("strict-match", "flexible-extract")
 
 
 def lm_eval_gsm8k_yaml() -> Path:
@@ -91,7 +89,7 @@ def read_results(results_dir: Path, task: str) -> dict[str, Any]:
         raise RegressError(f"{files[-1]}: no results for task {task!r}")
     out: dict[str, Any] = {"results_file": str(files[-1]),
                            "samples": (data.get("n-samples", {}).get(task) or {}).get("effective")}
-    for metric in METRICS:
+    for metric in GSM8K_METRICS:
         value = row.get(f"exact_match,{metric}")
         stderr = row.get(f"exact_match_stderr,{metric}")
         if not isinstance(value, int | float):
@@ -107,7 +105,7 @@ def allowed_minimum(base: float, base_stderr: float, run_stderr: float, k: float
 def judge(profile: Profile, results: dict[str, Any]) -> list[Finding]:
     k = profile.threshold("gsm8k_max_stderrs")
     findings = []
-    for metric in METRICS:
+    for metric in GSM8K_METRICS:
         base = profile.baseline.gsm8k[metric]
         got = results[metric]
         floor = allowed_minimum(base, profile.baseline.gsm8k_stderr, got["stderr"], k)

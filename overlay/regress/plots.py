@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # after use("Agg"): the backend must be chosen first
 
-from overlay.regress.profiles import Profile
+from overlay.regress.profiles import GSM8K_METRICS, Profile
 
 
 def acceptance_plot(profile: Profile, data: dict[str, Any], path: Path) -> Path | None:
@@ -40,7 +40,7 @@ def acceptance_plot(profile: Profile, data: dict[str, Any], path: Path) -> Path 
 
 
 def gsm8k_plot(profile: Profile, data: dict[str, Any], path: Path) -> Path | None:
-    metrics = [m for m in ("strict-match", "flexible-extract") if isinstance(data.get(m), dict)]
+    metrics = [m for m in GSM8K_METRICS if isinstance(data.get(m), dict)]
     if not metrics:
         return None
     fig, ax = plt.subplots(figsize=(6.4, 4))

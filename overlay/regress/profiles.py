@@ -20,6 +20,7 @@ from overlay.regress.errors import ProfileError
 
 CHECKS = ("long_context", "gsm8k", "acceptance", "latency")
 LATENCY_TOOLS = ("vllm-bench", "builtin")
+GSM8K_METRICS = ("strict-match", "flexible-extract")  # lm-eval's two GSM8K filters, each with a baseline
 # Which thresholds each check reads; a profile must justify exactly the ones its checks use.
 THRESHOLDS_BY_CHECK: dict[str, tuple[str, ...]] = {
     "long_context": ("count_min_consecutive", "repetition_ngram", "repetition_max_ratio"),
@@ -311,7 +312,7 @@ def parse_profile(text: str, source: str) -> Profile:
     b = f.section(data, "baseline")
     bg = f.get(b, "baseline", "gsm8k", dict, default={}) or {}
     gsm8k_base: dict[str, float] = {}
-    for metric in ("strict-match", "flexible-extract"):
+    for metric in GSM8K_METRICS:
         value = f.get(bg, "baseline.gsm8k", metric, float)
         if value is not None:
             gsm8k_base[metric] = value

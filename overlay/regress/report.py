@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from overlay.regress import plots
+from overlay.regress.profiles import GSM8K_METRICS
 
 if TYPE_CHECKING:
     from overlay.regress.runner import RunReport
@@ -80,7 +81,7 @@ def markdown(report: RunReport, images: dict[str, Path | None]) -> str:
         d = steps["gsm8k"].data
         lines += ["## GSM8K", "", "| metric | this run | stderr | baseline | allowed minimum |",
                   "| --- | ---: | ---: | ---: | ---: |"]
-        for m in ("strict-match", "flexible-extract"):
+        for m in GSM8K_METRICS:
             lines.append(f"| {m} | {d[m]['value']:.4f} | {d[m]['stderr']:.4f} | {d[m]['baseline']:.4f} | "
                          f"{d[m]['allowed_min']:.4f} |")
         lines += ["", f"{d.get('samples')} questions, task `{d.get('task')}`, lm-eval log `{d.get('log')}`.", ""]

@@ -20,7 +20,7 @@ import httpx
 
 from overlay.regress import acceptance, gsm8k, latency, longctx
 from overlay.regress.errors import RegressError, ServerDied
-from overlay.regress.profiles import Profile
+from overlay.regress.profiles import GSM8K_METRICS, Profile
 from overlay.regress.results import Finding, Progress, StepResult, step_status, verdict
 from overlay.regress.server import Server
 
@@ -57,7 +57,7 @@ def _summary(name: str, data: dict[str, Any], findings: list[Finding]) -> str:
     if findings:
         return f"{len(findings)} finding(s): {findings[0].message}"
     if name == "gsm8k":
-        return ", ".join(f"{m} {data[m]['value']:.4f}" for m in gsm8k.METRICS)
+        return ", ".join(f"{m} {data[m]['value']:.4f}" for m in GSM8K_METRICS)
     if name == "latency":
         return f"TTFT {data['mean_ttft_ms']:.1f} ms, TPOT {data['mean_tpot_ms']:.2f} ms ({data['tool']})"
     if name == "acceptance":

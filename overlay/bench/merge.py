@@ -44,50 +44,31 @@ TOKENS = [1, 16, 128, 768, 8192]
 TRANSPORTS = ["ag_rs", "nccl_a2a", "direct_a2a"]
 
 
-def _combine_fn(transport: str, group: Any, device: Any, heads: int, head_dim: int,
-                max_tokens: int) -> Any:
-    """The vLLM combine of ``transport`` for ``head_dim``-wide partials (None if unavailable)."""
+def _transport_fns(transport: str, group: Any, device: Any, heads: int, kv_lora_rank: int, v_head_dim: int,
+                   max_tokens: int) -> tuple[Any, Any] | None:
+    """(vLLM's combine of ``kv_lora_rank``-wide partials, the patch's fused project-and-merge) of
+    ``transport`` (``MLADCPManager.project_combine``), or None where the transport is unavailable."""
     import functools
 
-    from vllm.v1.attention.ops.common import cp_lse_ag_out_rs
-    from vllm.v1.attention.ops.dcp_alltoall import dcp_a2a_lse_reduce
-
-    if transport == "ag_rs":
-        return functools.partial(cp_lse_ag_out_rs, cp_group=group, is_lse_base_on_e=True)
-    if transport == "nccl_a2a":
-        return functools.partial(dcp_a2a_lse_reduce, cp_group=group, is_lse_base_on_e=True)
     import torch
     from vllm.v1.attention.ops import dcp_utils
+    from vllm.v1.attention.ops.common import cp_lse_ag_out_rs, cp_lse_ag_out_rs_project
+    from vllm.v1.attention.ops.dcp_alltoall import dcp_a2a_lse_reduce, dcp_a2a_project_lse_reduce
 
+    if transport in ("ag_rs", "nccl_a2a"):
+        combine, project = ((cp_lse_ag_out_rs, cp_lse_ag_out_rs_project) if transport == "ag_rs"
+                            else (dcp_a2a_lse_reduce, dcp_a2a_project_lse_reduce))
+        return (functools.partial(combine, cp_group=group, is_lse_base_on_e=True),
+                functools.partial(project, cp_group=group, is_lse_base_on_e=True))
     os.environ["VLLM_USE_DIRECT_DCP_A2A"] = "1"
-    ws = dcp_utils.get_direct_dcp_a2a_workspace(group, device, max_tokens, heads, head_dim,
-                                                torch.bfloat16, 1)
-    if ws is None:
+    latent_ws, projected_ws = (
+        dcp_utils.get_direct_dcp_a2a_workspace(group, device, max_tokens, heads, dim, torch.bfloat16, 1)
+        for dim in (kv_lora_rank, v_head_dim))
+    if latent_ws is None or projected_ws is None:
         return None
-    return lambda out, lse, **_: ws.lse_reduce(out, lse, True)
-
-
-def _project_fn(transport: str, group: Any, device: Any, heads: int, v_head_dim: int,
-                max_tokens: int) -> Any:
-    """The patch's fused project-and-merge of ``transport`` (``MLADCPManager.project_combine``)."""
-    import functools
-
-    from vllm.v1.attention.ops import dcp_utils
-    from vllm.v1.attention.ops.common import cp_lse_ag_out_rs_project
-    from vllm.v1.attention.ops.dcp_alltoall import dcp_a2a_project_lse_reduce
-
-    if transport == "ag_rs":
-        return functools.partial(cp_lse_ag_out_rs_project, cp_group=group, is_lse_base_on_e=True)
-    if transport == "nccl_a2a":
-        return functools.partial(dcp_a2a_project_lse_reduce, cp_group=group, is_lse_base_on_e=True)
-    import torch
-
-    ws = dcp_utils.get_direct_dcp_a2a_workspace(group, device, max_tokens, heads, v_head_dim,
-                                                torch.bfloat16, 1)
-    if ws is None:
-        return None
-    return functools.partial(dcp_utils.MLADCPManager._project_combine_direct_a2a,
-                             SimpleNamespace(group=group), ws, is_lse_base_on_e=True)
+    return (lambda out, lse, **_: latent_ws.lse_reduce(out, lse, True),
+            functools.partial(dcp_utils.MLADCPManager._project_combine_direct_a2a,
+                              SimpleNamespace(group=group), projected_ws, is_lse_base_on_e=True))
 
 
 def _stepper(fn: Any, group: Any, graph: bool, inner: int = 10) -> Any:
@@ -207,20 +188,19 @@ def _worker(rank: int, world: int, port: int, tokens: list[int], replays: int, o
             w_uv_dcp = group.all_gather(w_uv.contiguous(), dim=0)
             for transport in TRANSPORTS:
                 try:
-                    base_combine = _combine_fn(transport, group, device, heads, lora, max_tokens)
-                    opt_combine = _combine_fn(transport, group, device, heads, v, max_tokens)
-                    project_combine = _project_fn(transport, group, device, heads, v, max_tokens)
+                    fns = _transport_fns(transport, group, device, heads, lora, v, max_tokens)
                 except Exception as exc:  # e.g. symmetric memory unavailable
-                    base_combine = opt_combine = None
+                    fns = None
                     notes.append(f"{model} {transport}: {type(exc).__name__}: {exc}")
-                if base_combine is None or opt_combine is None or project_combine is None:
+                if fns is None:
                     notes.append(f"{model} {transport}: not available here")
                     continue
+                base_combine, project_combine = fns
+                # _dcp_project_and_merge takes the manager's fused project_combine when it has one.
                 layer = SimpleNamespace(
                     num_heads=heads, kv_lora_rank=lora, v_head_dim=v, W_UV=w_uv, W_UV_dcp=w_uv_dcp,
                     is_aiter_triton_fp4_bmm_enabled=False, is_aiter_triton_fp8_bmm_enabled=False,
-                    dcp_row_valid_counts=None, dcp_manager=SimpleNamespace(combine=opt_combine,
-                                                project_combine=project_combine))
+                    dcp_row_valid_counts=None, dcp_manager=SimpleNamespace(project_combine=project_combine))
                 for n in tokens:
                     g2 = torch.Generator(device=device).manual_seed(1000 * rank + n)
                     partial = torch.randn(n, world * heads, lora, generator=g2, device=device).bfloat16()

@@ -17,19 +17,14 @@ import sys
 from types import SimpleNamespace
 
 
-def reference(xs, lses, w_uv, rank: int, world: int, base_e: bool = True):
-    """Rank ``rank``'s merged heads [B, H/N, V] in float64: merge the latent partials, then project."""
+def reference(xs, lses, w_uv, rank: int, world: int):
+    """Rank ``rank``'s merged heads [B, H/N, V] in float64: vLLM's reference LSE merge of the
+    latent partials (``_lse_weighted_combine``), then the projection."""
     import torch
+    from vllm.v1.attention.ops.dcp_alltoall import _lse_weighted_combine
 
-    lse = torch.stack([lv.double() for lv in lses])  # [N, B, H]
-    lse = torch.where(lse.isnan() | (lse == float("inf")), float("-inf"), lse)
-    top = lse.max(0).values
-    top = torch.where(top == float("-inf"), 0.0, top)
-    w = torch.exp(lse - top) if base_e else torch.exp2(lse - top)
-    w = w / w.sum(0).clamp_min(1e-300)
-    parts = torch.stack([x.double() for x in xs])  # [N, B, H, L]
-    parts = torch.where(w[..., None] == 0, 0.0, parts)
-    merged = (parts * w[..., None]).sum(0)  # [B, H, L]
+    merged = _lse_weighted_combine(torch.stack([x.double() for x in xs]),
+                                   torch.stack([lv.double() for lv in lses]))  # [B, H, L]
     hpr = merged.shape[1] // world
     heads = slice(rank * hpr, (rank + 1) * hpr)
     return torch.einsum("bhl,hlv->bhv", merged[:, heads], w_uv.double()[heads])

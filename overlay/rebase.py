@@ -97,8 +97,14 @@ def test_file(tests_dir: Path, patch_name: str) -> Path:
     return tests_dir / f"test_{patch_name.removesuffix('.patch').replace('-', '_')}.py"
 
 
+def test_files(tests_dir: Path, patch_name: str) -> list[Path]:
+    """A patch's test files: ``test_<name>.py`` and its parts ``test_<name>__<part>.py``."""
+    main = test_file(tests_dir, patch_name)
+    return [main, *sorted(main.parent.glob(f"{main.stem}__*.py"))]
+
+
 def pytest_runner(tests_dir: Path, *, cwd: Path | None = None, timeout: float = 900) -> TestRunner:
-    """Run ``tests_dir/test_<name>.py`` in a subprocess with ``OVERLAY_VLLM_TREE=<tree>``.
+    """Run a patch's :func:`test_files` in a subprocess with ``OVERLAY_VLLM_TREE=<tree>``.
 
     Like ``tests/test_patches_against_base.py``: the repository's ``conftest.py`` puts the
     tree first on ``sys.path``; ``PYTHONPATH`` does the same for test folders without it.
@@ -106,8 +112,8 @@ def pytest_runner(tests_dir: Path, *, cwd: Path | None = None, timeout: float = 
     import subprocess
 
     def run(patch: Patch, tree: Path) -> TestRun | None:
-        file = test_file(tests_dir, patch.name)
-        if not file.is_file():
+        files = test_files(tests_dir, patch.name)
+        if not files[0].is_file():
             return None
         env = dict(os.environ)
         env["OVERLAY_VLLM_TREE"] = str(tree)
@@ -115,7 +121,7 @@ def pytest_runner(tests_dir: Path, *, cwd: Path | None = None, timeout: float = 
         env["PYTHONDONTWRITEBYTECODE"] = "1"  # never leave __pycache__ in a tree under test
         with tempfile.TemporaryDirectory(prefix="overlay-tests-") as tmp:
             junit = Path(tmp) / "junit.xml"
-            cmd = [sys.executable, "-m", "pytest", str(file), "-m", "not gpu", "-q", "-p", "no:cacheprovider",
+            cmd = [sys.executable, "-m", "pytest", *map(str, files), "-m", "not gpu", "-q", "-p", "no:cacheprovider",
                    "-o", "addopts=", f"--junitxml={junit}"]
             try:
                 proc = subprocess.run(cmd, cwd=cwd or tests_dir, env=env, capture_output=True, text=True,

@@ -15,31 +15,23 @@ from pathlib import Path
 
 import pytest
 
+from overlay import rebase  # not its test_file/test_files by name: pytest would collect them
 from overlay.series import Series
 from overlay.trees import base_tree
 
 REPO = Path(__file__).resolve().parent.parent
+TESTS = REPO / "tests" / "patches"
 VERSION = "0.28.0"
 SERIES = Series.load(REPO / "patches" / VERSION)
 
 
-def _test_file(patch_name: str) -> Path:
-    return REPO / "tests" / "patches" / f"test_{patch_name.removesuffix('.patch').replace('-', '_')}.py"
-
-
-def _test_files(patch_name: str) -> list[Path]:
-    """``test_<patch>.py`` and its parts ``test_<patch>__<part>.py``: every one must fail on base."""
-    main = _test_file(patch_name)
-    return [main, *sorted(main.parent.glob(f"{main.stem}__*.py"))]
-
-
-def _run(test_file: Path, tree: Path | None) -> subprocess.CompletedProcess[str]:
+def _run(file: Path, tree: Path | None) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env.pop("OVERLAY_VLLM_TREE", None)
     if tree is not None:
         env["OVERLAY_VLLM_TREE"] = str(tree)
     return subprocess.run(
-        [sys.executable, "-m", "pytest", str(test_file), "-m", "not gpu", "-q", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", str(file), "-m", "not gpu", "-q", "-p", "no:cacheprovider",
          "-o", "addopts=", "--timeout=600"],
         cwd=REPO, env=env, capture_output=True, text=True, check=False,
     )
@@ -47,14 +39,15 @@ def _run(test_file: Path, tree: Path | None) -> subprocess.CompletedProcess[str]
 
 @pytest.mark.parametrize("patch", SERIES.patches, ids=lambda p: p.name)
 def test_patch_has_tests(patch) -> None:
-    assert _test_file(patch.name).is_file(), f"{patch.name} has no {_test_file(patch.name).name}"
+    main = rebase.test_file(TESTS, patch.name)
+    assert main.is_file(), f"{patch.name} has no {main.name}"
 
 
-@pytest.mark.parametrize("test_file", [f for p in SERIES.patches for f in _test_files(p.name)],
+@pytest.mark.parametrize("file", [f for p in SERIES.patches for f in rebase.test_files(TESTS, p.name)],
                          ids=lambda f: f.stem)
-def test_patch_tests_fail_on_base(test_file: Path) -> None:
+def test_patch_tests_fail_on_base(file: Path) -> None:
     tree = base_tree(REPO / "patches", VERSION)
-    proc = _run(test_file, tree)
+    proc = _run(file, tree)
     tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
     # Exit code 1 = tests ran and some failed; 2/3/4/5 would mean the file did not even run.
     assert proc.returncode == 1, f"expected failures on the unpatched base, got rc={proc.returncode}:\n{tail}"

@@ -334,13 +334,12 @@ def _finish(work: Path, state: dict, series: Series) -> PickOutcome:
     Patch.from_bytes(name, raw, directory / name)
     names = [p.name for p in series.patches]
     names.insert(state["pos"], name)
-    text = (directory / "series").read_text()
-    header = "".join(line + "\n" for line in text.splitlines() if line.lstrip().startswith("#"))
+    text = Series.render(names, header_from=(directory / "series").read_text())
     tmp_patch = directory / f".{name}.tmp"
     tmp_series = directory / ".series.tmp"
     try:
         tmp_patch.write_bytes(raw)
-        tmp_series.write_text(header + "".join(f"{n}\n" for n in names))
+        tmp_series.write_text(text)
         os.replace(tmp_patch, directory / name)
         os.replace(tmp_series, directory / "series")
     finally:

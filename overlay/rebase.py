@@ -548,11 +548,9 @@ def _finish(work: Path, state: State, series: Series, results: list[Result]) -> 
             Patch.from_bytes(patch.name, raw, tmp / patch.name)  # refuse to write a broken file
             (tmp / patch.name).write_bytes(raw)
             names.append(patch.name)
-        (tmp / "series").write_text(
+        (tmp / "series").write_text(Series.render(names, header_from=(
             f"# Patch series for vLLM {state.to_version}, applied in this order by `make build`.\n"
-            f"# Rebased from {state.from_version} by `make rebase` (see REBASE.md).\n"
-            + "".join(f"{n}\n" for n in names)
-        )
+            f"# Rebased from {state.from_version} by `make rebase` (see REBASE.md).\n")))
         (tmp / "pin.toml").write_text(pin.to_toml())
         doc = {
             "from": state.from_version,

@@ -223,6 +223,13 @@ class Series:
         return self.directory / "series"
 
     @staticmethod
+    def render(names: list[str], header_from: str = "") -> str:
+        """Series file text: the comment lines of ``header_from`` (an old series file's text), then
+        one patch name per line."""
+        header = "".join(line + "\n" for line in header_from.splitlines() if line.lstrip().startswith("#"))
+        return header + "".join(f"{n}\n" for n in names)
+
+    @staticmethod
     def parse_names(text: str, source: str) -> list[str]:
         """Patch names in order; '#' starts a comment; errors name the line."""
         return [name for _, name in Series.parse_entries(text, source)]

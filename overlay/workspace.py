@@ -133,9 +133,8 @@ def export(repo: Path, patches_root: Path, version: str) -> list[str]:
         tmp = directory / f".{name}.tmp"
         tmp.write_bytes(raw)
         os.replace(tmp, directory / name)
-    header = "".join(line + "\n" for line in old_text.splitlines() if line.startswith("#"))
     tmp = directory / ".series.tmp"
-    tmp.write_text(header + "".join(f"{n}\n" for n in names))
+    tmp.write_text(Series.render(names, header_from=old_text))
     os.replace(tmp, series_file)
     for stale in set(old) - set(names):
         (directory / stale).unlink(missing_ok=True)

@@ -1,0 +1,99 @@
+"""Run one engine case in this process: start ``vllm.LLM``, generate the workload, write the outputs.
+
+``python -m overlay.engine.run_case --case CASE.json --model DIR --out OUT.json``. Started by
+``engine.check`` as a child process (one engine per process: vLLM reads its environment at
+start-up and spawns its workers from it), which enforces the timeout. The output JSON holds,
+per request, the prompt logprobs (the logprob of every prompt token given the ones before it),
+the greedy tokens with their top-5 logprobs, and the engine's start-up and generation times
+and speculative-decoding counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _logprob_rows(rows: Any) -> list[list[list[float]]]:
+    """vLLM's per-position logprob dicts as [[token, logprob], ...] sorted by rank (None -> [])."""
+    out: list[list[list[float]]] = []
+    for row in rows or []:
+        if not row:
+            out.append([])
+            continue
+        items = sorted(row.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30, kv[0]))
+        out.append([[int(tok), float(lp.logprob)] for tok, lp in items])
+    return out
+
+
+def _spec_metrics(llm: Any) -> dict[str, Any]:
+    wanted = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+              "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
+    out: dict[str, Any] = {}
+    try:
+        metrics = llm.get_metrics()
+    except Exception as e:  # metrics are informative only
+        return {"error": repr(e)}
+    for m in metrics:
+        if m.name in wanted:
+            out[m.name] = getattr(m, "values", None) or getattr(m, "value", None)
+    return out
+
+
+def run(case: dict[str, Any], model: str, out: Path, seed: int) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from overlay.engine.workload import DECODE_STEPS, TOP_LOGPROBS, Case, prompts
+
+    c = Case(**{k: v for k, v in case.items()})
+    ids = prompts(seed)
+    order = list(range(len(ids)))[::-1] if c.reverse else list(range(len(ids)))
+    t0 = time.monotonic()
+    llm = LLM(**c.engine_kwargs(model))
+    t1 = time.monotonic()
+    params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS, ignore_eos=True,
+                            logprobs=TOP_LOGPROBS, prompt_logprobs=1)
+    results = llm.generate([TokensPrompt(prompt_token_ids=ids[i]) for i in order], params, use_tqdm=False)
+    t2 = time.monotonic()
+    requests: list[dict[str, Any]] = [{}] * len(ids)
+    for i, res in zip(order, results, strict=True):
+        prompt = ids[i]
+        prompt_lp: list[float | None] = [None]
+        for pos, row in enumerate(res.prompt_logprobs[1:] if res.prompt_logprobs else [], start=1):
+            lp = row.get(prompt[pos]) if row else None
+            prompt_lp.append(float(lp.logprob) if lp is not None else None)
+        comp = res.outputs[0]
+        requests[i] = {
+            "prompt_len": len(prompt),
+            "prompt_logprobs": prompt_lp,
+            "tokens": [int(t) for t in comp.token_ids],
+            "top": _logprob_rows(comp.logprobs),
+        }
+    doc = {"case": case, "model": model, "startup_s": round(t1 - t0, 2), "generate_s": round(t2 - t1, 2),
+           "requests": requests, "spec_decode": _spec_metrics(llm) if c.mtp else {},
+           "vllm": __import__("vllm").__version__}
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m overlay.engine.run_case")
+    ap.add_argument("--case", type=Path, required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ns = ap.parse_args(argv)
+    run(json.loads(ns.case.read_text()), ns.model, ns.out, ns.seed)
+    print(f"wrote {ns.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":  # vLLM spawns its workers: keep the guard
+    raise SystemExit(main())

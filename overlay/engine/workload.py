@@ -1,0 +1,125 @@
+"""The engine check's workload and cases: which prompts, which engine configurations, in what order.
+
+One batch holds long prompts beside short ones, sent at once so the scheduler mixes chunked
+prefills with decodes: about 100 tokens, 3000 (beyond ``index_topk`` = 2048, so the indexer
+really selects) and 9000 (beyond the direct DCP workspaces' decode-sized capacity and beyond
+one 8192-token scheduler step), plus short prompts that start decoding while the long ones are
+still prefilling. Every request asks for prompt logprobs (the forced-MQA prefill rows of the
+DCP combine) and 64 greedy steps with top-5 logprobs. Prompt tokens are seeded random bytes.
+
+A case is one engine configuration; ``CASES`` lists them in the order of their value (the
+production shape first, after the references), so a run cut short by the device's time limits
+still answers the most important question.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+PROMPT_LENS = (100, 3000, 9000, 8, 16, 24, 40)
+DECODE_STEPS = 64
+TOP_LOGPROBS = 5
+MAX_MODEL_LEN = 9216 + 128
+MAX_NUM_SEQS = 128
+MAX_NUM_BATCHED_TOKENS = 8192
+MTP = {"method": "mtp", "num_speculative_tokens": 5, "parallel_drafting": True}
+
+
+def prompts(seed: int = 0, lens: tuple[int, ...] = PROMPT_LENS) -> list[list[int]]:
+    """The prompts as token ids (byte tokens 0..255 of the generated checkpoint's tokenizer)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(n)] for n in lens]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One engine configuration of the check.
+
+    ``role``: ``reference`` (DCP 1, what every other case is compared with), ``spread`` (a DCP 1
+    rerun that measures rounding noise), ``check`` (must match the reference) or ``expect-fail``
+    (a seed-bug variant: must fail, see ``engine.check``).
+    """
+
+    name: str
+    role: str = "check"
+    tp: int = 2
+    dcp: int = 1
+    backend: str = "ag_rs"
+    eager: bool = False
+    mtp: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+    reverse: bool = False  # submit the prompts in reverse order (another batch composition)
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
+    note: str = ""
+
+    def engine_kwargs(self, model: str) -> dict[str, Any]:
+        kw: dict[str, Any] = {
+            "model": model,
+            "tokenizer": model,
+            "tensor_parallel_size": self.tp,
+            "kv_cache_dtype": "fp8_ds_mla",
+            "max_model_len": MAX_MODEL_LEN,
+            "max_num_seqs": MAX_NUM_SEQS,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "enable_prefix_caching": False,
+            "gpu_memory_utilization": 0.6,
+            "enforce_eager": self.eager,
+            "seed": 0,
+            "disable_log_stats": False,
+        }
+        if self.dcp > 1:
+            kw["decode_context_parallel_size"] = self.dcp
+            kw["dcp_comm_backend"] = self.backend
+        if self.mtp:
+            kw["speculative_config"] = dict(MTP)
+        return kw
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "role": self.role, "tp": self.tp, "dcp": self.dcp, "backend": self.backend,
+                "eager": self.eager, "mtp": self.mtp, "env": dict(self.env), "reverse": self.reverse,
+                "max_num_batched_tokens": self.max_num_batched_tokens, "note": self.note}
+
+
+def _dcp(name: str, *, backend: str = "a2a", direct: bool = True, project: bool = True, eager: bool = False,
+         mtp: bool = False, sizing: str | None = None, tp: int = 2, dcp: int = 2) -> Case:
+    env = {"VLLM_DCP_PROJECT_BEFORE_MERGE": "1" if project else "0"}
+    if backend == "a2a":
+        env["VLLM_USE_DIRECT_DCP_A2A"] = "1" if direct else "0"
+    if sizing:
+        env["VLLM_DCP_DIRECT_WORKSPACE_SIZING"] = sizing
+    return Case(name, tp=tp, dcp=dcp, backend=backend, eager=eager, mtp=mtp, env=env)
+
+
+def cases(tp: int = 2) -> list[Case]:
+    """Every case for TP ``tp`` (DCP = TP), references first, then by value.
+
+    With ``tp == 1`` only the DCP 1 cases remain (a one-GPU machine cannot run DCP).
+    """
+    refs = [
+        Case("ref-dcp1", role="reference", tp=tp),
+        Case("ref-dcp1-rerun", role="spread", tp=tp, note="identical rerun: run-to-run noise"),
+        Case("ref-dcp1-reordered", role="spread", tp=tp, reverse=True, max_num_batched_tokens=4096,
+             note="prompts reversed, 4096-token steps: other batches, same math (rounding spread)"),
+        Case("ref-dcp1-mtp", role="check", tp=tp, mtp=True, note="MTP-5 parallel drafting at DCP 1"),
+    ]
+    if tp < 2:
+        return refs
+    d = {"tp": tp, "dcp": tp}
+    checks = [
+        _dcp("dcp-a2a-direct-proj1-graph-mtp", mtp=True, **d),  # the production shape
+        _dcp("dcp-a2a-direct-proj1-graph", **d),
+        _dcp("dcp-a2a-nccl-proj1-graph", direct=False, **d),
+        _dcp("dcp-agrs-proj1-graph", backend="ag_rs", **d),
+        _dcp("dcp-a2a-direct-proj0-graph", project=False, **d),
+        _dcp("dcp-a2a-direct-sizing-mnbt-graph", sizing="max_num_batched_tokens", **d),
+        _dcp("dcp-agrs-proj1-graph-mtp", backend="ag_rs", mtp=True, **d),
+        _dcp("dcp-a2a-direct-proj1-eager", eager=True, **d),
+        _dcp("dcp-a2a-nccl-proj0-graph", direct=False, project=False, **d),
+        _dcp("dcp-agrs-proj0-graph", backend="ag_rs", project=False, **d),
+        _dcp("dcp-a2a-nccl-proj1-eager", direct=False, eager=True, **d),
+        _dcp("dcp-agrs-proj1-eager", backend="ag_rs", eager=True, **d),
+        _dcp("dcp-a2a-direct-proj0-eager", project=False, eager=True, **d),
+    ]
+    return refs[:3] + checks[:1] + refs[3:] + checks[1:]

@@ -72,6 +72,13 @@ cherry-pick-continue: $(TOOL_STAMP) ## finish a cherry-pick stopped at a conflic
 regress: $(TOOL_STAMP) ## GSM8K, long context, acceptance, latency vs baselines; exit 0 pass/1 regression/2 harness [PROFILE= BASE_URL= OUT= ARGS=]
 	$(OVERLAY) regress --profile $(or $(PROFILE),glm5.2-fp8-tp8-dcp8) --out $(or $(OUT),regress-report)$(if $(BASE_URL), --base-url $(BASE_URL)) $(ARGS)
 
+.PHONY: engine-check engine-variants
+engine-check: ## GPUs: real vLLM engine, tiny GLM-5 checkpoint, every DCP case vs DCP 1 [OUT=engine-check TP=2 CASES= TIMEOUT=420 VARIANT= EXPECT=]
+	$(PYTHON) -m overlay.engine.check --out $(or $(OUT),engine-check) --tp $(or $(TP),2)$(if $(CASES), --cases $(CASES))$(if $(TIMEOUT), --timeout $(TIMEOUT))$(if $(VARIANT), --variant $(VARIANT))$(if $(EXPECT), --expect '$(EXPECT)')
+
+engine-variants: $(TOOL_STAMP) ## the seed-bug variant trees (series minus each fix, stock) for engine-check [OUT=.device/variants]
+	$(PY) -m overlay.engine.variants --vllm $(VLLM) --out $(or $(OUT),.device/variants)
+
 .PHONY: workspace-plan
 workspace-plan: $(TOOL_STAMP) ## direct DCP q-gather/A2A workspace capacity and bytes per GPU, both sizing modes [PROFILE= ARGS=]
 	$(OVERLAY) workspace-plan$(if $(PROFILE), --profile $(PROFILE)) $(ARGS)

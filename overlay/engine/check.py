@@ -95,6 +95,41 @@ def run_one(case: Case, model: Path, out: Path, timeout: float, tree: Path | Non
     return {"case": case.to_dict(), "status": status, "error": why, "wall_s": wall, "rc": rc}
 
 
+def lay_variant(tar: Path, dest: Path) -> Path:
+    """A vLLM tree at ``dest`` that is the importable ``vllm`` with the files of ``tar`` swapped in.
+
+    Every other file is a symlink into the installed package (compiled kernels included), so
+    a variant costs a few hundred kilobytes. Returns ``dest`` (put it first on ``PYTHONPATH``).
+    """
+    import importlib.util
+    import shutil
+    import tarfile
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        raise SystemExit("error: --variant needs an importable vllm to lay the variant over")
+    src = Path(spec.origin).parent
+    if dest.exists():
+        shutil.rmtree(dest)
+    for path in src.rglob("*"):
+        if "__pycache__" in path.parts or path.is_dir():
+            continue
+        link = dest / "vllm" / path.relative_to(src)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(path)
+    with tarfile.open(tar) as tf:
+        for member in tf.getmembers():
+            if not member.isfile() or not member.name.startswith("vllm/") or ".." in Path(member.name).parts:
+                raise SystemExit(f"error: {tar}: unexpected member {member.name!r}")
+            target = dest / member.name
+            target.unlink(missing_ok=True)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            data = tf.extractfile(member)
+            assert data is not None
+            target.write_bytes(data.read())
+    return dest
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -190,15 +225,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=420, help="seconds per case")
     ap.add_argument("--budget", type=float, default=0, help="stop starting cases after this many seconds (0: none)")
     ap.add_argument("--tree", type=Path, help="a vLLM tree to put first on the children's PYTHONPATH")
+    ap.add_argument("--variant", type=Path, help="a variant tarball (engine.variants): lay it over vllm, use as --tree")
     ap.add_argument("--expect", help="crash:REGEX or mismatch: the checked cases must fail so (seed-bug variants)")
     ns = ap.parse_args(argv)
+    ns.out.mkdir(parents=True, exist_ok=True)
+    if ns.variant:
+        ns.tree = lay_variant(ns.variant, ns.out / "tree")
 
     from overlay.engine.checkpoint import TinyGlm5Spec, checkpoint_id, default_cache, generate
 
     spec = TinyGlm5Spec()
     model = ns.model or default_cache() / checkpoint_id(spec, 0)
     generate(model, spec, 0)
-    ns.out.mkdir(parents=True, exist_ok=True)
     todo = cases(ns.tp)
     if ns.cases:
         wanted = ns.cases.split(",")

@@ -1,0 +1,116 @@
+"""The seed-bug variants of the patched tree, for proving that the engine check catches each bug.
+
+A variant is the series with one fix left out (the capability patch flashmla-sparse-dcp is
+what every DCP run needs, so its variant is ``stock``) (or, when a later patch builds on that fix's
+lines, the series *up to* that fix: the tree as it was before the fix), plus ``stock``, the
+unpatched base. For each, this writes ``<variant>.tar.gz`` holding every file the whole series
+touches, with that variant's contents (the base's where the variant leaves a file alone), and
+``variants.json`` naming what each variant is and what the check must see (the bug report's
+symptom). On the device, ``scripts/device-variants.sh`` lays each variant over the staged tree
+as a symlink farm (``/tmp/variants/<variant>/vllm``), and ``engine.check --tree`` runs it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+from overlay.apply import apply_series, wheel_reader
+from overlay.errors import ApplyError, OverlayError
+from overlay.fetch import fetch_wheel
+from overlay.pins import load_pin, pin_dir
+from overlay.series import Series
+
+# The fix patches: what the engine check must see without each (the seed's bug reports), and
+# the case that shows it (None: cannot be shown on a machine without NVLink multicast).
+EXPECT: dict[str, tuple[str, str, str | None]] = {
+    "stock": ("crash:requires attention implementations to return the softmax LSE",
+              "the engine refuses to start: FlashMLA-sparse returns no decode LSE",
+              "dcp-a2a-direct-proj1-graph-mtp"),
+    "sparse-mla-decode-metadata-guard.patch": ("crash:has no attribute 'decode'",
+                                               "AttributeError on attn_metadata.decode",
+                                               "dcp-a2a-direct-proj1-graph-mtp"),
+    "dcp-forced-mqa-prefill-rows.patch": ("mismatch", "wrong prefill (prompt) logprobs: prefill rows lose a rank",
+                                          "dcp-agrs-proj1-graph"),
+    # The direct q-gather needs NVLink multicast (off on the device): the NCCL gather runs instead.
+    "dcp-direct-q-gather-fallback.patch": ("crash:out of bounds for storage|exceeds symmetric q-gather buffer",
+                                           "a prefill-sized batch overflows the direct q-gather workspace", None),
+    "dcp-direct-a2a-fallback.patch": ("crash:token count exceeds symmetric buffer capacity",
+                                      "the long prompt kills the engine in the direct A2A lse_reduce",
+                                      "dcp-a2a-direct-proj1-graph"),
+}
+
+
+def _tar(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(files):
+            info = tarfile.TarInfo(path)
+            info.size, info.mode, info.mtime = len(files[path]), 0o644, 0
+            tar.addfile(info, io.BytesIO(files[path]))
+    return buf.getvalue()
+
+
+def build_variants(patches_root: Path, version: str, out: Path, *, base_wheel: Path | None = None) -> dict[str, Any]:
+    """Write every variant's tarball and ``variants.json`` into ``out``; return the manifest."""
+    series = Series.load(pin_dir(patches_root, version))
+    wheel = base_wheel or fetch_wheel(load_pin(patches_root, version))
+    names = [p.name for p in series.patches]
+    touched = sorted({t for p in series.patches for t in p.touched})
+    out.mkdir(parents=True, exist_ok=True)
+    manifest: dict[str, Any] = {"version": version, "series": names, "files": touched, "variants": {}}
+    with zipfile.ZipFile(wheel) as zf:
+        read = wheel_reader(zf)
+        base = {t: read(t) for t in touched}
+
+        def tree(patches: tuple) -> dict[str, bytes]:
+            applied = apply_series(patches, read)
+            return {t: applied.changed.get(t, base[t]) for t in touched if t in applied.changed or base[t] is not None}
+
+        plans: list[tuple[str, tuple, str]] = [("stock", (), "the unpatched base")]
+        for i, p in enumerate(series.patches):
+            if p.name not in EXPECT:
+                continue  # not a fix (the optimization) or the capability every variant lacks (stock)
+            without = tuple(q for q in series.patches if q.name != p.name)
+            try:
+                tree(without)
+                plans.append((f"minus-{p.name.removesuffix('.patch')}", without, f"the series without {p.name}"))
+            except ApplyError as e:
+                reason = str(e).splitlines()[0]
+                plans.append((f"minus-{p.name.removesuffix('.patch')}", series.patches[:i],
+                              f"the series up to {p.name} (without it a later patch does not apply: {reason})"))
+        for variant, patches, what in plans:
+            files = tree(patches)
+            (out / f"{variant}.tar.gz").write_bytes(_tar(files))
+            key = "stock" if variant == "stock" else f"{variant.removeprefix('minus-')}.patch"
+            expect, symptom, case = EXPECT[key]
+            manifest["variants"][variant] = {"what": what, "patches": [p.name for p in patches],
+                                             "expect": expect, "symptom": symptom, "case": case}
+    (out / "variants.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m overlay.engine.variants", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--vllm", default="0.28.0")
+    ap.add_argument("--patches", type=Path, default=Path("patches"))
+    ns = ap.parse_args(argv)
+    try:
+        m = build_variants(ns.patches, ns.vllm, ns.out)
+    except OverlayError as e:
+        print(f"error: {e}")
+        return 1
+    for name, v in m["variants"].items():
+        print(f"{name}: {v['what']}; expect {v['expect']} on {v['case'] or '(not on this machine)'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""The seed-bug variant trees: each is the series without one fix (or up to it), laid over vLLM."""
+
+from __future__ import annotations
+
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from overlay.engine.check import lay_variant
+from overlay.engine.variants import EXPECT, build_variants
+from overlay.fetch import fetch_wheel
+from overlay.pins import load_pin
+
+REPO = Path(__file__).resolve().parents[2]
+MLA = "vllm/model_executor/layers/attention/mla_attention.py"
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("variants")
+    return out, build_variants(REPO / "patches", "0.28.0", out)
+
+
+def _files(tar: Path) -> dict[str, bytes]:
+    with tarfile.open(tar) as tf:
+        return {m.name: tf.extractfile(m).read() for m in tf.getmembers()}  # type: ignore[union-attr]
+
+
+def test_every_fix_has_a_variant_with_its_symptom(variants: tuple[Path, dict]) -> None:
+    out, manifest = variants
+    names = set(manifest["variants"])
+    assert names == {"stock"} | {f"minus-{p.removesuffix('.patch')}" for p in EXPECT if p != "stock"}
+    for name, v in manifest["variants"].items():
+        assert (out / f"{name}.tar.gz").is_file() and v["expect"] and v["symptom"]
+    assert manifest["variants"]["stock"]["patches"] == []
+    # a later patch builds on the decode guard: its variant is the series before it
+    assert manifest["variants"]["minus-sparse-mla-decode-metadata-guard"]["patches"] == ["flashmla-sparse-dcp.patch"]
+    # the q-gather fallback drops cleanly: every other patch stays
+    q = manifest["variants"]["minus-dcp-direct-q-gather-fallback"]["patches"]
+    assert "dcp-direct-q-gather-fallback.patch" not in q and len(q) == len(manifest["series"]) - 1
+
+
+def test_stock_variant_is_the_base_and_guard_variant_lacks_the_guard(variants: tuple[Path, dict]) -> None:
+    out, manifest = variants
+    wheel = fetch_wheel(load_pin(REPO / "patches", "0.28.0"))
+    with zipfile.ZipFile(wheel) as zf:
+        base_mla = zf.read(MLA)
+    stock = _files(out / "stock.tar.gz")
+    assert set(stock) <= set(manifest["files"]) and stock[MLA] == base_mla
+    guard = _files(out / "minus-sparse-mla-decode-metadata-guard.tar.gz")
+    assert b'getattr(attn_metadata, "decode"' not in guard[MLA]
+    full = _files(out / "minus-dcp-direct-q-gather-fallback.tar.gz")
+    assert b'getattr(attn_metadata, "decode"' in full[MLA]
+
+
+def test_lay_variant_swaps_files_and_links_the_rest(variants: tuple[Path, dict], tmp_path: Path) -> None:
+    out, _ = variants
+    tree = lay_variant(out / "stock.tar.gz", tmp_path / "tree")
+    mla = tree / MLA
+    assert not mla.is_symlink() and b'getattr(attn_metadata, "decode"' not in mla.read_bytes()
+    assert (tree / "vllm" / "__init__.py").is_symlink()

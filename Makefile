@@ -82,3 +82,7 @@ engine-variants: $(TOOL_STAMP) ## the seed-bug variant trees (series minus each 
 .PHONY: workspace-plan
 workspace-plan: $(TOOL_STAMP) ## direct DCP q-gather/A2A workspace capacity and bytes per GPU, both sizing modes [PROFILE= ARGS=]
 	$(OVERLAY) workspace-plan$(if $(PROFILE), --profile $(PROFILE)) $(ARGS)
+
+.PHONY: device-stage
+device-stage: $(BUILD_STAMP) ## GPU device machine: built wheel's tree, kernels, missing wheels in .device/<NAME>/carry-NN (<= 60 MiB each) [NAME=engine]
+	$(OVERLAY) device-stage --vllm $(VLLM) --name $(or $(NAME),engine)

@@ -182,6 +182,18 @@ def cmd_workspace_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_device_stage(ns: argparse.Namespace) -> int:
+    from overlay.device_stage import MIB, built_wheel, device_calls, format_summary, stage
+
+    wheel = Path(ns.wheel) if ns.wheel else built_wheel(_root(ns), ns.vllm, Path(ns.dist))
+    dest = Path(ns.dest) / ns.name
+    result = stage(wheel, dest, device_packages=Path(ns.device_packages), name=ns.name,
+                   limit=int(ns.limit_mib * MIB), resolver_python=ns.resolver_python, full=ns.full)
+    print(format_summary(result.manifest), file=sys.stderr)
+    print(device_calls(result.manifest, dest, ns.command))
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Handler]] = {
     "build": ("fetch + verify the base wheel, apply the series, write and install the wheel", cmd_build),
     "status": ("each patch: subject, origin, kind, files, applies to the pinned base", cmd_status),
@@ -202,6 +214,8 @@ COMMANDS: dict[str, tuple[str, Handler]] = {
                         cmd_rebase_continue),
     "cherry-pick": ("add an upstream PR number, commit or patch file to the series; exit 2 at a conflict",
                     cmd_cherry_pick),
+    "device-stage": ("stage the built wheel's tree and kernels and the wheels vLLM needs for the GPU device "
+                     "machine into carries of <= 60 MiB, with the device calls to make", cmd_device_stage),
 }
 
 
@@ -282,6 +296,21 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--origin", help="Origin: for a patch file that has none")
             sp.add_argument("--continue", dest="continue_", action="store_true",
                             help="finish a cherry-pick stopped at a conflict")
+        elif name == "device-stage":
+            sp.add_argument("--name", default="engine", help="stage folder name (default %(default)s)")
+            sp.add_argument("--dest", default=".device", help="root of the stage folders, ignored by git "
+                                                              "(default %(default)s)")
+            sp.add_argument("--dist", default="dist")
+            sp.add_argument("--wheel", help="the patched wheel (default: the one make build writes for the series)")
+            sp.add_argument("--device-packages", default="scripts/device-packages.txt",
+                            help="the device's pip freeze (default %(default)s)")
+            sp.add_argument("--limit-mib", type=float, default=60, help="largest carry in MiB (default 60)")
+            sp.add_argument("--full", action="store_true", help="stage every requirement, also those an engine "
+                                                                "run does not import (device_stage.NOT_NEEDED)")
+            sp.add_argument("--resolver-python", help="a CPython 3.12 with pip to resolve with "
+                                                      "(default: python3.12, then pyenv's)")
+            sp.add_argument("--command", default="python3 -m pytest -m gpu tests/patches",
+                            help="the command shown for the last device call")
         elif name == "bench-build":
             sp.add_argument("--repeat", type=int, default=5)
             sp.add_argument("--json-out")

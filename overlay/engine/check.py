@@ -225,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=420, help="seconds per case")
     ap.add_argument("--budget", type=float, default=0, help="stop starting cases after this many seconds (0: none)")
     ap.add_argument("--tree", type=Path, help="a vLLM tree to put first on the children's PYTHONPATH")
+    ap.add_argument("--reuse", type=Path, help="take the reference and spread results of an earlier --out here")
     ap.add_argument("--variant", type=Path, help="a variant tarball (engine.variants): lay it over vllm, use as --tree")
     ap.add_argument("--expect", help="crash:REGEX or mismatch: the checked cases must fail so (seed-bug variants)")
     ns = ap.parse_args(argv)
@@ -255,13 +256,32 @@ def main(argv: list[str] | None = None) -> int:
         if ns.budget and elapsed + min(ns.timeout, _typical(records)) > ns.budget:
             records.append({"case": case.to_dict(), "status": "skipped", "error": "out of budget", "wall_s": 0})
             continue
-        records.append(run_one(case, model, ns.out, ns.timeout, ns.tree))
+        reused = _reuse(case, ns.reuse, ns.out) if ns.reuse else None
+        records.append(reused or run_one(case, model, ns.out, ns.timeout, ns.tree))
         summary = judge([r for r in records if r["status"] != "skipped"], ns.out, ns.expect)
         report(ns.out, summary, records, meta)
     summary = judge([r for r in records if r["status"] != "skipped"], ns.out, ns.expect)
     report(ns.out, summary, records, meta)
     print(f"[engine-check] verdict: {summary['verdict']} ({ns.out / 'REPORT.md'})", flush=True)
     return {"pass": 0, "fail": 1}.get(summary["verdict"], 2)
+
+
+def _reuse(case: Case, earlier: Path, out: Path) -> dict[str, Any] | None:
+    """The record of a reference / spread case from an earlier run (same case), its outputs copied."""
+    if case.role not in ("reference", "spread"):
+        return None
+    try:
+        doc = json.loads((earlier / "results.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for rec in doc.get("cases", []):
+        if rec["case"] == case.to_dict() and rec["status"] == "ok" and (earlier / f"{case.name}.json").exists():
+            if earlier.resolve() != out.resolve():
+                (out / f"{case.name}.json").write_bytes((earlier / f"{case.name}.json").read_bytes())
+            print(f"[engine-check] {case.name}: reused from {earlier}", flush=True)
+            return {"case": case.to_dict(), "status": "ok", "error": "", "wall_s": rec.get("wall_s", 0),
+                    "rc": 0, "reused": str(earlier)}
+    return None
 
 
 def _typical(records: list[dict[str, Any]]) -> float:

@@ -24,12 +24,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from overlay.atomic import replacing_dir
 from overlay.errors import OverlayError
 
 EOS_TOKEN = "<|endoftext|>"
@@ -303,12 +302,11 @@ def generate(out: Path, spec: TinyGlm5Spec | None = None, seed: int = 0, *, forc
         except (OSError, ValueError, KeyError):
             pass
         raise OverlayError(f"{out}: exists and is not checkpoint {cid}; remove it or pass --force")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with replacing_dir(out) as tmp:
         recipes = weight_recipes(spec)
         tensors = {name: draw(name, recipes[name], seed) for name in sorted(recipes)}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "model.safetensors").chmod(0o644)
         (tmp / "config.json").write_text(json.dumps(config_dict(spec), indent=2, sort_keys=True) + "\n")
         for fname, text in tokenizer_files(spec).items():
             (tmp / fname).write_text(text)
@@ -317,12 +315,6 @@ def generate(out: Path, spec: TinyGlm5Spec | None = None, seed: int = 0, *, forc
         manifest_doc = {"id": cid, "format": FORMAT_VERSION, "seed": seed, "spec": asdict(spec),
                         "parameters": params, "files": files}
         (tmp / "checkpoint.json").write_text(json.dumps(manifest_doc, indent=2, sort_keys=True) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -1,0 +1,568 @@
+"""``make device-stage`` and ``scripts/device-run.sh``: requirements for the device, pip conflicts,
+carries, manifest, and the device-side unpack run for real against tiny wheels (no network, no GPU)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import lzma
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+from overlay import device_stage as ds
+from overlay.cli import main
+from tests.wheelkit import make_release, make_wheel
+
+REPO = Path(__file__).resolve().parent.parent
+DEVICE_RUN = REPO / "scripts" / "device-run.sh"
+
+# --- requirements ------------------------------------------------------------------------------
+
+REQUIRES = [
+    "regex",
+    "fastapi[standard]<0.137.0,>=0.133.0",
+    'llguidance<1.8.0,>=1.7.0; platform_machine == "x86_64" or platform_machine == "arm64"',
+    'six>=1.16.0; python_version > "3.11"',
+    'tomli; python_version < "3.11"',
+    'pywin32; sys_platform == "win32"',
+    'tokenspeed-mla==0.1.8; platform_system == "Linux"',
+    "torch==2.13.0",
+    "torchaudio==2.11.0",
+    "Torchvision==0.28.0",
+    "torchcodec>=0.14",
+    "nvidia-cutlass-dsl[cu13]==4.6.2",
+    'pandas; extra == "bench"',
+    'mistral_common[audio]; extra == "audio"',
+]
+
+
+def test_device_requirements_markers_extras_and_torch_family() -> None:
+    kept, skipped = ds.device_requirements(REQUIRES)
+    assert kept == [
+        "regex",
+        "fastapi[standard]<0.137.0,>=0.133.0",
+        "llguidance<1.8.0,>=1.7.0",
+        "six>=1.16.0",
+        "tokenspeed-mla==0.1.8",
+        "torchcodec>=0.14",
+        "nvidia-cutlass-dsl[cu13]==4.6.2",
+    ]
+    assert len(skipped) == len(REQUIRES) - len(kept)
+    assert any(s.startswith("torch==2.13.0") and "device's own build" in s for s in skipped)
+    assert any(s.startswith("Torchvision") for s in skipped)
+    assert any(s.startswith("pandas") and "marker false" in s for s in skipped)
+
+
+def test_not_needed_requirements_are_left_out_with_their_reason() -> None:
+    kept, skipped = ds.device_requirements(REQUIRES, not_needed=ds.NOT_NEEDED)
+    assert "tokenspeed-mla==0.1.8" not in kept and "torchcodec>=0.14" not in kept
+    assert "nvidia-cutlass-dsl[cu13]==4.6.2" in kept and "regex" in kept
+    assert any(s.startswith("tokenspeed-mla") and "not needed on the device: TokenSpeed" in s for s in skipped)
+    # names are canonical (what the resolver reports), every one with a reason
+    assert all(name == name.lower().replace("_", "-") and why for name, why in ds.NOT_NEEDED.items())
+    assert "flashinfer-python" not in ds.NOT_NEEDED and "nvidia-cutlass-dsl" not in ds.NOT_NEEDED
+
+
+def test_device_requirements_follow_the_target_not_this_interpreter() -> None:
+    kept, _ = ds.device_requirements(['six; python_version > "3.11"'],
+                                     env={**ds.DEVICE_ENV, "python_version": "3.11"})
+    assert kept == []
+    assert ds.device_requirements(['six; python_version > "3.11"'])[0] == ["six"]
+
+
+def test_read_device_packages(tmp_path: Path) -> None:
+    f = tmp_path / "p.txt"
+    f.write_text("Jinja2==3.1.6\ntyping_extensions==4.16.0\n# comment\n\nPyYAML==6.0.3  # x\n")
+    assert ds.read_device_packages(f) == {"jinja2": "3.1.6", "typing-extensions": "4.16.0", "pyyaml": "6.0.3"}
+    f.write_text("numpy>=2\n")
+    with pytest.raises(ds.DeviceStageError, match=r"p.txt:1: expected name==version"):
+        ds.read_device_packages(f)
+
+
+def test_the_real_device_package_list_parses() -> None:
+    packages = ds.read_device_packages(REPO / "scripts" / "device-packages.txt")
+    assert packages["torch"] == "2.11.0" and packages["typing-extensions"] == "4.16.0"
+
+
+# --- pip conflicts (recorded from pip 23.2 runs against vLLM 0.28.0's requirements) -----------
+
+SETUPTOOLS = """\
+Collecting six>=1.16.0 (from -r requirements.txt (line 38))
+ERROR: Cannot install setuptools<81.0.0 and >=77.0.3 because these package versions have conflicting dependencies.
+
+The conflict is caused by:
+    The user requested setuptools<81.0.0 and >=77.0.3
+    The user requested (constraint) setuptools==81.0.0+device
+
+To fix this you could try to:
+1. loosen the range of package versions you've specified
+2. remove package versions to allow pip attempt to solve the dependency conflict
+
+ERROR: ResolutionImpossible: for help visit https://pip.pypa.io/en/latest/topics/dependency-resolution/#dealing-with-dependency-conflicts
+"""
+
+LLVMLITE = """\
+INFO: pip is looking at multiple versions of numba to determine which version is compatible with other requirements.
+ERROR: Cannot install -r requirements.txt (line 59) because these package versions have conflicting dependencies.
+
+The conflict is caused by:
+    numba 0.65.0 depends on llvmlite<0.48 and >=0.47.0dev0
+    The user requested (constraint) llvmlite==0.50.0+device
+
+Additionally, some packages in these conflicts have no matching distributions available for your environment:
+    llvmlite
+
+To fix this you could try to:
+1. loosen the range of package versions you've specified
+
+ERROR: ResolutionImpossible: for help visit https://pip.pypa.io/en/latest/topics/dependency-resolution/#dealing-with-dependency-conflicts
+"""
+
+CUDA = """\
+ERROR: Cannot install -r requirements.txt (line 71) and humming-kernels[cu13]==0.1.12 because these \
+package versions have conflicting dependencies.
+
+The conflict is caused by:
+    humming-kernels 0.1.12 depends on cuda-bindings
+    humming-kernels[cu13] 0.1.12 depends on cuda-bindings
+    cuda-python 13.4.4 depends on cuda-bindings~=13.4.4
+    The user requested (constraint) cuda-bindings==13.3.1+device
+    cuda-python 13.3.1 depends on cuda-core~=1.0.0
+    cuda-python 13.3.0 depends on cuda-core~=1.0.0
+    The user requested (constraint) cuda-core==1.2.0+device
+
+To fix this you could try to:
+1. loosen the range of package versions you've specified
+
+ERROR: ResolutionImpossible: for help visit https://pip.pypa.io/en/latest/topics/dependency-resolution/#dealing-with-dependency-conflicts
+"""
+
+TORCH = """\
+ERROR: Cannot install compressed-tensors==0.17.0 because these package versions have conflicting dependencies.
+
+The conflict is caused by:
+    compressed-tensors 0.17.0 depends on torch>=2.12
+    The user requested (constraint) torch==2.11.0+device
+
+ERROR: ResolutionImpossible: for help visit https://pip.pypa.io/en/latest/topics/dependency-resolution/#dealing-with-dependency-conflicts
+"""
+
+NO_WHEEL = """\
+Collecting outlines_core==0.2.14 (from -r requirements.txt (line 28))
+ERROR: Could not find a version that satisfies the requirement outlines_core==0.2.14 (from versions: 0.1.0)
+ERROR: No matching distribution found for outlines_core==0.2.14
+"""
+
+
+def test_parse_conflict_direct_requirement() -> None:
+    c = ds.parse_conflict(SETUPTOOLS)
+    assert c is not None and c.constraints == ("setuptools",)
+    assert c.reason("setuptools") == "vllm requires setuptools<81.0.0 and >=77.0.3"
+
+
+def test_parse_conflict_transitive() -> None:
+    c = ds.parse_conflict(LLVMLITE)
+    assert c is not None and c.constraints == ("llvmlite",)
+    assert c.reason("llvmlite") == "numba 0.65.0 depends on llvmlite<0.48 and >=0.47.0dev0"
+
+
+def test_parse_conflict_several_pins_reason_per_pin() -> None:
+    c = ds.parse_conflict(CUDA)
+    assert c is not None and c.constraints == ("cuda-bindings", "cuda-core")
+    assert c.reason("cuda-core") == ("cuda-python 13.3.1 depends on cuda-core~=1.0.0; "
+                                     "cuda-python 13.3.0 depends on cuda-core~=1.0.0")
+    assert c.reason("cuda-bindings").startswith("humming-kernels 0.1.12 depends on cuda-bindings; ")
+
+
+def test_parse_conflict_none_without_a_conflict_block() -> None:
+    assert ds.parse_conflict(NO_WHEEL) is None
+    assert "No matching distribution found for outlines_core" in ds.pip_error_tail(NO_WHEEL)
+
+
+# --- the resolution loop, with a scripted pip ---------------------------------------------------
+
+DEVICE = {"setuptools": "81.0.0", "llvmlite": "0.50.0", "cuda-bindings": "13.3.1", "cuda-core": "1.2.0",
+          "torch": "2.11.0", "numpy": "2.5.2"}
+
+
+def _item(name: str, version: str, url: str | None = None, digest: str | None = "ab" * 32,
+          requires: Sequence[str] = (), extras: Sequence[str] = ()) -> dict:
+    info: dict = {"url": url or f"https://files.example/{name}-{version}-py3-none-any.whl"}
+    info["archive_info"] = {"hashes": {"sha256": digest}} if digest else {}
+    item = {"metadata": {"name": name, "version": version, "requires_dist": list(requires)}, "download_info": info}
+    return {**item, "requested_extras": list(extras)} if extras else item
+
+
+class ScriptedPip:
+    """Answers like pip would for vLLM's requirements, depending on which device pins are present."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, str]] = []
+
+    def __call__(self, requirements: Sequence[str], pins: Mapping[str, str]) -> ds.PipOutcome:
+        self.calls.append(dict(pins))
+        if "setuptools" in pins:
+            return ds.PipOutcome(False, SETUPTOOLS)
+        if "llvmlite" in pins:
+            return ds.PipOutcome(False, LLVMLITE)
+        if "cuda-core" in pins:  # cuda-python 13.3.1 (with the device's cuda-bindings) needs cuda-core 1.0
+            return ds.PipOutcome(False, CUDA)
+        report = {"install": [
+            _item("numba", "0.65.0"), _item("setuptools", "80.10.2"), _item("llvmlite", "0.47.0"),
+            _item("cuda-core", "1.0.1"), _item("torch", "2.11.0+device", "file:///stubs/torch.whl", None),
+            _item("NumPy", "2.5.2+device", "file:///stubs/numpy.whl", None),
+            _item("Cuda_Python", "13.3.1"),
+        ]}
+        if "cuda-bindings" not in pins:
+            report["install"].append(_item("cuda-bindings", "13.4.4"))
+        return ds.PipOutcome(True, "ok", report)
+
+
+def test_resolve_drops_conflicting_pins_then_restores_the_unneeded_one() -> None:
+    pip = ScriptedPip()
+    res = ds.resolve(["numba==0.65.0", "setuptools<81,>=77"], DEVICE, pip)
+    assert [d.name for d in res.dropped] == ["cuda-core", "llvmlite", "setuptools"]
+    assert res.restored == ["cuda-bindings"]  # dropped with cuda-core, tried back alone: it fits
+    assert res.rounds == 4
+    assert {d.name: d.device_version for d in res.dropped}["llvmlite"] == "0.50.0"
+    assert "numba 0.65.0 depends on llvmlite<0.48" in {d.name: d.reason for d in res.dropped}["llvmlite"]
+    # stubs (the device's own packages) are not staged; names are canonical, sorted
+    assert [(w.name, w.version) for w in res.wheels] == [
+        ("cuda-core", "1.0.1"), ("cuda-python", "13.3.1"), ("llvmlite", "0.47.0"), ("numba", "0.65.0"),
+        ("setuptools", "80.10.2")]
+    assert pip.calls[0] == DEVICE and pip.calls[-1]["cuda-bindings"] == "13.3.1"
+    assert len(pip.calls) == 4 + 2  # 4 rounds, then one restore try for each pin dropped together
+
+
+def test_resolve_never_drops_the_torch_pin() -> None:
+    with pytest.raises(ds.DeviceStageError, match=r"ResolutionImpossible"):
+        ds.resolve(["compressed-tensors==0.17.0"], DEVICE, lambda r, p: ds.PipOutcome(False, TORCH))
+
+
+def test_resolve_stops_on_a_missing_wheel() -> None:
+    with pytest.raises(ds.DeviceStageError, match=r"No matching distribution found for outlines_core"):
+        ds.resolve(["outlines_core==0.2.14"], DEVICE, lambda r, p: ds.PipOutcome(False, NO_WHEEL))
+
+
+def test_resolve_is_bounded() -> None:
+    many = {f"p{i}": "1.0" for i in range(10)}
+
+    def conflict(reqs: Sequence[str], pins: Mapping[str, str]) -> ds.PipOutcome:
+        name = sorted(pins)[0]
+        return ds.PipOutcome(False, f"The conflict is caused by:\n    x 1 depends on {name}<1\n"
+                                    f"    The user requested (constraint) {name}==1.0+device\n\n")
+
+    with pytest.raises(ds.DeviceStageError, match=r"no resolution after 3 rounds"):
+        ds.resolve(["x"], many, conflict, max_rounds=3)
+
+
+def test_wheels_from_report_hash_forms() -> None:
+    report = {"install": [_item("a", "1"), _item("b", "2", digest=None)]}
+    report["install"][1]["download_info"]["archive_info"] = {"hash": "sha256=" + "cd" * 32}
+    wheels = ds.wheels_from_report(report)
+    assert [(w.name, w.sha256) for w in wheels] == [("a", "ab" * 32), ("b", "cd" * 32)]
+    assert wheels[0].filename == "a-1-py3-none-any.whl"
+
+
+def test_required_by_follows_markers_and_requested_extras() -> None:
+    report = {"install": [
+        _item("nvidia-cutlass-dsl", "4.6.2", extras=["cu13"], requires=[
+            "nvidia-cutlass-dsl-libs-cu12==4.6.2", 'nvidia-cutlass-dsl-libs-cu13==4.6.2; extra == "cu13"',
+            'nvidia-cutlass-dsl-libs-rocm; extra == "rocm"']),
+        _item("mistral-common", "1.13.1", requires=['numpy<2.4,>=1.25; python_version <= "3.12"',
+                                                     'numpy>=1.25; python_version > "3.12"']),
+        _item("numba", "0.65.0", requires=["numpy<2.5,>=1.22"]),
+        _item("fastapi", "0.136.3", requires=['uvicorn[standard]>=0.12; extra == "standard"']),
+        _item("uvicorn", "0.54.0", requires=['websockets>=10.4; extra == "standard"', "h11>=0.8"]),
+    ]}  # pip reports requested_extras for what was asked at the top only: fastapi[standard] -> uvicorn[standard]
+    who = ds.required_by(report, ["nvidia-cutlass-dsl[cu13]==4.6.2", "numba==0.65.0", "fastapi[standard]"])
+    assert who == {"fastapi": ["vllm"], "h11": ["uvicorn"], "numba": ["vllm"], "numpy": ["mistral-common", "numba"],
+                   "nvidia-cutlass-dsl": ["vllm"], "nvidia-cutlass-dsl-libs-cu12": ["nvidia-cutlass-dsl"],
+                   "nvidia-cutlass-dsl-libs-cu13": ["nvidia-cutlass-dsl"], "uvicorn": ["fastapi"],
+                   "websockets": ["uvicorn"]}
+
+
+def test_stub_wheel_and_version(tmp_path: Path) -> None:
+    assert ds.stub_version("2.11.0") == "2.11.0+device"
+    assert ds.stub_version("2.11.0+cu130") == "2.11.0+cu130.device"
+    assert ds.is_stub("2.11.0+cu130.device") and not ds.is_stub("2.11.0+cu130") and not ds.is_stub("x!")
+    path = ds.write_stub_wheel(tmp_path, "typing_extensions", "4.16.0")
+    assert path.name == "typing_extensions-4.16.0+device-py3-none-any.whl"
+    with zipfile.ZipFile(path) as zf:
+        meta = zf.read("typing_extensions-4.16.0+device.dist-info/METADATA").decode()
+    assert "Version: 4.16.0+device" in meta and "Requires-Dist" not in meta
+
+
+def _pure_wheel(dest: Path, name: str, version: str, files: dict[str, bytes], requires: Sequence[str] = ()) -> Path:
+    """A pure-Python wheel ``name-version-py3-none-any.whl`` holding ``files``."""
+    dist = name.replace("-", "_")
+    di = f"{dist}-{version}.dist-info"
+    meta = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {r}\n" for r in requires)
+    members = {**files, f"{di}/METADATA": meta.encode(),
+               f"{di}/WHEEL": b"Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    path = dest / f"{dist}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        for member, data in members.items():
+            zf.writestr(zipfile.ZipInfo(member, (2026, 1, 1, 0, 0, 0)), data)
+        zf.writestr(zipfile.ZipInfo(f"{di}/RECORD", (2026, 1, 1, 0, 0, 0)),
+                    "".join(f"{m},,\n" for m in members) + f"{di}/RECORD,,\n")
+    return path
+
+
+def test_pip_runner_for_real_with_stubs_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real pip: a stub satisfies its requirement; a conflicting pin is dropped and the index's
+    version is resolved instead; the device's dependencies are never resolved."""
+    index = tmp_path / "index"
+    index.mkdir()
+    _pure_wheel(index, "app", "1.0", {"app.py": b""}, ["lib-a>=2", "lib-b<2", "torch>=2.10"])
+    _pure_wheel(index, "lib-b", "1.5", {"lib_b.py": b""})
+    _pure_wheel(index, "lib-b", "2.5", {"lib_b.py": b""})
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    monkeypatch.setenv("PIP_CONSTRAINT", "")
+    work = tmp_path / "work"
+    work.mkdir()
+    run = ds.pip_runner(ds.Resolver(sys.executable, "this python", False), work)
+    res = ds.resolve(["app==1.0"], {"lib-a": "2.1", "lib-b": "2.5", "torch": "2.11.0"}, run)
+    assert [(w.name, w.version) for w in res.wheels] == [("app", "1.0"), ("lib-b", "1.5")]
+    assert [(d.name, d.reason) for d in res.dropped] == [("lib-b", "app 1.0 depends on lib-b<2")]
+
+
+# --- carries ------------------------------------------------------------------------------------
+
+
+def test_split_and_pack_respect_the_limit_and_are_deterministic() -> None:
+    files = [("a", 70), ("b", 40), ("c", 30), ("d", 30), ("e", 250), ("f", 10)]
+    pieces = ds.split_pieces(files, 100)
+    big = [p for p in pieces if p.file == "e"]
+    assert [(p.path, p.offset, p.size, p.part) for p in big] == [
+        ("e.part-00", 0, 100, 0), ("e.part-01", 100, 100, 1), ("e.part-02", 200, 50, 2)]
+    carries = ds.pack(pieces, 100)
+    assert all(sum(p.size for p in c) <= 100 for c in carries)
+    assert sorted(p.path for c in carries for p in c) == sorted(p.path for p in pieces)
+    assert len(carries) == 5  # 430 bytes: the fewest bins of 100 is 5
+    assert carries == ds.pack(list(reversed(pieces)), 100)
+    assert [[p.path for p in c] for c in carries][:2] == [["e.part-00"], ["e.part-01"]]
+
+
+def test_pack_refuses_a_piece_over_capacity() -> None:
+    with pytest.raises(ds.DeviceStageError, match="do not fit"):
+        ds.pack([ds.Piece("x", "x", 0, 11)], 10)
+
+
+def _staged(tmp_path: Path, name: str, data: bytes, kind: str = "wheel") -> ds.StagedFile:
+    src = tmp_path / "src" / name.replace("/", "_")
+    src.parent.mkdir(parents=True, exist_ok=True)
+    src.write_bytes(data)
+    return ds.StagedFile(name, kind, src, len(data), hashlib.sha256(data).hexdigest())
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_write_carries_limit_manifest_and_reproducible(tmp_path: Path) -> None:
+    rng = __import__("random").Random(1)
+    files = [_staged(tmp_path, f"wheels/w{i}-1.0-py3-none-any.whl", rng.randbytes(size))
+             for i, size in enumerate([9000, 30000, 5000, 12000])]
+    limit = 16 * 1024
+    m1 = ds.write_carries(tmp_path / "d1" / "x", "x", files, limit=limit, extra={"wheels": []})
+    m2 = ds.write_carries(tmp_path / "d2" / "x", "x", list(reversed(files)), limit=limit, extra={"wheels": []})
+    assert m1 == m2
+    assert _tree_digest(tmp_path / "d1" / "x") == _tree_digest(tmp_path / "d2" / "x")
+    root = tmp_path / "d1" / "x"
+    carries = sorted(p.name for p in root.iterdir() if p.is_dir())
+    assert carries == [c["name"] for c in m1["carries"]] == [f"carry-{i:02d}" for i in range(1, len(carries) + 1)]
+    for c in m1["carries"]:
+        folder = root / c["name"]
+        assert sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) <= limit
+        assert json.loads((folder / "manifest.json").read_text()) == m1
+        for piece in c["pieces"]:
+            assert hashlib.sha256((folder / piece["path"]).read_bytes()).hexdigest() == piece["sha256"]
+    big = next(f for f in m1["files"] if f["size"] == 30000)
+    assert len(big["parts"]) == 3 and big["parts"][0].endswith(".whl.part-00")
+    joined = b"".join((root / c["name"] / p["path"]).read_bytes()
+                      for part in big["parts"] for c in m1["carries"] for p in c["pieces"] if p["path"] == part)
+    assert hashlib.sha256(joined).hexdigest() == big["sha256"]
+    assert json.loads((root / "manifest.json").read_text()) == m1
+
+
+def test_device_calls_name_every_carry_in_order(tmp_path: Path) -> None:
+    manifest = {"carries": [{"name": "carry-01"}, {"name": "carry-02"}]}
+    text = ds.device_calls(manifest, Path(".device/engine"), "python3 -c 1")
+    assert '1/2  carry [".device/engine/carry-01"]  command: bash scripts/device-run.sh .device/engine\n' in text
+    assert text.splitlines()[2].endswith("bash scripts/device-run.sh .device/engine -- python3 -c 1")
+    assert "30 s" in text.splitlines()[0]
+
+
+# --- vLLM's tree and kernels from a tiny wheel ----------------------------------------------------
+
+RNG_SEED = 7
+
+
+def _tiny_vllm(dest: Path) -> Path:
+    rng = __import__("random").Random(RNG_SEED)
+    files = {k: rng.randbytes(3000) for k in ds.KEEP_KERNELS}
+    files["vllm/_C_stable_libtorch.abi3.so"] = rng.randbytes(40_000)  # incompressible: split below
+    files.update({
+        "vllm/__init__.py": b"from vllm._version import __version__\n",
+        "vllm/model.py": b"X = 1\n",
+        "vllm/vllm-rs": b"\x7fELF rust",
+        "vllm/third_party/fmha_sm100/kernel.py": b"",
+        "vllm/third_party/fmha_sm100/k.cu": b"k",
+        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": b"fa2",
+        "vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so": b"dg",
+        "vllm/third_party/deep_gemm/__init__.py": b"",
+        "vllm/_other_C.abi3.so": b"other",
+    })
+    return make_wheel(dest, files, version="0.28.0+ovltest")
+
+
+def test_stage_vllm_tree_kernels_left_out_and_deterministic(tmp_path: Path) -> None:
+    wheel = _tiny_vllm(tmp_path)
+    a, left_a = ds.stage_vllm(wheel, tmp_path / "xz-a")
+    b, left_b = ds.stage_vllm(wheel, tmp_path / "xz-b")
+    assert [(f.path, f.sha256) for f in a] == [(f.path, f.sha256) for f in b] and left_a == left_b
+    assert {f.path for f in a} == {"tree/vllm-tree.tar.xz", *(f"kernels/{k}.xz" for k in ds.KEEP_KERNELS)}
+    assert [(d["path"], d["files"], d["bytes"]) for d in left_a] == [
+        ("vllm/_other_C.abi3.so", 1, 5), ("vllm/third_party/deep_gemm/_C.", 1, 2),
+        ("vllm/third_party/fmha_sm100/", 2, 1), ("vllm/vllm-rs", 1, 9),
+        ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", 1, 3)]
+    assert left_a[0]["why"] == ds.OTHER_LIBRARY and "Blackwell" in left_a[2]["why"]
+    kernel = next(f for f in a if f.target == "vllm/_C_stable_libtorch.abi3.so")
+    with zipfile.ZipFile(wheel) as zf:
+        assert lzma.decompress(kernel.source.read_bytes()) == zf.read(kernel.target)
+    tree = next(f for f in a if f.kind == "tree")
+    with tarfile.open(fileobj=io.BytesIO(lzma.decompress(tree.source.read_bytes()))) as tar:
+        members = tar.getmembers()
+    names = [m.name for m in members]
+    assert names == sorted(names)
+    assert "vllm/model.py" in names and "vllm/third_party/deep_gemm/__init__.py" in names
+    assert "vllm-0.28.0+ovltest.dist-info/METADATA" in names
+    assert not any(n.endswith(".so") or "fmha_sm100" in n or n.endswith("vllm-rs") for n in names)
+    assert {(m.mtime, m.uid, m.gid, m.uname) for m in members} == {(ds.TAR_MTIME, 0, 0, "")}
+
+
+def test_stage_vllm_refuses_a_wheel_without_a_kept_kernel(tmp_path: Path) -> None:
+    wheel = make_wheel(tmp_path, {"vllm/__init__.py": b""})
+    with pytest.raises(ds.DeviceStageError, match=r"lacks kernel\(s\) vllm/_C_stable_libtorch"):
+        ds.stage_vllm(wheel, tmp_path / "xz")
+
+
+# --- the device side, for real --------------------------------------------------------------------
+
+
+@pytest.fixture
+def staged(tmp_path: Path) -> tuple[Path, dict]:
+    """A DEST with carries of a tiny vLLM and three tiny wheels (two share the nvidia/ namespace)."""
+    wheels_dir = tmp_path / "whl"
+    wheels_dir.mkdir()
+    wheels = [
+        _pure_wheel(wheels_dir, "tinypkg", "1.0", {"tinypkg/__init__.py": b"VALUE = 42\n"}),
+        _pure_wheel(wheels_dir, "nvidia-fake-a", "1.0", {"nvidia/fake_a/__init__.py": b"A = 1\n"}),
+        _pure_wheel(wheels_dir, "nvidia-fake-b", "1.0", {"nvidia/fake_b/__init__.py": b"B = 2\n"}),
+    ]
+    files, _ = ds.stage_vllm(_tiny_vllm(tmp_path), tmp_path / "xz")
+    files += [ds.StagedFile(f"wheels/{w.name}", "wheel", w, w.stat().st_size,
+                            hashlib.sha256(w.read_bytes()).hexdigest()) for w in wheels]
+    dest = tmp_path / "out" / "engine"
+    manifest = ds.write_carries(dest, "engine", files, limit=32 * 1024)
+    return dest, manifest
+
+
+def _device_run(tmp_path: Path, dest: Path, carries: Sequence[str], *command: str) -> subprocess.CompletedProcess:
+    """One device call: a fresh checkout holding only ``carries`` of ``dest``."""
+    call = tmp_path / f"call-{len(list(tmp_path.glob('call-*')))}"
+    for name in carries:
+        shutil.copytree(dest / name, call / "engine" / name)
+    (call / "engine").mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OVERLAY_DEVICE_SITE": str(tmp_path / "site"), "OVERLAY_DEVICE_STAGE": str(tmp_path / "stage"),
+           "OVERLAY_DEVICE_PYTHON": sys.executable, "PYTHONPATH": "", "PIP_FIND_LINKS": "", "PIP_CONSTRAINT": ""}
+    args = ["bash", str(DEVICE_RUN), str(call / "engine"), *(["--", *command] if command else [])]
+    return subprocess.run(args, capture_output=True, text=True, env=env, check=False, timeout=300)
+
+
+PROBE = ("import os, tinypkg, nvidia.fake_a, nvidia.fake_b, vllm.model; "
+         "print(tinypkg.__file__); print(tinypkg.VALUE, nvidia.fake_a.A, nvidia.fake_b.B, vllm.model.X); "
+         "print(os.environ['NCCL_NVLS_ENABLE'], os.environ['TORCH_SYMM_MEM_DISABLE_MULTICAST'], "
+         "os.environ['NVSHMEM_DISABLE_NVLS'])")
+
+
+def test_device_run_in_several_calls(staged: tuple[Path, dict], tmp_path: Path) -> None:
+    dest, manifest = staged
+    names = [c["name"] for c in manifest["carries"]]
+    assert len(names) >= 3
+    assert any("parts" in f for f in manifest["files"])
+    site = tmp_path / "site"
+
+    first = _device_run(tmp_path, dest, names[:1], sys.executable, "-c", PROBE)
+    assert first.returncode == 3, first.stderr
+    assert f"carries missing: {' '.join(names[1:])}" in first.stderr
+    assert not (site / "tinypkg").exists()
+
+    middle = _device_run(tmp_path, dest, names[1:-1])  # no command: unpack only
+    assert middle.returncode == 0, middle.stderr
+    assert f"still to carry: {names[-1]}" in middle.stderr and not (tmp_path / "stage" / "installed").exists()
+
+    again = _device_run(tmp_path, dest, names[:1])  # carry-01 again: nothing undone, nothing redone
+    assert again.returncode == 0 and "unpacked" not in again.stderr
+
+    last = _device_run(tmp_path, dest, names[-1:], sys.executable, "-c", PROBE)
+    assert last.returncode == 0, last.stderr
+    out = last.stdout.splitlines()
+    assert out[0] == str(site / "tinypkg" / "__init__.py")
+    assert out[1:] == ["42 1 2 1", "0 1 1"]
+    assert last.stderr.count("installed 3 wheel(s)") == 1
+    with zipfile.ZipFile(next(tmp_path.glob("vllm-*.whl"))) as zf:
+        for kernel in ds.KEEP_KERNELS:
+            assert (site / kernel).read_bytes() == zf.read(kernel)
+    assert (site / "vllm-0.28.0+ovltest.dist-info" / "METADATA").is_file()
+    assert not (site / "vllm" / "vllm-rs").exists()
+    assert not list((tmp_path / "stage" / "parts").iterdir())
+
+    later = _device_run(tmp_path, dest, [], sys.executable, "-c", PROBE)  # nothing carried: runs again
+    assert later.returncode == 0, later.stderr
+    assert "installed" not in later.stderr and later.stdout == last.stdout
+
+
+def test_device_run_refuses_a_corrupted_piece(staged: tuple[Path, dict], tmp_path: Path) -> None:
+    dest, manifest = staged
+    carry = manifest["carries"][0]
+    victim = dest / carry["name"] / carry["pieces"][0]["path"]
+    victim.write_bytes(b"x" + victim.read_bytes()[1:])
+    proc = _device_run(tmp_path, dest, [carry["name"]])
+    assert proc.returncode == 1
+    assert "sha256 differs from the manifest" in proc.stderr
+
+
+def test_device_run_without_anything_staged(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    proc = _device_run(tmp_path, tmp_path / "empty", [], "true")
+    assert proc.returncode == 1 and "nothing staged" in proc.stderr
+
+
+# --- CLI ------------------------------------------------------------------------------------------
+
+
+def test_cli_device_stage_names_a_missing_wheel(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["device-stage", "--wheel", str(tmp_path / "nope.whl"), "--dest", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 1 and err == f"error: {tmp_path / 'nope.whl'}: no such wheel (make build writes it)\n"
+
+
+def test_built_wheel_asks_for_make_build(tmp_path: Path) -> None:
+    base = make_wheel(tmp_path, {"vllm/__init__.py": b""})
+    patches = make_release(tmp_path, base)
+    with pytest.raises(ds.DeviceStageError, match=r"run `make build VLLM=0.28.0` first"):
+        ds.built_wheel(patches, "0.28.0", tmp_path / "dist")

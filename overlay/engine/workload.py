@@ -25,6 +25,9 @@ MAX_MODEL_LEN = 9216 + 128
 MAX_NUM_SEQS = 128
 MAX_NUM_BATCHED_TOKENS = 8192
 MTP = {"method": "mtp", "num_speculative_tokens": 5, "parallel_drafting": True}
+# CUDA graphs up to 128 tokens: every decode step of the workload (7 requests x (1 + 2 x 5) with
+# MTP) fits, and start-up captures 4x fewer sizes than vLLM's default 512.
+MAX_CUDAGRAPH_CAPTURE_SIZE = 128
 
 
 def prompts(seed: int = 0, lens: tuple[int, ...] = PROMPT_LENS) -> list[list[int]]:
@@ -64,11 +67,13 @@ class Case:
             "max_num_seqs": MAX_NUM_SEQS,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "enable_prefix_caching": False,
-            "gpu_memory_utilization": 0.6,
+            "gpu_memory_utilization": 0.35,
             "enforce_eager": self.eager,
             "seed": 0,
             "disable_log_stats": False,
         }
+        if not self.eager:
+            kw["compilation_config"] = {"max_cudagraph_capture_size": MAX_CUDAGRAPH_CAPTURE_SIZE}
         if self.dcp > 1:
             kw["decode_context_parallel_size"] = self.dcp
             kw["dcp_comm_backend"] = self.backend

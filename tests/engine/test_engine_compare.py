@@ -136,3 +136,15 @@ def test_judge_verdicts_and_expected_failures(tmp_path: Path) -> None:
     assert check.judge(recs, tmp_path, None)["verdict"] == "harness"
     check.report(tmp_path, s, recs, {"model": "m"})
     assert "# Engine check" in (tmp_path / "REPORT.md").read_text()
+
+
+def test_plot_draws_every_compared_case(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from overlay.engine.plot import bars, draw
+
+    recs = _records(tmp_path, {"ref": ("reference", _ref()), "rerun": ("spread", _ref()), "dead": ("check", None)})
+    summary = check.judge(recs, tmp_path, None)
+    doc = {"summary": summary, "cases": recs}
+    assert [b[0] for b in bars(doc)] == ["rerun", "dead"] and bars(doc)[1][3] == "crashed"
+    png = draw([("main", doc)], tmp_path / "e.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

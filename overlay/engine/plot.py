@@ -1,0 +1,73 @@
+"""Draw an engine check's results: each case's largest logprob deviation against the tolerance.
+
+``python -m overlay.engine.plot RESULTS.json [MORE.json ...] --out engine.png`` (matplotlib, Agg;
+run where matplotlib is, e.g. here after the device brought ``results.json`` back). One bar per
+case (prompt and decode deviations from the DCP 1 reference, log scale), the derived tolerance
+as a line, crashed or hung cases marked; several result files (the main matrix and the seed-bug
+variants) are drawn side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+LEAST = 1e-4  # deviations of exactly 0 are drawn at this height (log scale)
+
+
+def bars(doc: dict[str, Any]) -> list[tuple[str, float, float, str]]:
+    """(case, prompt deviation, decode deviation, status) for every compared or failed case."""
+    out: list[tuple[str, float, float, str]] = []
+    for rec in doc["cases"]:
+        if rec["case"]["role"] == "reference" or rec["status"] == "skipped":
+            continue
+        d = rec.get("diff") or {}
+        out.append((rec["case"]["name"], d.get("prompt_max_abs", 0.0), d.get("decode_max_abs", 0.0),
+                    rec["status"] if rec["status"] != "ok" else rec.get("verdict", "")))
+    return out
+
+
+def draw(docs: list[tuple[str, dict[str, Any]]], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(docs), figsize=(max(6, 0.9 * sum(len(bars(d)) for _, d in docs) + 2), 4.5),
+                             squeeze=False)
+    for ax, (title, doc) in zip(axes[0], docs, strict=True):
+        rows = bars(doc)
+        xs = range(len(rows))
+        ax.bar([x - 0.2 for x in xs], [max(r[1], LEAST) for r in rows], 0.4, label="prompt logprobs")
+        ax.bar([x + 0.2 for x in xs], [max(r[2], LEAST) for r in rows], 0.4, label="decode logprobs")
+        tol = doc["summary"].get("tolerance")
+        if tol:
+            ax.axhline(tol, color="red", linestyle="--", label=f"tolerance {tol:.3g}")
+        for x, r in zip(xs, rows, strict=True):
+            if r[3] in ("crashed", "timeout", "fail", "expected-fail"):
+                ax.annotate(r[3], (x, LEAST * 2), ha="center", rotation=90, fontsize=7, color="darkred")
+        ax.set_yscale("log")
+        ax.set_xticks(list(xs), [r[0] for r in rows], rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("max |logprob - reference| (nats)")
+        ax.set_title(f"{title}: {doc['summary'].get('verdict', '?')}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m overlay.engine.plot", description=__doc__.splitlines()[0])
+    ap.add_argument("results", type=Path, nargs="+")
+    ap.add_argument("--out", type=Path, required=True)
+    ns = ap.parse_args(argv)
+    docs = [(p.stem, json.loads(p.read_text())) for p in ns.results]
+    print(draw(docs, ns.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

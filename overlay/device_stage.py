@@ -70,6 +70,8 @@ STUB_LABEL = "device"
 TORCH_FAMILY = frozenset({"torch", "torchvision", "torchaudio"})
 # vLLM requirements (or their dependencies) that no engine run of a text-only sparse-MLA model on
 # Hopper imports, each with why; left out unless ``full`` (about half of the bytes: 8 carries).
+# numba stays although it is imported lazily: without vLLM's numba==0.65 the device's numpy 2.5
+# stays pinned and pip backtracks xgrammar into versions that need transformers < 5.
 NOT_NEEDED: dict[str, str] = {
     "tokenspeed-mla": "TokenSpeed MLA backends; Hopper sparse MLA runs FlashMLA-sparse",
     "tokenspeed-triton": "TokenSpeed's Triton fork (for tokenspeed-mla)",
@@ -83,8 +85,6 @@ NOT_NEEDED: dict[str, str] = {
     "z3-solver": "SMT solver of tilelang",
     "pynvvideocodec": "video decoding (vllm/multimodal/video.py)",
     "torchcodec": "video/audio decoding (multimodal inputs); built for torch 2.13, not the device's 2.11",
-    "numba": "imported lazily (ngram speculation, JIT monitor's threading layer); the device's numba is used",
-    "llvmlite": "numba's compiler (for numba)",
     "nvidia-cutlass-dsl-libs-cu12": "CuteDSL's CUDA 12 libraries; the [cu13] ones serve the device's CUDA 13",
 }
 

@@ -182,7 +182,14 @@ if [ ! -e "$STAGE/installed" ]; then
   echo "[device-run] installed ${#wheels[@]} wheel(s) into $SITE" >&2
 fi
 
-export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+# PYTHONPATH entries are not site folders: their .pth files (nvidia-cutlass-dsl's puts `cutlass`
+# on sys.path that way) would be ignored. Let site.addsitedir process them once, keep the paths
+# they add.
+pth_paths=$("$PY" -c 'import site, sys
+before = list(sys.path)
+site.addsitedir(sys.argv[1])
+print(":".join(p for p in sys.path if p not in before and p != sys.argv[1]))' "$SITE")
+export PYTHONPATH=$SITE${pth_paths:+:$pth_paths}${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 [ $# -gt 0 ] && exec "$@"
 echo "[device-run] staged into $SITE (every carry in)" >&2

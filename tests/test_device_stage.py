@@ -465,13 +465,19 @@ def test_stage_vllm_refuses_a_wheel_without_a_kept_kernel(tmp_path: Path) -> Non
 
 @pytest.fixture
 def staged(tmp_path: Path) -> tuple[Path, dict]:
-    """A DEST with carries of a tiny vLLM and three tiny wheels (two share the nvidia/ namespace)."""
+    """A DEST with carries of a tiny vLLM and four tiny wheels (two share the nvidia/ namespace, one has a .pth)."""
     wheels_dir = tmp_path / "whl"
     wheels_dir.mkdir()
     wheels = [
         _pure_wheel(wheels_dir, "tinypkg", "1.0", {"tinypkg/__init__.py": b"VALUE = 42\n"}),
         _pure_wheel(wheels_dir, "nvidia-fake-a", "1.0", {"nvidia/fake_a/__init__.py": b"A = 1\n"}),
         _pure_wheel(wheels_dir, "nvidia-fake-b", "1.0", {"nvidia/fake_b/__init__.py": b"B = 2\n"}),
+        # nvidia-cutlass-dsl's way: a .pth that puts a folder inside the package on sys.path
+        _pure_wheel(wheels_dir, "dslfake", "1.0", {
+            "dslfake/__init__.py": b"",
+            "dslfake/dsl_packages/cutefake/__init__.py": b"C = 3\n",
+            "dslfake_packages.pth": b"import sys, os, dslfake; "
+                                    b"sys.path.insert(0, os.path.join(dslfake.__path__[0], 'dsl_packages'))\n"}),
     ]
     files, _ = ds.stage_vllm(_tiny_vllm(tmp_path), tmp_path / "xz")
     files += [ds.StagedFile(f"wheels/{w.name}", "wheel", w, w.stat().st_size,
@@ -493,8 +499,8 @@ def _device_run(tmp_path: Path, dest: Path, carries: Sequence[str], *command: st
     return subprocess.run(args, capture_output=True, text=True, env=env, check=False, timeout=300)
 
 
-PROBE = ("import os, tinypkg, nvidia.fake_a, nvidia.fake_b, vllm.model; "
-         "print(tinypkg.__file__); print(tinypkg.VALUE, nvidia.fake_a.A, nvidia.fake_b.B, vllm.model.X); "
+PROBE = ("import os, tinypkg, nvidia.fake_a, nvidia.fake_b, vllm.model, cutefake; "
+         "print(tinypkg.__file__); print(tinypkg.VALUE, nvidia.fake_a.A, nvidia.fake_b.B, vllm.model.X, cutefake.C); "
          "print(os.environ['NCCL_NVLS_ENABLE'], os.environ['TORCH_SYMM_MEM_DISABLE_MULTICAST'], "
          "os.environ['NVSHMEM_DISABLE_NVLS'])")
 
@@ -522,8 +528,8 @@ def test_device_run_in_several_calls(staged: tuple[Path, dict], tmp_path: Path) 
     assert last.returncode == 0, last.stderr
     out = last.stdout.splitlines()
     assert out[0] == str(site / "tinypkg" / "__init__.py")
-    assert out[1:] == ["42 1 2 1", "0 1 1"]
-    assert last.stderr.count("installed 3 wheel(s)") == 1
+    assert out[1:] == ["42 1 2 1 3", "0 1 1"]
+    assert last.stderr.count("installed 4 wheel(s)") == 1
     with zipfile.ZipFile(next(tmp_path.glob("vllm-*.whl"))) as zf:
         for kernel in ds.KEEP_KERNELS:
             assert (site / kernel).read_bytes() == zf.read(kernel)

@@ -14,7 +14,13 @@ Scaling: the weights are not a trained model, so they are scaled to make the att
 tokens is peaked on a few of them, and the attention output enters the residual stream at unit
 scale. A wrong DCP merge (a rank's partial dropped, rows masked, the wrong LSE) then changes
 which tokens dominate a head's output and moves next-token logprobs by O(1) nats, far beyond
-bf16/fp8 rounding (``engine.check`` measures both). The tokenizer is byte-level (one token per
+bf16/fp8 rounding (``engine.check`` measures both). Every token goes to every expert
+(``num_experts_per_tok = n_routed_experts``): the MoE kernels, the sigmoid ``noaux_tc`` gate and
+the weights still run as in GLM-5, but no hard top-k choice of experts remains. With a top-2 of
+8 (the first version), rounding noise flipped near-tied expert choices and two DCP 1 runs that
+differed only in batch composition disagreed by up to 1 nat on 16-token prompts (two H200s,
+2026-11-30), which drowned the comparison; the indexer's top-k beyond ``index_topk`` is the one
+hard selection left, as in production. The tokenizer is byte-level (one token per
 byte, no merges) with the rest of the vocabulary reserved special tokens, so ``vllm serve``
 takes text and any prompt length is exact in tokens.
 """
@@ -48,7 +54,7 @@ class TinyGlm5Spec:
     moe_intermediate_size: int = 256
     n_routed_experts: int = 8
     n_shared_experts: int = 1
-    num_experts_per_tok: int = 2
+    num_experts_per_tok: int = 8  # every expert: routing without a hard choice (see the docstring)
     num_nextn_predict_layers: int = 1
     vocab_size: int = 512
     q_lora_rank: int = 768
@@ -60,7 +66,7 @@ class TinyGlm5Spec:
     index_head_dim: int = 128
     index_n_heads: int = 32
     max_position_embeddings: int = 65536
-    q_gain: float = 3.0
+    q_gain: float = 2.0
     lm_head_gain: float = 2.5
 
     @property

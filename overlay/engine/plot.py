@@ -1,10 +1,10 @@
 """Draw an engine check's results: each case's largest logprob deviation against the tolerance.
 
 ``python -m overlay.engine.plot RESULTS.json [MORE.json ...] --out engine.png`` (matplotlib, Agg;
-run where matplotlib is, e.g. here after the device brought ``results.json`` back). One bar per
-case (prompt and decode deviations from the DCP 1 reference, log scale), the derived tolerance
-as a line, crashed or hung cases marked; several result files (the main matrix and the seed-bug
-variants) are drawn side by side.
+run where matplotlib is, e.g. here after the device brought ``results.json`` back). Two bars per
+case (the largest deviation from the DCP 1 reference where the context fits index_topk, the
+90th percentile beyond it; log scale), the derived tolerances as lines, crashed or hung cases
+marked; several result files (the main matrix and the seed-bug variants) side by side.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ LEAST = 1e-4  # deviations of exactly 0 are drawn at this height (log scale)
 
 
 def bars(doc: dict[str, Any]) -> list[tuple[str, float, float, str]]:
-    """(case, prompt deviation, decode deviation, status) for every compared or failed case."""
+    """(case, dense max deviation, sparse 90th percentile, status) for every compared or failed case."""
     out: list[tuple[str, float, float, str]] = []
     for rec in doc["cases"]:
         if rec["case"]["role"] == "reference" or rec["status"] == "skipped":
             continue
         d = rec.get("diff") or {}
-        out.append((rec["case"]["name"], d.get("prompt_max_abs", 0.0), d.get("decode_max_abs", 0.0),
+        out.append((rec["case"]["name"], d.get("dense_max_abs", 0.0), d.get("sparse_q90", 0.0),
                     rec["status"] if rec["status"] != "ok" else rec.get("verdict", "")))
     return out
 
@@ -40,11 +40,12 @@ def draw(docs: list[tuple[str, dict[str, Any]]], out: Path) -> Path:
     for ax, (title, doc) in zip(axes[0], docs, strict=True):
         rows = bars(doc)
         xs = range(len(rows))
-        ax.bar([x - 0.2 for x in xs], [max(r[1], LEAST) for r in rows], 0.4, label="prompt logprobs")
-        ax.bar([x + 0.2 for x in xs], [max(r[2], LEAST) for r in rows], 0.4, label="decode logprobs")
+        ax.bar([x - 0.2 for x in xs], [max(r[1], LEAST) for r in rows], 0.4, label="context <= index_topk: max")
+        ax.bar([x + 0.2 for x in xs], [max(r[2], LEAST) for r in rows], 0.4, label="beyond: 90th percentile")
         tol = doc["summary"].get("tolerance")
         if tol:
-            ax.axhline(tol, color="red", linestyle="--", label=f"tolerance {tol:.3g}")
+            ax.axhline(tol["dense"], color="C0", linestyle="--", label=f"dense tolerance {tol['dense']:.3g}")
+            ax.axhline(tol["sparse_q90"], color="C1", linestyle=":", label=f"p90 tolerance {tol['sparse_q90']:.3g}")
         for x, r in zip(xs, rows, strict=True):
             if r[3] in ("crashed", "timeout", "fail", "expected-fail"):
                 ax.annotate(r[3], (x, LEAST * 2), ha="center", rotation=90, fontsize=7, color="darkred")

@@ -20,7 +20,7 @@ from overlay.errors import OverlayError
 
 # Small enough to generate and load in a second; same structure as the default.
 SMALL = TinyGlm5Spec(tp=1, heads_per_rank=2, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-                     n_routed_experts=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                     n_routed_experts=4, num_experts_per_tok=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                      v_head_dim=16, index_topk=16, index_head_dim=16, index_n_heads=4, vocab_size=300,
                      num_hidden_layers=2)
 
@@ -37,6 +37,7 @@ def test_default_spec_has_glm5_attention_dimensions() -> None:
     assert (cfg["index_topk"], cfg["index_head_dim"], cfg["index_n_heads"]) == (2048, 128, 32)
     assert cfg["num_attention_heads"] == 16  # 8 per rank at TP 2
     assert cfg["num_nextn_predict_layers"] == 1 and cfg["n_routed_experts"] > 1
+    assert cfg["num_experts_per_tok"] == cfg["n_routed_experts"]  # no hard expert choice
 
 
 def test_generation_is_deterministic_and_seeded(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from overlay.engine import check
-from overlay.engine.compare import FLOOR, SAFETY, compare, derive_tolerance
+from overlay.engine.compare import FLOOR, SAFETY, Tolerance, compare, derive_tolerance
 from overlay.engine.workload import MAX_MODEL_LEN, PROMPT_LENS, Case, cases, prompts
 
 
@@ -23,52 +23,81 @@ def _ref() -> dict:
                 [[[[5, -0.1], [9, -2.5]], [[6, -0.2], [8, -0.25]], [[7, -0.3], [1, -3.0]]]])
 
 
+T = Tolerance(0.05, 0.05, 0.05)
+
+
 def test_identical_runs_match() -> None:
-    d = compare(_ref(), _ref(), 0.05)
-    assert d.max_abs == 0 and not d.problems(0.05)
+    d = compare(_ref(), _ref(), T)
+    assert d.dense_max_abs == 0 and not d.problems(T)
     assert d.requests[0].steps_compared == 3
 
 
 def test_prompt_logprob_shift_is_caught_with_its_position() -> None:
     got = _ref()
     got["requests"][0]["prompt_logprobs"][2] = -2.9
-    d = compare(_ref(), got, 0.05)
-    assert d.requests[0].prompt_worst_pos == 2
-    assert any("prompt logprob off by 0.9 at position 2" in p for p in d.problems(0.05))
+    d = compare(_ref(), got, T)
+    assert d.requests[0].dense_worst == "prompt position 2"
+    assert any("logprob off by 0.9 at prompt position 2" in p for p in d.problems(T))
 
 
 def test_greedy_token_change_beyond_tolerance_fails_but_near_tie_only_stops() -> None:
     got = _ref()
     got["requests"][0]["tokens"][0] = 9  # reference margin 2.4: a real change
-    d = compare(_ref(), got, 0.05)
-    assert d.requests[0].token_mismatch and "greedy token 9 instead of 5" in d.problems(0.05)[0]
+    d = compare(_ref(), got, T)
+    assert d.requests[0].token_mismatch and "greedy token 9 instead of 5" in d.problems(T)[0]
 
     tie = _ref()
     tie["requests"][0]["tokens"][1] = 8  # reference margin 0.05 <= tolerance: a near tie
     tie["requests"][0]["tokens"][2] = 1
-    d = compare(_ref(), tie, 0.06)
-    assert d.requests[0].tie_divergence and d.requests[0].diverged_at == 1 and not d.problems(0.06)
+    tol = Tolerance(0.06, 0.06, 0.06)
+    d = compare(_ref(), tie, tol)
+    assert d.requests[0].tie_divergence and d.requests[0].diverged_at == 1 and not d.problems(tol)
 
 
 def test_reference_token_missing_from_top5_fails() -> None:
     got = _ref()
     got["requests"][0]["top"][1] = [[8, -0.1], [3, -1.0]]
     got["requests"][0]["tokens"][1] = 8
-    assert "not in the case's top-5" in compare(_ref(), got, 0.05).problems(0.05)[0]
+    assert "not in the case's top-5" in compare(_ref(), got, T).problems(T)[0]
 
 
 def test_missing_prompt_logprob_is_a_problem() -> None:
     got = _ref()
     got["requests"][0]["prompt_logprobs"][3] = None
-    assert "without a logprob" in compare(_ref(), got, 1.0).problems(1.0)[0]
+    loose = Tolerance(1.0, 1.0, 1.0)
+    assert "without a logprob" in compare(_ref(), got, loose).problems(loose)[0]
+
+
+def _long(shift: float, flips: int, n: int = 40, topk: int = 10) -> tuple[dict, dict]:
+    """A prompt of ``n`` tokens; beyond ``topk`` every deviation is ``shift`` and ``flips`` are 2.0."""
+    ref = _doc([[None] + [-1.0] * (n - 1)], [[5]], [[[[5, -0.1]]]])
+    got = copy.deepcopy(ref)
+    lps = got["requests"][0]["prompt_logprobs"]
+    for pos in range(topk + 1, n):
+        lps[pos] = -1.0 - shift
+    for pos in range(topk + 1, topk + 1 + flips):
+        lps[pos] = -3.0
+    return ref, got
+
+
+def test_beyond_topk_rare_boundary_swaps_pass_a_shifted_distribution_fails() -> None:
+    ref, swaps = _long(0.0, flips=2)  # 2 of 29 positions swapped a boundary token: like the spread
+    tol = Tolerance(0.05, 0.05, 0.05)
+    assert not compare(ref, swaps, tol, index_topk=10).problems(tol)
+    ref, shifted = _long(0.5, flips=0)  # every position moved: a wrong merge or top-k
+    problems = compare(ref, shifted, tol, index_topk=10).problems(tol)
+    assert any("median deviation 0.5" in p for p in problems)
+    # the same shift inside index_topk is held position by position
+    assert compare(ref, shifted, tol, index_topk=100).problems(tol)[0].startswith("request 0")
 
 
 def test_tolerance_is_safety_times_spread_with_a_floor() -> None:
     noisy = _ref()
     noisy["requests"][0]["prompt_logprobs"][1] = -1.1
     tol, spread = derive_tolerance(_ref(), [_ref(), noisy])
-    assert spread == pytest.approx(0.1) and tol == pytest.approx(SAFETY * 0.1)
-    assert derive_tolerance(_ref(), [_ref()]) == (FLOOR, 0.0)
+    assert spread["dense_max_abs"] == pytest.approx(0.1) and tol.dense == pytest.approx(SAFETY * 0.1)
+    assert tol.sparse_q50 == FLOOR
+    assert derive_tolerance(_ref(), [_ref()])[0] == Tolerance(FLOOR, FLOOR, FLOOR)
 
 
 def test_cases_put_references_then_the_production_shape_first() -> None:
@@ -105,7 +134,8 @@ def test_error_line_picks_the_worker_cause() -> None:
         "RuntimeError: Engine core initialization failed. See root cause above.",
     ])
     assert check.error_line(log).startswith("AttributeError: 'FlashMLASparseMetadata'")
-    log = "x\nRuntimeError: ... token count exceeds symmetric buffer capacity"
+    log = ("x\n    raise RuntimeError(\nRuntimeError: ... token count exceeds symmetric buffer capacity\n"
+           "    raise RuntimeError(")
     assert "token count exceeds" in check.error_line(log)
 
 
@@ -125,7 +155,7 @@ def test_judge_verdicts_and_expected_failures(tmp_path: Path) -> None:
     recs = _records(tmp_path, {"ref": ("reference", _ref()), "rerun": ("spread", _ref()),
                                "good": ("check", _ref()), "bad": ("check", bad), "dead": ("check", None)})
     s = check.judge(recs, tmp_path, None)
-    assert s["verdict"] == "fail" and s["tolerance"] == FLOOR
+    assert s["verdict"] == "fail" and s["tolerance"]["dense"] == FLOOR
     assert {r["case"]["name"]: r["verdict"] for r in recs} == {
         "ref": "reference", "rerun": "spread", "good": "pass", "bad": "fail", "dead": "fail"}
     recs = _records(tmp_path, {"ref": ("reference", _ref()), "dead": ("check", None)})

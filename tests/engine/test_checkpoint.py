@@ -20,9 +20,9 @@ from overlay.errors import OverlayError
 
 # Small enough to generate and load in a second; same structure as the default.
 SMALL = TinyGlm5Spec(tp=1, heads_per_rank=2, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-                     n_routed_experts=4, num_experts_per_tok=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                     v_head_dim=16, index_topk=16, index_head_dim=16, index_n_heads=4, vocab_size=300,
-                     num_hidden_layers=2)
+                     n_routed_experts=4, num_experts_per_tok=4, q_lora_rank=32, kv_lora_rank=32,
+                     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_topk=16, index_head_dim=16,
+                     index_n_heads=4, vocab_size=300, num_hidden_layers=2)
 
 
 def _digests(folder: Path) -> dict[str, str]:

@@ -1,23 +1,25 @@
 """``make build``: official wheel + patch series -> patched, versioned wheel in ``dist/``.
 
 Coordinates the other modules: pin -> fetch -> series -> apply -> rewrite wheel. The wheel
-is written under a temporary name in ``dist/`` and renamed at the very end, so a failed or
-killed build leaves the previous wheel untouched.
+is written into ``dist/`` by :mod:`overlay.distdir`: one build at a time, under a temporary name
+renamed at the very end, so a failed or killed build leaves the previous wheel untouched.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 import time
 import zipfile
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from overlay import __version__ as TOOL_VERSION
 from overlay.apply import apply_series, wheel_reader
+from overlay.distdir import write_into
 from overlay.errors import KernelPatchError, WheelError
 from overlay.fetch import fetch_wheel
 from overlay.pins import Pin, load_pin, pin_dir
@@ -110,10 +112,10 @@ def build(
             f"patch {names} touches compiled sources ({series.kernel_patches[0].touched[0]}); "
             "the overlay cannot change prebuilt kernels: use `make image`, which rebuilds them"
         )
-    wheel = base_wheel or fetch_wheel(pin)
+    wheel = _check_base(base_wheel) or fetch_wheel(pin)
     tag = series_tag(series, pin)
     full_version = f"{pin.version}+{tag}"
-    with zipfile.ZipFile(wheel) as zf:
+    with _readable(wheel, given=base_wheel is not None), zipfile.ZipFile(wheel) as zf:
         read = wheel_reader(zf)
         # Kernel patches may carry Python changes too: those are overlaid; their compiled
         # sources were built into ``kernels`` by make image's kernel stage.
@@ -129,18 +131,24 @@ def build(
                 raise WheelError(f"{binary}: {archive_path!r} is not a library of {wheel.name}; "
                                  "rebuilt kernels must replace existing ones")
             changed[archive_path] = binary.read_bytes()
-        dist.mkdir(parents=True, exist_ok=True)
-        for stale in dist.glob(".building-*.whl.tmp"):  # left by a build that was killed
-            stale.unlink(missing_ok=True)
-        target = dist / wheel_name(pin, full_version)
-        fd, tmp_name = tempfile.mkstemp(dir=dist, prefix=".building-", suffix=".whl.tmp")
-        os.close(fd)
-        tmp = Path(tmp_name)
-        try:
-            rewrite_wheel(wheel, tmp, package="vllm", version=full_version, changed=changed,
-                          deleted=frozenset(applied.deleted), source=zf)
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
+        target = write_into(dist, wheel_name(pin, full_version), lambda tmp: rewrite_wheel(
+            wheel, tmp, package="vllm", version=full_version, changed=changed,
+            deleted=frozenset(applied.deleted), source=zf))
     elapsed = time.perf_counter() - start
     return BuildResult(target, full_version, tag, len(series.patches), elapsed)
+
+
+def _check_base(base_wheel: Path | None) -> Path | None:
+    if base_wheel is not None and not base_wheel.is_file():
+        raise WheelError(f"{base_wheel}: no such file: pass a complete wheel with --base-wheel")
+    return base_wheel
+
+
+@contextmanager
+def _readable(wheel: Path, *, given: bool) -> Iterator[None]:
+    """Turn a damaged base wheel (not a zip, truncated, a corrupt member) into one line."""
+    try:
+        yield
+    except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+        fix = "pass a complete wheel with --base-wheel" if given else "delete it to download it again"
+        raise WheelError(f"{wheel}: not a readable wheel ({exc}): {fix}") from exc

@@ -47,3 +47,7 @@ class GitError(OverlayError):
         detail = stderr.strip().splitlines()
         tail = detail[-1] if detail else "no output"
         super().__init__(f"git {' '.join(cmd)!s} failed ({returncode}): {tail}")
+
+
+class DistError(OverlayError):
+    """The output folder (``dist/``) cannot take the built wheel: not a folder, not writable, disk full."""

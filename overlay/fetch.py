@@ -1,12 +1,16 @@
 """Get a release's wheel through pip into the cache outside the repo, and verify it.
 
 The cache lives in ``$VLLM_OVERLAY_CACHE`` (default ``~/.cache/vllm-overlay``). A file is
-only ever moved into the cache after its sha256 matched the pin; a mismatching download is
-deleted and reported with both digests.
+only ever moved into the cache after its sha256 matched the pin. A digest mismatch never
+destroys a file: a cached file that does not match is left where it is and reported, a
+mismatching download is kept aside in ``<cache>/quarantine/<folder>/<its sha256>/`` and
+reported, and neither is downloaded again until the pin is fixed or the file deleted (a kept
+download that matches the fixed pin is taken without a download).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -71,21 +75,28 @@ def verify(path: Path, expected: str) -> None:
         )
 
 
-def fetch_verified(folder: Path, filename: str, sha256: str, download: Callable[[Path], None]) -> Path:
+def fetch_verified(
+    folder: Path, filename: str, sha256: str, download: Callable[[Path], None], *,
+    expected_from: str = "the sha256 in pin.toml",
+) -> Path:
     """Return ``folder/filename`` once it hashes to ``sha256``, downloading it if needed.
 
     ``download(dest_dir)`` puts the file into a temporary folder beside the cache entry; it
-    is moved into place only after it verified, so a bad download is never kept, and a
-    corrupted cache entry is fetched again.
+    is moved into place only after it verified. No mismatching file is deleted or downloaded
+    again (see the module docstring); the error names the file, both digests and the fix.
+    ``expected_from`` says where ``sha256`` comes from, for that message.
     """
     target = folder / filename
     if target.exists():
-        try:
-            verify(target, sha256)
-        except FetchError:
-            target.unlink()  # a corrupted cache entry is never used; fetch it again
-        else:
-            return target
+        actual = sha256_file(target)
+        if actual != sha256:
+            raise FetchError(f"{target}: sha256 mismatch: expected {sha256}, got {actual}; the file is kept: "
+                             f"if {expected_from} is wrong, fix it; if the file is damaged, delete it to "
+                             "download it again")
+        return target
+    if _take_quarantined(folder, filename, sha256):
+        return target
+    _refuse_quarantined(folder, filename, sha256, expected_from)
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
         tmpdir = Path(tmp)
@@ -95,16 +106,54 @@ def fetch_verified(folder: Path, filename: str, sha256: str, download: Callable[
         if not got.is_file():
             names = sorted(p.name for p in tmpdir.iterdir())
             raise FetchError(f"pip did not produce {filename} (got {names or 'nothing'})")
-        verify(got, sha256)  # the temp dir, bad file included, is removed on error
+        actual = sha256_file(got)
+        if actual != sha256:
+            kept = _quarantine(got, folder, actual)
+            raise FetchError(f"{filename}: sha256 mismatch: expected {sha256}, got {actual}; the download is kept "
+                             f"as {kept}: if {expected_from} is wrong, fix it (the next build takes the kept "
+                             f"file); if the download is damaged, delete {kept} to download it again")
         os.replace(got, target)
     return target
 
 
-def fetch_wheel(pin: Pin, *, cache: Path | None = None, downloader: Downloader | None = None) -> Path:
+def quarantine_dir(folder: Path) -> Path:
+    """Where mismatching downloads of cache ``folder`` are kept: ``<cache>/quarantine/<folder name>/``."""
+    return folder.parent / "quarantine" / folder.name
+
+
+def _quarantine(path: Path, folder: Path, actual: str) -> Path:
+    kept = quarantine_dir(folder) / actual / path.name
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(path, kept)
+    return kept
+
+
+def _take_quarantined(folder: Path, filename: str, sha256: str) -> bool:
+    """Move a kept download that hashes to ``sha256`` (the pin was fixed) into the cache."""
+    kept = quarantine_dir(folder) / sha256 / filename
+    if not kept.is_file() or sha256_file(kept) != sha256:
+        return False
+    folder.mkdir(parents=True, exist_ok=True)
+    os.replace(kept, folder / filename)
+    with contextlib.suppress(OSError):
+        kept.parent.rmdir()
+    return True
+
+
+def _refuse_quarantined(folder: Path, filename: str, sha256: str, expected_from: str) -> None:
+    """One error instead of a download that would only mismatch again."""
+    for kept in sorted(quarantine_dir(folder).glob(f"*/{filename}")):
+        raise FetchError(f"{kept}: sha256 mismatch: expected {sha256}, got {kept.parent.name} (downloaded "
+                         f"before and kept; not downloading it again): if {expected_from} is wrong, fix it; "
+                         f"if the download is damaged, delete {kept} to download it again")
+
+
+def fetch_wheel(pin: Pin, *, cache: Path | None = None, downloader: Downloader | None = None,
+                expected_from: str = "the sha256 in pin.toml") -> Path:
     """Return the verified base wheel of ``pin`` from the cache, downloading it if needed."""
     download = downloader or pip_download_wheel
     return fetch_verified((cache or cache_dir()) / "wheels", pin.wheel, pin.sha256,
-                          lambda dest: download(f"vllm=={pin.version}", dest))
+                          lambda dest: download(f"vllm=={pin.version}", dest), expected_from=expected_from)
 
 
 def copy_into_cache(src: Path, folder: Path, sha256: str) -> Path:
@@ -184,4 +233,5 @@ def fetch_release(
             copy_into_cache(unpinned, cache / "wheels", sha)
         except FetchError:
             pass  # not the published file: fetch_wheel downloads it
-    return pin, fetch_wheel(pin, cache=cache, downloader=downloader)
+    return pin, fetch_wheel(pin, cache=cache, downloader=downloader,
+                            expected_from="the sha256 the package index publishes")

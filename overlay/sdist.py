@@ -98,7 +98,8 @@ def fetch_sdist(
     filename, sha256 = sdist_fields(pin, source)
     download = downloader or pip_download_sdist
     return fetch_verified((cache or cache_dir()) / "sdists", filename, sha256,
-                          lambda dest: download(pin.version, filename, dest))
+                          lambda dest: download(pin.version, filename, dest),
+                          expected_from="the sdist_sha256 in pin.toml")
 
 
 def _top(sdist: Path, tf: tarfile.TarFile) -> str:

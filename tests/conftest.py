@@ -44,3 +44,15 @@ def base_wheel() -> Path:
     from overlay.pins import load_pin
 
     return fetch_wheel(load_pin(PATCHES, DEFAULT_VLLM))
+
+
+@pytest.fixture
+def one_patch_release(tmp_path: Path) -> tuple[Path, Path]:
+    """A synthetic release (patches root, base wheel) whose series holds one good patch."""
+    from tests.test_build import BASE_FILES, good_patch
+    from tests.wheelkit import make_release, make_wheel
+
+    d = tmp_path / "base"
+    d.mkdir()
+    wheel = make_wheel(d, BASE_FILES)
+    return make_release(tmp_path, wheel, patches={"fix-a.patch": good_patch(tmp_path)}), wheel

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from overlay.build import build
+from overlay.distdir import LOCK_NAME
 from overlay.errors import ApplyError, KernelPatchError, SeriesError, WheelError
 from overlay.wheel import verify_record
 from tests.wheelkit import format_patch, make_release, make_wheel
@@ -204,7 +205,7 @@ import overlay.build as b
 def hang(src, dst):
     Path(sys.argv[3]).write_text(str(src))
     time.sleep(120)
-b.os.replace = hang
+os.replace = hang
 b.build(Path(sys.argv[1]), "0.28.0", Path(sys.argv[2]), base_wheel=Path(sys.argv[4]))
 """
 
@@ -231,4 +232,4 @@ def test_killed_build_leaves_previous_wheel_intact(tmp_path: Path, wheel: Path) 
     assert sorted(p.name for p in dist.iterdir() if not p.name.startswith(".")) == [first.wheel.name]
     again = build(root, "0.28.0", dist, base_wheel=wheel)  # the next build cleans up the leftover
     assert again.wheel.read_bytes() == before
-    assert sorted(p.name for p in dist.iterdir()) == [first.wheel.name]
+    assert sorted(p.name for p in dist.iterdir()) == [LOCK_NAME, first.wheel.name]

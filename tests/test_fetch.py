@@ -19,47 +19,93 @@ def good(tmp_path: Path) -> tuple[Pin, Path]:
     return Pin("0.28.0", wheel.name, sha256(wheel)), wheel
 
 
+class Downloads:
+    """A fake downloader that copies ``wheel`` (or fails, offline) and counts its calls."""
+
+    def __init__(self, wheel: Path, *, offline: bool = False) -> None:
+        self.wheel = wheel
+        self.offline = offline
+        self.calls: list[str] = []
+
+    def __call__(self, req: str, dest: Path) -> None:
+        self.calls.append(req)
+        if self.offline:
+            raise FetchError(f"pip download {req} failed (1): no network")
+        shutil.copy(self.wheel, dest / self.wheel.name)
+
+
 def test_download_verified_and_cached(tmp_path: Path, good: tuple[Pin, Path]) -> None:
     pin, wheel = good
-    calls: list[str] = []
-
-    def downloader(req: str, dest: Path) -> None:
-        calls.append(req)
-        shutil.copy(wheel, dest / wheel.name)
-
+    downloads = Downloads(wheel)
     cache = tmp_path / "cache"
-    got = fetch_wheel(pin, cache=cache, downloader=downloader)
+    got = fetch_wheel(pin, cache=cache, downloader=downloads)
     assert got == cache / "wheels" / pin.wheel and sha256(got) == pin.sha256
-    assert fetch_wheel(pin, cache=cache, downloader=downloader) == got
-    assert calls == ["vllm==0.28.0"]  # the second call used the cache
+    assert fetch_wheel(pin, cache=cache, downloader=downloads) == got
+    assert downloads.calls == ["vllm==0.28.0"]  # the second call used the cache
 
 
-def test_mismatch_names_both_digests_and_keeps_nothing(tmp_path: Path, good: tuple[Pin, Path]) -> None:
+def test_mismatching_download_is_kept_aside_and_not_downloaded_again(
+    tmp_path: Path, good: tuple[Pin, Path]
+) -> None:
     pin, wheel = good
     bad = Pin(pin.version, pin.wheel, "0" * 64)
-
-    def downloader(req: str, dest: Path) -> None:
-        shutil.copy(wheel, dest / wheel.name)
-
+    downloads = Downloads(wheel)
     cache = tmp_path / "cache"
+    kept = cache / "quarantine" / "wheels" / pin.sha256 / pin.wheel
     with pytest.raises(FetchError) as exc:
-        fetch_wheel(bad, cache=cache, downloader=downloader)
+        fetch_wheel(bad, cache=cache, downloader=downloads)
     assert str(exc.value) == (
-        f"{pin.wheel}: sha256 mismatch: expected {'0' * 64}, got {pin.sha256}"
+        f"{pin.wheel}: sha256 mismatch: expected {'0' * 64}, got {pin.sha256}; the download is kept as {kept}: "
+        f"if the sha256 in pin.toml is wrong, fix it (the next build takes the kept file); "
+        f"if the download is damaged, delete {kept} to download it again"
     )
-    assert list((cache / "wheels").iterdir()) == []  # the bad file is not kept
+    assert list((cache / "wheels").iterdir()) == []  # nothing unverified enters the cache
+    assert kept.read_bytes() == wheel.read_bytes()  # ... and nothing is destroyed
+    with pytest.raises(FetchError, match=rf"^{kept}: sha256 mismatch: expected 0{{64}}, got {pin.sha256} "
+                                         r"\(downloaded before and kept; not downloading it again\)"):
+        fetch_wheel(bad, cache=cache, downloader=downloads)
+    assert downloads.calls == ["vllm==0.28.0"]  # one download, not one per build
+    # The pin is fixed: the kept file is verified and taken, without a download.
+    assert fetch_wheel(pin, cache=cache, downloader=downloads) == cache / "wheels" / pin.wheel
+    assert sha256(cache / "wheels" / pin.wheel) == pin.sha256 and not kept.exists()
+    assert downloads.calls == ["vllm==0.28.0"]
 
 
-def test_corrupted_cache_entry_is_fetched_again(tmp_path: Path, good: tuple[Pin, Path]) -> None:
+@pytest.mark.parametrize("offline", [False, True], ids=["online", "offline"])
+def test_pin_typo_keeps_the_cached_wheel_and_downloads_nothing(
+    tmp_path: Path, good: tuple[Pin, Path], offline: bool
+) -> None:
+    """A typo in pin.toml's sha256 must not delete the valid cached wheel (issue: it did, then downloaded again)."""
+    pin, wheel = good
+    cache = tmp_path / "cache"
+    fetch_wheel(pin, cache=cache, downloader=Downloads(wheel))
+    cached = cache / "wheels" / pin.wheel
+    typo = Pin(pin.version, pin.wheel, pin.sha256[:-1] + ("0" if pin.sha256[-1] != "0" else "1"))
+    downloads = Downloads(wheel, offline=offline)
+    for _ in range(2):
+        with pytest.raises(FetchError) as exc:
+            fetch_wheel(typo, cache=cache, downloader=downloads)
+        assert str(exc.value) == (
+            f"{cached}: sha256 mismatch: expected {typo.sha256}, got {pin.sha256}; the file is kept: "
+            f"if the sha256 in pin.toml is wrong, fix it; if the file is damaged, delete it to download it again"
+        )
+    assert downloads.calls == []
+    assert cached.read_bytes() == wheel.read_bytes()
+    assert fetch_wheel(pin, cache=cache, downloader=downloads) == cached  # typo fixed: works at once, offline too
+
+
+def test_corrupted_cache_entry_is_reported_not_replaced(tmp_path: Path, good: tuple[Pin, Path]) -> None:
     pin, wheel = good
     cache = tmp_path / "cache"
     (cache / "wheels").mkdir(parents=True)
-    (cache / "wheels" / pin.wheel).write_bytes(b"truncated")
-
-    def downloader(req: str, dest: Path) -> None:
-        shutil.copy(wheel, dest / wheel.name)
-
-    assert sha256(fetch_wheel(pin, cache=cache, downloader=downloader)) == pin.sha256
+    cached = cache / "wheels" / pin.wheel
+    cached.write_bytes(b"truncated")
+    downloads = Downloads(wheel)
+    with pytest.raises(FetchError, match=r"if the file is damaged, delete it to download it again$"):
+        fetch_wheel(pin, cache=cache, downloader=downloads)
+    assert cached.read_bytes() == b"truncated" and downloads.calls == []
+    cached.unlink()  # what the message says to do
+    assert sha256(fetch_wheel(pin, cache=cache, downloader=downloads)) == pin.sha256
 
 
 def test_download_without_the_expected_file(tmp_path: Path, good: tuple[Pin, Path]) -> None:

@@ -377,7 +377,11 @@ def test_fetch_sdist_downloads_verifies_and_caches(tmp_path: Path) -> None:
     assert got == tmp_path / "sdists" / "vllm-0.28.0.tar.gz" and got.read_bytes() == data
     assert fetch_sdist(_pin(data), "pin.toml", cache=tmp_path, downloader=downloader) == got
     assert calls == ["0.28.0"]  # the second call used the cache
-    got.write_bytes(b"corrupted")
+    got.write_bytes(b"corrupted")  # a mismatching cache entry is reported and kept, not downloaded again
+    with pytest.raises(FetchError, match=r"the file is kept: .* delete it to download it again$"):
+        fetch_sdist(_pin(data), "pin.toml", cache=tmp_path, downloader=downloader)
+    assert got.read_bytes() == b"corrupted" and calls == ["0.28.0"]
+    got.unlink()
     assert fetch_sdist(_pin(data), "pin.toml", cache=tmp_path, downloader=downloader).read_bytes() == data
     assert calls == ["0.28.0", "0.28.0"]
 
@@ -392,9 +396,14 @@ def test_fetch_sdist_mismatch_keeps_nothing(tmp_path: Path) -> None:
         fetch_sdist(pin, "pin.toml", cache=tmp_path, downloader=downloader)
     import hashlib
 
-    assert str(exc.value) == (f"vllm-0.28.0.tar.gz: sha256 mismatch: expected {pin.sdist_sha256}, "
-                              f"got {hashlib.sha256(b'tampered').hexdigest()}")
-    assert list((tmp_path / "sdists").iterdir()) == []
+    got = hashlib.sha256(b"tampered").hexdigest()
+    kept = tmp_path / "quarantine" / "sdists" / got / "vllm-0.28.0.tar.gz"
+    assert str(exc.value) == (f"vllm-0.28.0.tar.gz: sha256 mismatch: expected {pin.sdist_sha256}, got {got}; "
+                              f"the download is kept as {kept}: if the sdist_sha256 in pin.toml is wrong, fix it "
+                              f"(the next build takes the kept file); if the download is damaged, delete {kept} "
+                              "to download it again")
+    assert list((tmp_path / "sdists").iterdir()) == []  # nothing unverified enters the cache
+    assert kept.read_bytes() == b"tampered"  # nor is anything destroyed
 
 
 def test_fetch_sdist_needs_pin_fields(tmp_path: Path) -> None:

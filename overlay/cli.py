@@ -109,13 +109,34 @@ def cmd_image(ns: argparse.Namespace) -> int:
 
 
 def cmd_regress(ns: argparse.Namespace) -> int:
+    """The verdict as exit status (0 pass, 1 regression, 2 harness) and in OUT/verdict, for make."""
+    import os
+
+    from overlay.regress.errors import ProfileError
     from overlay.regress.profiles import load_profile
+    from overlay.regress.results import write_verdict
     from overlay.regress.runner import run
 
-    profile = load_profile(ns.profile).with_overrides(
-        gsm8k_data=ns.gsm8k_data, gsm8k_limit=ns.gsm8k_limit, latency_tool=ns.latency_tool,
-        ready_timeout_s=ns.ready_timeout, skip=tuple(c for c in (ns.skip or "").split(",") if c))
-    report = run(profile, Path(ns.out), base_url=ns.base_url or None)
+    out = Path(ns.out)
+    try:
+        raw = os.environ.get("REGRESS_ATTACH_TIMEOUT", "").strip()
+        try:
+            attach_timeout_s = float(raw) if raw else None
+        except ValueError:
+            raise ProfileError(f"REGRESS_ATTACH_TIMEOUT: expected seconds, got {raw!r}") from None
+        if ns.attach_timeout is not None:
+            attach_timeout_s = ns.attach_timeout
+        profile = load_profile(ns.profile).with_overrides(
+            gsm8k_data=ns.gsm8k_data, gsm8k_limit=ns.gsm8k_limit, latency_tool=ns.latency_tool,
+            ready_timeout_s=ns.ready_timeout, attach_timeout_s=attach_timeout_s,
+            skip=tuple(c for c in (ns.skip or "").split(",") if c))
+        report = run(profile, out, base_url=ns.base_url or None)
+    except OverlayError as exc:
+        write_verdict(out, 2, [f"harness: {' '.join(str(exc).split())}"])
+        raise
+    except Exception as exc:
+        write_verdict(out, 2, [f"harness: {type(exc).__name__}: {' '.join(str(exc).split())}"])
+        raise
     print(report.out_dir / "report.md")
     return report.exit_code  # the verdict: 0 pass, 1 regression, 2 harness failure
 
@@ -281,6 +302,9 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--gsm8k-limit", type=int, help="only the first N test questions")
             sp.add_argument("--latency-tool", choices=["vllm-bench", "builtin"], help="override the profile's")
             sp.add_argument("--ready-timeout", type=float, help="seconds to wait for readiness")
+            sp.add_argument("--attach-timeout", type=float,
+                            help="with --base-url: seconds of refused connections before a harness failure "
+                                 "(default: the profile's server.attach_timeout_s, or REGRESS_ATTACH_TIMEOUT)")
             sp.add_argument("--skip", help="checks to leave out, comma-separated "
                                            "(long_context,gsm8k,acceptance,latency)")
         elif name in ("rebase", "rebase-continue"):

@@ -6,7 +6,9 @@
 # Environment: BASE_URL (attach to a running server instead of starting vllm serve), OUT (report
 # folder; default regress-report/<profile>-<UTC time>), GSM8K_DATA (local GSM8K folder with
 # train.jsonl + test.jsonl, for nodes without hub access), VENV (default .venv, from `make build`).
-# The exit status is the verdict: 0 pass, 1 regression, 2 the harness itself failed.
+# ATTACH_TIMEOUT: seconds an attached server may refuse connections (default: server.attach_timeout_s).
+# The exit status is the verdict: 0 pass, 1 regression, 2 the harness itself failed (unlike `make
+# regress`, whose own status is 0 or 2); OUT/verdict and OUT/verdict.json hold it too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,4 +27,5 @@ fi
 args=(-m overlay regress --profile "$profile" --out "$out")
 if [[ -n "${BASE_URL:-}" ]]; then args+=(--base-url "$BASE_URL"); fi
 if [[ -n "${GSM8K_DATA:-}" ]]; then args+=(--gsm8k-data "$GSM8K_DATA"); fi
+if [[ -n "${ATTACH_TIMEOUT:-}" ]]; then export REGRESS_ATTACH_TIMEOUT="$ATTACH_TIMEOUT"; fi
 exec "$py" "${args[@]}" "$@"

@@ -10,7 +10,8 @@ Two tools write the same ``latency.json`` keys:
   (``--request-rate inf``) of about ``input_len`` tokens, ``ignore_eos`` with ``max_tokens =
   output_len``; TTFT is the first token's arrival, TPOT ``(latency - TTFT) / (tokens - 1)``, as
   vllm bench defines them. Its prompt length is an estimate (no tokenizer), so its numbers
-  compare with a baseline measured by itself, not with vllm bench's.
+  compare with a baseline measured by itself, not with vllm bench's: ``baseline.latency.tool``
+  records the tool, and the profile refuses a run with the other one.
 """
 
 from __future__ import annotations
@@ -151,6 +152,6 @@ def run_latency(profile: Profile, server: Server, out_dir: Path, progress: Calla
             "mean_itl_ms", "errors")
     summary = {k: data[k] for k in keep if k in data}
     summary["baseline"] = {"mean_ttft_ms": profile.baseline.mean_ttft_ms,
-                           "mean_tpot_ms": profile.baseline.mean_tpot_ms}
+                           "mean_tpot_ms": profile.baseline.mean_tpot_ms, "tool": profile.baseline.latency_tool}
     summary["result_file"] = str(out_dir / RESULT)
     return summary, judge(profile, data)

@@ -8,6 +8,7 @@ justify is not a threshold.
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass, field, replace
 from importlib import resources
@@ -46,6 +47,7 @@ class ServerSpec:
     port: int
     ready_timeout_s: float
     vllm_bin: str
+    attach_timeout_s: float = 30.0  # attached (BASE_URL): how long connections may be refused
 
     def command(self) -> list[str]:
         cmd = [self.vllm_bin, "serve", self.model, "--host", self.host, "--port", str(self.port)]
@@ -117,6 +119,7 @@ class Baseline:
     mean_ttft_ms: float
     mean_tpot_ms: float
     acceptance_per_position: tuple[float, ...] | None
+    latency_tool: str = "vllm-bench"  # the tool that measured mean_ttft_ms / mean_tpot_ms
 
 
 @dataclass(frozen=True)
@@ -137,20 +140,27 @@ class Profile:
 
     def with_overrides(self, *, gsm8k_data: str | None = None, gsm8k_limit: int | None = None,
                        latency_tool: str | None = None, ready_timeout_s: float | None = None,
-                       skip: tuple[str, ...] = ()) -> Profile:
+                       attach_timeout_s: float | None = None, skip: tuple[str, ...] = ()) -> Profile:
         """A copy with the run-time options of the CLI applied (each validated like the YAML)."""
         unknown = [c for c in skip if c not in CHECKS]
         if unknown:
             raise ProfileError(f"--skip: unknown check(s) {', '.join(unknown)} (known: {', '.join(CHECKS)})")
         if latency_tool is not None and latency_tool not in LATENCY_TOOLS:
             raise ProfileError(f"--latency-tool: {latency_tool!r} is not one of {', '.join(LATENCY_TOOLS)}")
+        checks = tuple(c for c in self.checks if c not in skip)
+        if latency_tool is not None and "latency" in checks and latency_tool != self.baseline.latency_tool:
+            raise ProfileError(f"--latency-tool {latency_tool}: the baseline in {self.path} (baseline.latency.tool) "
+                               f"was measured with {self.baseline.latency_tool}, and the two tools do not measure "
+                               f"the same thing; use a baseline measured with {latency_tool}, or --skip latency")
+        if attach_timeout_s is not None and attach_timeout_s <= 0:
+            raise ProfileError(f"attach timeout: must be > 0, got {attach_timeout_s:g}")
         if gsm8k_data is not None:
             check_gsm8k_data(Path(gsm8k_data), "--gsm8k-data")
         gsm8k = replace(self.gsm8k, data=gsm8k_data or self.gsm8k.data,
                         limit=gsm8k_limit if gsm8k_limit is not None else self.gsm8k.limit)
         latency = replace(self.latency, tool=latency_tool or self.latency.tool)
-        server = replace(self.server, ready_timeout_s=ready_timeout_s or self.server.ready_timeout_s)
-        checks = tuple(c for c in self.checks if c not in skip)
+        server = replace(self.server, ready_timeout_s=ready_timeout_s or self.server.ready_timeout_s,
+                         attach_timeout_s=attach_timeout_s or self.server.attach_timeout_s)
         return replace(self, gsm8k=gsm8k, latency=latency, server=server, checks=checks)
 
 
@@ -184,8 +194,11 @@ class _Fields:
 
     def __init__(self, problems: list[str]) -> None:
         self.problems = problems
+        self.read: dict[int, tuple[str, dict[str, Any], set[str]]] = {}  # id -> (where, mapping, keys read)
 
     def section(self, data: Any, key: str) -> dict[str, Any]:
+        if isinstance(data, dict):
+            self.read.setdefault(id(data), ("", data, set()))[2].add(key)
         value = data.get(key) if isinstance(data, dict) else None
         if not isinstance(value, dict):
             self.problems.append(f"{key}: missing or not a mapping")
@@ -194,23 +207,40 @@ class _Fields:
 
     def get(self, data: dict[str, Any], where: str, key: str, kind: type | tuple[type, ...],
             default: Any = ..., positive: bool = False) -> Any:
+        self.read.setdefault(id(data), (where, data, set()))[2].add(key)
         if key not in data or data[key] is None:
             if default is ...:
-                self.problems.append(f"{where}.{key}: missing")
+                self.problems.append(f"{_at(where, key)}: missing")
             return None if default is ... else default
         value = data[key]
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-            self.problems.append(f"{where}.{key}: expected {_kind_name(kind)}, got {value!r}")
+            self.problems.append(f"{_at(where, key)}: expected {_kind_name(kind)}, got {value!r}")
             return None
         if not isinstance(value, kind):
-            self.problems.append(f"{where}.{key}: expected {_kind_name(kind)}, got {value!r}")
+            self.problems.append(f"{_at(where, key)}: expected {_kind_name(kind)}, got {value!r}")
             return None
         if positive and value <= 0:
-            self.problems.append(f"{where}.{key}: must be > 0, got {value!r}")
+            self.problems.append(f"{_at(where, key)}: must be > 0, got {value!r}")
             return None
         return value
+
+
+    def unknown_keys(self) -> list[str]:
+        """One problem per key of a validated mapping that no field read: a typo is not a default."""
+        problems = []
+        for where, data, read in self.read.values():
+            for key in data:
+                if key not in read:
+                    close = difflib.get_close_matches(str(key), sorted(read), n=1)
+                    hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(sorted(read))})"
+                    problems.append(f"{_at(where, key)}: unknown field{hint}")
+        return problems
+
+
+def _at(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
 
 
 def _kind_name(kind: type | tuple[type, ...]) -> str:
@@ -231,12 +261,9 @@ def parse_profile(text: str, source: str) -> Profile:
         raise ProfileError(f"{source}: expected a mapping at the top level")
     problems: list[str] = []
     f = _Fields(problems)
-    known_top = {"name", "description", "checks", "server", "gsm8k", "long_context", "latency",
-                 "baseline", "thresholds"}
-    problems += [f"{k}: unknown field" for k in data if k not in known_top]
-    name = f.get(data, "profile", "name", str)
-    description = f.get(data, "profile", "description", str, default="")
-    checks = f.get(data, "profile", "checks", list, default=list(CHECKS))
+    name = f.get(data, "", "name", str)
+    description = f.get(data, "", "description", str, default="")
+    checks = f.get(data, "", "checks", list, default=list(CHECKS))
     for c in checks or []:
         if c not in CHECKS:
             problems.append(f"checks: unknown check {c!r} (known: {', '.join(CHECKS)})")
@@ -257,6 +284,7 @@ def parse_profile(text: str, source: str) -> Profile:
         port=f.get(s, "server", "port", int, default=8000, positive=True) or 8000,
         ready_timeout_s=f.get(s, "server", "ready_timeout_s", float, default=1800.0, positive=True) or 1800.0,
         vllm_bin=f.get(s, "server", "vllm_bin", str, default="vllm"),
+        attach_timeout_s=f.get(s, "server", "attach_timeout_s", float, default=30.0, positive=True) or 30.0,
     )
     spec_tokens = 0
     try:
@@ -335,7 +363,13 @@ def parse_profile(text: str, source: str) -> Profile:
         mean_ttft_ms=f.get(bl, "baseline.latency", "mean_ttft_ms", float, positive=True),
         mean_tpot_ms=f.get(bl, "baseline.latency", "mean_tpot_ms", float, positive=True),
         acceptance_per_position=tuple(float(x) for x in acc) if acc is not None else None,
+        latency_tool=f.get(bl, "baseline.latency", "tool", str) or "",
     )
+    if baseline.latency_tool and baseline.latency_tool not in LATENCY_TOOLS:
+        problems.append(f"baseline.latency.tool: {baseline.latency_tool!r} is not one of {', '.join(LATENCY_TOOLS)}")
+    elif baseline.latency_tool and "latency" in (checks or []) and latency.tool != baseline.latency_tool:
+        problems.append(f"latency.tool: {latency.tool}, but baseline.latency.tool is {baseline.latency_tool}; "
+                        "the two tools do not measure the same thing: measure a baseline with the tool you run")
 
     t = f.section(data, "thresholds")
     needed = {n for c in (checks or []) for n in THRESHOLDS_BY_CHECK.get(c, ())}
@@ -356,6 +390,7 @@ def parse_profile(text: str, source: str) -> Profile:
             thresholds[key] = Threshold(value, why.strip())
     for key in sorted(needed - set(t)):
         problems.append(f"thresholds.{key}: missing (needed by the checks this profile runs)")
+    problems += f.unknown_keys()
 
     if problems:
         raise ProfileError(f"{source}: " + "; ".join(problems))

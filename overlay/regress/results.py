@@ -7,15 +7,18 @@ stumbled is still a regression.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 Kind = Literal["regression", "harness"]
 Status = Literal["pass", "fail", "error", "skipped"]
 
 EXIT_PASS, EXIT_REGRESSION, EXIT_HARNESS = 0, 1, 2
+VERDICT_WORDS = {EXIT_PASS: "pass", EXIT_REGRESSION: "regression", EXIT_HARNESS: "harness"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,21 @@ def verdict(steps: list[StepResult]) -> tuple[str, int]:
     if findings:
         return "harness failure", EXIT_HARNESS
     return "pass", EXIT_PASS
+
+
+def write_verdict(out_dir: Path, exit_code: int, reasons: list[str], report: Path | None = None) -> str:
+    """Write ``verdict`` (one word: pass, regression, harness) and ``verdict.json`` into ``out_dir``.
+
+    What ``make regress`` reads back: make itself exits 2 for any failing recipe, so its status can
+    say only pass or not; these files say which failure it was. Returns the word.
+    """
+    word = VERDICT_WORDS.get(exit_code, "harness")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = {"verdict": word, "exit_code": exit_code, "reasons": reasons,
+           "report": str(report) if report is not None else None}
+    (out_dir / "verdict.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    (out_dir / "verdict").write_text(word + "\n", encoding="utf-8")
+    return word
 
 
 class Progress:

@@ -21,7 +21,7 @@ import httpx
 from overlay.regress import acceptance, gsm8k, latency, longctx
 from overlay.regress.errors import RegressError, ServerDied
 from overlay.regress.profiles import GSM8K_METRICS, Profile
-from overlay.regress.results import Finding, Progress, StepResult, step_status, verdict
+from overlay.regress.results import Finding, Progress, StepResult, step_status, verdict, write_verdict
 from overlay.regress.server import Server
 
 StepFn = Callable[[Profile, Server, Path, Callable[[str], None]], tuple[dict[str, Any], list[Finding]]]
@@ -72,6 +72,8 @@ def run(profile: Profile, out_dir: Path, base_url: str | None = None,
     """Run every check of ``profile`` and write the report folder; never raises for a check."""
     say = progress or Progress()
     out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("verdict", "verdict.json"):  # a previous run's verdict must not outlive a crash of this one
+        (out_dir / stale).unlink(missing_ok=True)
     start = time.monotonic()
     report = RunReport(profile, base_url or "", attached=base_url is not None, out_dir=out_dir,
                        started=datetime.now(UTC).isoformat(timespec="seconds"))
@@ -89,17 +91,18 @@ def run(profile: Profile, out_dir: Path, base_url: str | None = None,
                 report.server_log = str(out_dir / "server.log")
                 say(f"server: started {shlex.join(profile.server.command())} (log {report.server_log})")
             report.base_url = server.base_url
-            took = server.wait_ready(profile.server.ready_timeout_s, say)
+            refused = None if server.launched else profile.server.attach_timeout_s
+            took = server.wait_ready(profile.server.ready_timeout_s, say, refused_timeout_s=refused)
             say(f"server: ready after {took:.1f} s, serving {server.model}")
             report.steps.append(StepResult("server", "pass", f"ready after {took:.1f} s",
                                            time.monotonic() - t0, {"ready_s": round(took, 1)}))
         except ServerDied as exc:
-            report.steps.append(StepResult("server", "fail", str(exc), time.monotonic() - t0,
-                                           findings=[Finding("server", "regression", str(exc))]))
+            _record(report, say, StepResult("server", "fail", str(exc), time.monotonic() - t0,
+                                            findings=[Finding("server", "regression", str(exc))]))
             dead = True
         except RegressError as exc:
-            report.steps.append(StepResult("server", "error", str(exc), time.monotonic() - t0,
-                                           findings=[Finding("server", "harness", str(exc))]))
+            _record(report, say, StepResult("server", "error", str(exc), time.monotonic() - t0,
+                                            findings=[Finding("server", "harness", str(exc))]))
             dead = True
         before = None
         scrape_errors: list[Finding] = []
@@ -122,9 +125,9 @@ def run(profile: Profile, out_dir: Path, base_url: str | None = None,
                 data, findings = acceptance.judge(profile, before, after)
                 if scrape_errors:
                     findings = scrape_errors
-                report.steps.append(StepResult("acceptance", step_status(findings),
-                                               _summary("acceptance", data, findings),
-                                               time.monotonic() - t0, data, findings))
+                _record(report, say, StepResult("acceptance", step_status(findings),
+                                                _summary("acceptance", data, findings),
+                                                time.monotonic() - t0, data, findings))
     finally:
         if server is not None:
             if server.launched:
@@ -135,6 +138,7 @@ def run(profile: Profile, out_dir: Path, base_url: str | None = None,
     from overlay.regress.report import write_report
 
     paths = write_report(report)
+    write_verdict(out_dir, report.exit_code, [_line(f) for s in report.steps for f in s.findings], paths[0])
     say(f"verdict: {report.verdict} (exit {report.exit_code}); report {paths[0]}")
     return report
 
@@ -154,19 +158,26 @@ def _run_step(name: str, fn: StepFn, profile: Profile, server: Server, out_dir: 
     try:
         data, findings = fn(profile, server, out_dir, say)
     except ServerDied as exc:
-        say(f"{name}: {exc}")
-        report.steps.append(StepResult(name, "fail", str(exc), time.monotonic() - t0,
-                                       findings=[Finding(name, "regression", f"server died: {exc.detail}")]))
+        _record(report, say, StepResult(name, "fail", str(exc), time.monotonic() - t0,
+                                        findings=[Finding(name, "regression", f"server died: {exc.detail}")]))
         return True
     except RegressError as exc:
-        say(f"{name}: harness failure: {exc}")
-        report.steps.append(StepResult(name, "error", str(exc), time.monotonic() - t0,
-                                       findings=[Finding(name, "harness", str(exc))]))
+        _record(report, say, StepResult(name, "error", str(exc), time.monotonic() - t0,
+                                        findings=[Finding(name, "harness", str(exc))]))
         return False
-    status = step_status(findings)
-    say(f"{name}: {status}" + (f" ({len(findings)} finding(s))" if findings else ""))
-    for f in findings:
-        say(f"{name}:   {f.kind}: {f.message}")
-    report.steps.append(StepResult(name, status, _summary(name, data, findings), time.monotonic() - t0,
-                                   data, findings))
+    _record(report, say, StepResult(name, step_status(findings), _summary(name, data, findings),
+                                    time.monotonic() - t0, data, findings))
     return False
+
+
+def _line(f: Finding) -> str:
+    """A finding as one console line: ``check: kind: message``."""
+    return f"{f.check}: {f.kind}: {' '.join(f.message.split())}"
+
+
+def _record(report: RunReport, say: Callable[[str], None], step: StepResult) -> None:
+    """Add a step to the report and print its status and each finding's reason, one line each."""
+    report.steps.append(step)
+    say(f"{step.name}: {step.status}" + (f" ({len(step.findings)} finding(s))" if step.findings else ""))
+    for f in step.findings:
+        say(_line(f))

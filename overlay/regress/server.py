@@ -64,12 +64,18 @@ class Server:
         text = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
         return "\n".join(text[-lines:])
 
-    def wait_ready(self, timeout_s: float, progress: Callable[[str], None], poll_s: float = 2.0) -> float:
-        """Block until ready; return the seconds it took. Raise ServerDied or RegressError."""
+    def wait_ready(self, timeout_s: float, progress: Callable[[str], None], poll_s: float = 2.0,
+                   refused_timeout_s: float | None = None) -> float:
+        """Block until ready; return the seconds it took. Raise ServerDied or RegressError.
+
+        ``refused_timeout_s`` (attached servers): give up once connections have been refused that
+        long without the server ever answering; a server we did not start will not come up by itself.
+        """
         start = time.monotonic()
         deadline = start + timeout_s
         next_note = start + 30.0
         last = "no answer yet"
+        answered = False
         while True:
             rc = self.exited()
             if rc is not None:
@@ -77,6 +83,7 @@ class Server:
                                  + self._tail_suffix())
             try:
                 health = self.client.http.get("/health", timeout=5.0)
+                answered = True
                 if health.status_code == 200:
                     models = self.client.models()
                     if self.model in models:
@@ -88,15 +95,21 @@ class Server:
                 else:
                     last = f"/health answered {health.status_code}"
             except httpx.HTTPError as exc:
+                answered = answered or not isinstance(exc, httpx.ConnectError)  # a timeout: something listens
                 last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             now = time.monotonic()
+            if not answered and refused_timeout_s is not None and now - start >= refused_timeout_s:
+                raise RegressError(f"nothing answers at {self.base_url}: connection refused for "
+                                   f"{refused_timeout_s:.0f} s ({last}); start the server or fix BASE_URL, or raise "
+                                   "server.attach_timeout_s / REGRESS_ATTACH_TIMEOUT if it is still starting")
             if now >= deadline:
                 raise RegressError(f"server at {self.base_url} not ready after {timeout_s:.0f} s ({last}); "
                                    "raise server.ready_timeout_s or --ready-timeout if it is still loading")
             if now >= next_note:
                 progress(f"server: waiting for {self.base_url} ({int(now - start)} s, {last})")
                 next_note = now + 30.0
-            time.sleep(min(poll_s, max(0.05, deadline - now)))
+            wake = deadline if answered or refused_timeout_s is None else min(deadline, start + refused_timeout_s)
+            time.sleep(min(poll_s, max(0.05, wake - now)))
 
     def alive(self, attempts: int = 3, pause_s: float = 1.0) -> bool:
         """Whether the server still answers; a few tries, so one slow /health is not a death."""

@@ -57,7 +57,7 @@ def make_profile(tmp_path: Path, **changes: object) -> Path:
     data["long_context"].update(request_timeout_s=30)
     # The stand-in (TTFT 20 ms, TPOT 0.5 ms) is far faster than an 8xH100 node; the baseline sits
     # well above its healthy numbers so a loaded CI machine does not fail the healthy runs.
-    data["baseline"]["latency"] = {"mean_ttft_ms": 400.0, "mean_tpot_ms": 20.0}
+    data["baseline"]["latency"] = {"mean_ttft_ms": 400.0, "mean_tpot_ms": 20.0, "tool": "builtin"}
     for dotted, value in changes.items():
         node = data
         *parents, leaf = dotted.split(".")
@@ -87,10 +87,11 @@ class CliRun:
         return next(s for s in steps if s["name"] == name)
 
 
-def run_cli(profile: Path | str, out: Path, *args: str, timeout_s: float = 150) -> CliRun:
+def run_cli(profile: Path | str, out: Path, *args: str, timeout_s: float = 150,
+            env: dict[str, str] | None = None) -> CliRun:
     """``python -m overlay regress`` as a user runs it; returns exit code, stderr and report.json."""
     cmd = [sys.executable, "-m", "overlay", "regress", "--profile", str(profile), "--out", str(out), *args]
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
     report_path = out / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else {}

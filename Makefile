@@ -42,8 +42,8 @@ status: $(TOOL_STAMP) ## each patch: subject, origin, kind, files, applies [VLLM
 workspace: $(TOOL_STAMP) ## git tree .work/<VLLM> of the base + one commit per patch, to edit patches
 	$(OVERLAY) workspace --vllm $(VLLM)
 
-export: $(TOOL_STAMP) ## write .work/<VLLM>'s commits back to patches/<VLLM>/ (deterministic)
-	$(OVERLAY) export --vllm $(VLLM)
+export: $(TOOL_STAMP) ## write .work/<VLLM>'s commits back to patches/<VLLM>/ (deterministic; refuses uncommitted edits) [ALLOW_DIRTY=1]
+	$(OVERLAY) export --vllm $(VLLM)$(if $(ALLOW_DIRTY), --allow-dirty)
 
 bench-build: $(TOOL_STAMP) ## rebuild time from the cached wheel vs cp of that wheel, as a ratio
 	$(OVERLAY) bench-build --vllm $(VLLM)

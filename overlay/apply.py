@@ -18,7 +18,7 @@ from pathlib import Path
 
 from overlay.errors import ApplyError, GitError
 from overlay.git import git
-from overlay.series import Patch, is_kernel_path
+from overlay.series import PACKAGE_RULE, Patch, is_kernel_path
 
 BaseReader = Callable[[str], bytes | None]
 """``read(path)`` returns the base file's bytes, or ``None`` when the base has no such file."""
@@ -79,6 +79,9 @@ def apply_series(
     ...) are left out, so their Python parts can be overlaid on a wheel whose kernels are
     rebuilt elsewhere (``make image``).
     """
+    for patch in patches:
+        for path in patch.outside_package:
+            raise ApplyError(f"patch {patch.name}: {path}: outside the vllm package; {PACKAGE_RULE}")
     touched = sorted({p for patch in patches for p in patch.touched
                       if not (skip_kernel_files and is_kernel_path(p))})
     base: dict[str, bytes] = {}

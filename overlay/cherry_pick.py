@@ -206,6 +206,27 @@ def _sha_origin(raw: bytes) -> str:
     return ""
 
 
+def ref_file(ref: str) -> Path | None:
+    """The patch file ``ref`` names, or ``None`` for a PR number or a commit.
+
+    A REF that looks like a path (starts with '/', '.' or '~', ends with .patch or .diff, or has a
+    '/' after a local folder: ``patches/x``) must be a file: a missing one is "no such file", never
+    a commit looked up on the network. A '/' alone does not make a path (``refs/tags/v0.28.1``,
+    ``releases/v0.28.0`` are upstream refs).
+    """
+    path = Path(ref).expanduser()
+    if path.is_file():
+        return path
+    head = ref.split("/", 1)[0]
+    looks_like_path = (ref.startswith(("/", ".", "~")) or ref.endswith((".patch", ".diff"))
+                       or ("/" in ref and Path(head).expanduser().is_dir()))
+    if not looks_like_path:
+        return None
+    if path.is_dir():
+        raise CherryPickError(f"{ref}: is a directory, not a patch file")
+    raise CherryPickError(f"no such file: {ref}")
+
+
 # --- the pick --------------------------------------------------------------------------------
 
 def _message(change: Change, today: str) -> str:
@@ -247,6 +268,7 @@ def cherry_pick(
 ) -> PickOutcome:
     """Turn ``ref`` into a patch placed in ``patches/<version>/series``; see the module docstring."""
     directory = pin_dir(patches_root, version)
+    file = None if ref.isdigit() else ref_file(ref)
     series = Series.load(directory)
     names = [p.name for p in series.patches]
     pos = _position(names, after, before)
@@ -261,8 +283,8 @@ def cherry_pick(
         git(["tag", "place"], work)
         if ref.isdigit():
             change = change_from_pr(work, remote, int(ref))
-        elif Path(ref).is_file():
-            change = change_from_file(Path(ref), origin)
+        elif file is not None:
+            change = change_from_file(file, origin)
             change.diff, change.left_out = _keep_package(change.diff, _package_dirs(work))
         else:
             change = change_from_commit(work, remote, ref)
@@ -363,6 +385,8 @@ def cherry_pick_release(patches_root: Path, version: str, ref: str, *, work_root
     from overlay.fetch import fetch_wheel
     from overlay.workspace import extract_text_tree
 
+    if not ref.isdigit():
+        ref_file(ref)  # a missing patch file is refused before anything is fetched
     wheel = fetch_wheel(load_pin(patches_root, version))
     print(f"cherry-pick {ref} onto vllm {version} ...", file=sys.stderr, flush=True)
     return cherry_pick(patches_root, version, ref, fill_base=lambda d: extract_text_tree(wheel, d) and None,

@@ -70,7 +70,7 @@ def cmd_export(ns: argparse.Namespace) -> int:
     from overlay.workspace import export
 
     src = Path(ns.src or f".work/{ns.vllm}")
-    names = export(src, _root(ns), ns.vllm)
+    names = export(src, _root(ns), ns.vllm, allow_dirty=ns.allow_dirty)
     print(f"exported {len(names)} patch(es) to {_root(ns) / ns.vllm}", file=sys.stderr)
     return 0
 
@@ -260,6 +260,8 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--dest")
         elif name == "export":
             sp.add_argument("--src")
+            sp.add_argument("--allow-dirty", action="store_true",
+                            help="export the commits although the workspace has uncommitted changes (they stay out)")
         elif name == "workspace-plan":
             sp.add_argument("--profile", help="regress profile name or YAML: TP, DCP, batching, speculation "
                                               "from its serve arguments (flags override)")

@@ -67,13 +67,24 @@ class Pin:
     @classmethod
     def load(cls, path: Path) -> Pin:
         """Read and validate ``path``."""
+        if path.is_dir():
+            raise PinError(f"{path}: is a directory, not a pin file; remove it and write the pin there "
+                           "(version, wheel, sha256)")
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
             raise PinError(f"{path}: no pin file (is this release in patches/?)") from None
+        except OSError as exc:
+            raise PinError(f"{path}: cannot read the pin file: {exc.strerror}") from None
         try:
-            data = tomllib.loads(raw.decode())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = raw[: exc.start].count(b"\n") + 1
+            raise PinError(f"{path}:{line}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                           "save it as UTF-8") from None
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
             raise PinError(f"{path}: not valid TOML: {exc}") from None
         return cls.from_dict(data, str(path))
 

@@ -27,6 +27,54 @@ _HUNK = re.compile(r"^@@ -(?P<os>\d+)(?:,(?P<ol>\d+))? \+(?P<ns>\d+)(?:,(?P<nl>\
 _TRAILER = re.compile(r"^(?P<key>[A-Za-z][A-Za-z0-9-]*): (?P<value>.+)$")
 
 
+PACKAGE_DIR = "vllm/"
+PACKAGE_RULE = ("a patch may change files under vllm/ and, in kernel patches, compiled sources "
+                "(csrc/, CMakeLists.txt, *.cu, *.cuh, *.cpp, *.h); take that file out of the patch")
+
+
+def decode_utf8(raw: bytes, source: str) -> str:
+    """``raw`` as text; a non-UTF-8 file is a :class:`SeriesError` naming its line and byte."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise SeriesError(f"{source}:{line}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                          "save it as UTF-8") from None
+
+
+def read_file(path: Path, what: str, fix: str) -> bytes:
+    """The bytes of ``path``; a missing, unreadable or directory path is a one-line error."""
+    if path.is_dir():
+        raise SeriesError(f"{path}: is a directory, not a {what}; {fix}")
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise SeriesError(f"{path}: {what} not found") from None
+    except OSError as exc:
+        raise SeriesError(f"{path}: cannot read {what}: {exc.strerror}") from None
+
+
+def check_patch_name(entry: str, where: str) -> None:
+    """The rules for a patch file name (a series line, an exported ``Patch-Name:``); errors start with ``where``."""
+    if " " in entry or "\t" in entry:
+        raise SeriesError(f"{where}: one patch name per line, got {entry!r}")
+    if "/" in entry:
+        raise SeriesError(f"{where}: patch name must not contain '/' (a plain file name in the release "
+                          f"folder): {entry!r}")
+    if _NUMBERED.match(entry):
+        raise SeriesError(f"{where}: {entry!r} has a numeric prefix; order lives in the series file")
+    if not _NAME.match(entry):
+        raise SeriesError(f"{where}: not a patch file name (want 'topic-name.patch'): {entry!r}")
+
+
+def is_package_path(path: str) -> bool:
+    """True for paths a patch may touch: the ``vllm/`` package (no ``..``), or compiled sources."""
+    parts = path.split("/")
+    if path.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        return False
+    return path.startswith(PACKAGE_DIR) or is_kernel_path(path)
+
+
 def is_kernel_path(path: str) -> bool:
     """True for files that live in compiled extensions (rebuilt only by ``make image``)."""
     name = path.rsplit("/", 1)[-1]
@@ -60,8 +108,9 @@ class FileDiff:
         return self.new_path or self.old_path or ""
 
 
-def parse_diffs(text: str, source: str) -> tuple[FileDiff, ...]:
-    """Split the diff part of a patch into file sections and hunks (line numbers kept)."""
+def parse_diffs(text: str, source: str, first_line: int = 1) -> tuple[FileDiff, ...]:
+    """Split the diff part of a patch into file sections and hunks; ``first_line`` is the line of the
+    patch file ``text`` starts at, so every line number (and error) points into that file."""
     files: list[FileDiff] = []
     cur: dict[str, object] | None = None
     hunks: list[Hunk] = []
@@ -70,7 +119,7 @@ def parse_diffs(text: str, source: str) -> tuple[FileDiff, ...]:
         if cur is not None:
             files.append(FileDiff(cur["old"], cur["new"], cur["line"], tuple(hunks)))  # type: ignore[arg-type]
 
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(text.splitlines(), start=first_line):
         m = _DIFF_GIT.match(line)
         if m:
             close()
@@ -90,7 +139,8 @@ def parse_diffs(text: str, source: str) -> tuple[FileDiff, ...]:
         elif line.startswith("@@"):
             h = _HUNK.match(line)
             if not h:
-                raise SeriesError(f"{source}:{lineno}: malformed hunk header {line!r}")
+                raise SeriesError(f"{source}:{lineno}: malformed hunk header {line!r} "
+                                  "(want '@@ -start,count +start,count @@'); fix or regenerate the patch")
             hunks.append(
                 Hunk(int(h["os"]), int(h["ol"] or 1), int(h["ns"]), int(h["nl"] or 1), lineno)
             )
@@ -134,14 +184,21 @@ class Patch:
     def kind(self) -> str:
         return "kernel" if any(is_kernel_path(p) for p in self.touched) else "python"
 
+    @property
+    def outside_package(self) -> tuple[str, ...]:
+        """Touched paths that are neither in the ``vllm/`` package nor compiled sources."""
+        return tuple(p for p in self.touched if not is_package_path(p))
+
+    def check_package(self) -> None:
+        """Refuse a patch that touches files outside the package (they would land in site-packages)."""
+        for path in self.outside_package:
+            raise SeriesError(f"{self.path}: {path}: outside the vllm package; {PACKAGE_RULE}")
+
     @classmethod
     def from_bytes(cls, name: str, raw: bytes, path: Path) -> Patch:
         """Parse a format-patch file; every problem names the file."""
         source = str(path)
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise SeriesError(f"{source}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        text = decode_utf8(raw, source)
         if not text.startswith("From "):
             raise SeriesError(f"{source}: not a git format-patch file (no 'From ' line)")
         head, sep, rest = text.partition("\n\n")
@@ -177,16 +234,7 @@ class Patch:
         head_lines = head.count("\n") + 3  # the first line of `rest`
         diff_offset = head_lines + (rest[: max(diff_at, 0) + 1].count("\n") if diff_at >= 0 else 0)
         diff_text = rest[diff_at + 1:] if diff_at >= 0 else rest
-        files = parse_diffs(diff_text, source)
-        # Re-base hunk line numbers onto the patch file so errors point into it.
-        files = tuple(
-            FileDiff(
-                f.old_path, f.new_path, f.line + diff_offset - 1,
-                tuple(Hunk(h.old_start, h.old_len, h.new_start, h.new_len, h.line + diff_offset - 1)
-                      for h in f.hunks),
-            )
-            for f in files
-        )
+        files = parse_diffs(diff_text, source, first_line=diff_offset)  # lines of the patch file
         if not files:
             raise SeriesError(f"{source}: contains no 'diff --git' section")
         return cls(
@@ -196,10 +244,7 @@ class Patch:
 
     @classmethod
     def load(cls, path: Path) -> Patch:
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            raise SeriesError(f"{path}: patch file not found") from None
+        raw = read_file(path, "patch file", "remove it, or take it out of the series")
         return cls.from_bytes(path.name, raw, path)
 
     def check_trailers(self) -> list[str]:
@@ -244,16 +289,7 @@ class Series:
             if not entry:
                 continue
             where = f"{source}:{lineno}"
-            if " " in entry or "\t" in entry:
-                raise SeriesError(f"{where}: one patch name per line, got {entry!r}")
-            if "/" in entry:
-                raise SeriesError(f"{where}: patch name must not contain '/': {entry!r}")
-            if _NUMBERED.match(entry):
-                raise SeriesError(
-                    f"{where}: {entry!r} has a numeric prefix; order lives in the series file"
-                )
-            if not _NAME.match(entry):
-                raise SeriesError(f"{where}: not a patch file name (want 'topic-name.patch'): {entry!r}")
+            check_patch_name(entry, where)
             if entry in names:
                 raise SeriesError(f"{where}: {entry!r} is listed twice")
             names.add(entry)
@@ -264,16 +300,20 @@ class Series:
     def load(cls, directory: Path) -> Series:
         """Read ``directory/series`` and every patch it names."""
         series_file = directory / "series"
-        try:
-            text = series_file.read_text()
-        except FileNotFoundError:
-            raise SeriesError(f"{series_file}: no series file") from None
+        if not series_file.exists() and not series_file.is_symlink():
+            raise SeriesError(f"{series_file}: no series file")
+        raw = read_file(series_file, "series file", "remove it and list the patch names there, one a line")
+        text = decode_utf8(raw, str(series_file))
         patches: list[Patch] = []
         for lineno, name in cls.parse_entries(text, str(series_file)):
             path = directory / name
+            if path.is_dir():
+                raise SeriesError(f"{series_file}:{lineno}: names {name!r}, which is a directory, not a patch file")
             if not path.is_file():
                 raise SeriesError(f"{series_file}:{lineno}: names {name!r}, which does not exist")
-            patches.append(Patch.load(path))
+            patch = Patch.load(path)
+            patch.check_package()
+            patches.append(patch)
         return cls(directory, tuple(patches))
 
     @property

@@ -21,7 +21,7 @@ from overlay.errors import GitError, OverlayError, SeriesError
 from overlay.fetch import fetch_wheel
 from overlay.git import git, git_text
 from overlay.pins import load_pin, pin_dir
-from overlay.series import Series
+from overlay.series import Patch, Series, check_patch_name
 
 NAME_TRAILER = "Patch-Name"
 _MAX_TEXT = 4 << 20
@@ -52,7 +52,8 @@ def extract_text_tree(wheel: Path, dest: Path) -> int:
 
 def slug(subject: str) -> str:
     """A file name for a new commit without a ``Patch-Name`` trailer."""
-    s = re.sub(r"[^a-z0-9]+", "-", subject.lower()).strip("-")
+    s = re.sub(r"[^a-z0-9]+", "-", subject.lower())
+    s = re.sub(r"^[^a-z]+", "", s).strip("-")  # a series name starts with a letter: no numeric prefix
     return (s[:60].rstrip("-") or "patch") + ".patch"
 
 
@@ -110,20 +111,73 @@ def format_patch(repo: Path, rev: str) -> bytes:
     ).stdout
 
 
-def export(repo: Path, patches_root: Path, version: str) -> list[str]:
-    """Write ``base..HEAD`` of ``repo`` as the series of ``patches/<version>/``."""
+_IGNORED_DIRT = re.compile(r"(^|/)__pycache__(/|$)|\.py[co]$")
+_DIRT_SHOWN = 10
+
+
+def uncommitted(repo: Path) -> list[str]:
+    """Paths with uncommitted or untracked changes (``__pycache__`` and ``*.pyc`` left aside)."""
+    records = git_text(["status", "--porcelain=v1", "-z", "--untracked-files=all"], repo).split("\0")
+    paths: list[str] = []
+    skip = False
+    for rec in records:
+        if skip or not rec:
+            skip = False
+            continue
+        status, path = rec[:2], rec[3:]
+        skip = status[0] in "RC"  # a rename's or copy's source follows as its own record
+        if not _IGNORED_DIRT.search(path):
+            paths.append(path)
+    return sorted(paths)
+
+
+def check_clean(repo: Path) -> None:
+    """Refuse to export while edits in ``repo`` are not committed: export writes commits only."""
+    dirty = uncommitted(repo)
+    if not dirty:
+        return
+    shown = ", ".join(dirty[:_DIRT_SHOWN]) + (f" and {len(dirty) - _DIRT_SHOWN} more" if len(dirty) > _DIRT_SHOWN
+                                               else "")
+    raise OverlayError(f"{repo}: uncommitted changes would not be exported: {shown}; commit them "
+                       f"(git -C {repo} commit -a, git add for new files) or drop them, "
+                       "or export only the commits with --allow-dirty")
+
+
+def _export_name(repo: Path, rev: str) -> str:
+    """The patch file name of one commit: its ``Patch-Name:`` trailer (checked as a series line), or a slug."""
+    body = git_text(["log", "-1", "--format=%B", rev], repo)
+    m = re.search(rf"^{NAME_TRAILER}: (.+?)\s*$", body, re.M)
+    if not m:
+        return slug(git_text(["log", "-1", "--format=%s", rev], repo))
+    name = m.group(1)
+    where = f"{repo}: commit {rev[:12]} {NAME_TRAILER}"
+    try:
+        check_patch_name(name, where)
+    except SeriesError as exc:
+        raise SeriesError(f"{exc}; fix the commit's {NAME_TRAILER}: trailer (git rebase -i base, reword)") from None
+    return name
+
+
+def export(repo: Path, patches_root: Path, version: str, *, allow_dirty: bool = False) -> list[str]:
+    """Write ``base..HEAD`` of ``repo`` as the series of ``patches/<version>/``.
+
+    Uncommitted or untracked edits in ``repo`` are refused unless ``allow_dirty`` (then only the
+    commits are exported). Every name and patch is checked as ``make build`` checks it before
+    anything is written.
+    """
     directory = pin_dir(patches_root, version)
+    if not allow_dirty:
+        check_clean(repo)
     revs = git_text(["rev-list", "--reverse", "base..HEAD"], repo).split()
     names: list[str] = []
     files: dict[str, bytes] = {}
     for rev in revs:
-        body = git_text(["log", "-1", "--format=%B", rev], repo)
-        m = re.search(rf"^{NAME_TRAILER}: (\S+)$", body, re.M)
-        name = m.group(1) if m else slug(git_text(["log", "-1", "--format=%s", rev], repo))
+        name = _export_name(repo, rev)
         if name in files:
             raise SeriesError(f"{repo}: two commits want the patch name {name!r}")
         raw = format_patch(repo, rev)
-        raw = re.sub(rb"^" + NAME_TRAILER.encode() + rb": \S+\n", b"", raw, count=1, flags=re.M)
+        raw = re.sub(rb"^" + NAME_TRAILER.encode() + rb": .*\n", b"", raw, count=1, flags=re.M)
+        Patch.from_bytes(name, raw, directory / name).check_package()
         files[name] = raw
         names.append(name)
     series_file = directory / "series"

@@ -92,6 +92,74 @@ def q_gather_workspace_bytes(tokens: int, dcp: int, heads_per_rank: int, head_di
     return num_ubatches * tokens * heads * head_dim * dtype_bytes + num_ubatches * 2 * dcp * _SIGNAL_BYTES
 
 
+FLAGS = {"tp": "--tp", "dcp": "--dcp", "num_heads": "--num-heads", "kv_lora_rank": "--kv-lora-rank",
+         "qk_rope_head_dim": "--rope-dim", "max_num_seqs": "--max-num-seqs",
+         "speculative_tokens": "--speculative-tokens", "parallel_drafting": "--parallel-drafting",
+         "max_num_batched_tokens": "--max-num-batched-tokens", "cudagraph_capture_size": "--cudagraph-capture-size",
+         "num_ubatches": "--num-ubatches", "output_dtype_bytes": "output_dtype_bytes",
+         "query_dtype_bytes": "--query-dtype-bytes", "q_padded_heads": "--q-padded-heads"}
+"""The ``overlay workspace-plan`` flag of each field, for messages."""
+POSITIVE = ("tp", "dcp", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "max_num_seqs",
+            "max_num_batched_tokens", "num_ubatches")
+NON_NEGATIVE = ("speculative_tokens",)
+OPTIONAL_POSITIVE = ("cudagraph_capture_size", "q_padded_heads")
+DTYPE_BYTES = (1, 2, 4)
+
+
+def _flag(name: str) -> str:
+    flag = FLAGS.get(name, name)
+    return flag if flag == name else f"{flag} ({name})"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _field_problems(config: ServingConfig) -> list[str]:
+    """Each field alone: counts are positive integers, dtype sizes 1, 2 or 4 bytes."""
+    problems: list[str] = []
+    for name in POSITIVE + OPTIONAL_POSITIVE:
+        value = getattr(config, name)
+        if name in OPTIONAL_POSITIVE and value is None:
+            continue
+        if not _is_int(value) or value < 1:
+            problems.append(f"{_flag(name)} must be a positive integer, got {value!r}")
+    for name in NON_NEGATIVE:
+        value = getattr(config, name)
+        if not _is_int(value) or value < 0:
+            problems.append(f"{_flag(name)} must be 0 or a positive integer, got {value!r}")
+    for name in ("output_dtype_bytes", "query_dtype_bytes"):
+        value = getattr(config, name)
+        if not _is_int(value) or value not in DTYPE_BYTES:
+            problems.append(f"{_flag(name)} must be 1, 2 or 4 (fp8, bf16/fp16, fp32), got {value!r}")
+    if not isinstance(config.parallel_drafting, bool):
+        problems.append(f"{_flag('parallel_drafting')} must be true or false, got {config.parallel_drafting!r}")
+    return problems
+
+
+def _layout_problems(c: ServingConfig) -> list[str]:
+    """How the fields fit together (only once each field is valid on its own)."""
+    problems: list[str] = []
+    if c.num_heads % c.tp:
+        problems.append(f"{_flag('num_heads')} {c.num_heads} must be divisible by --tp {c.tp}")
+    if c.tp % c.dcp:
+        problems.append(f"{_flag('dcp')} must divide --tp {c.tp} (1, "
+                        + ", ".join(str(d) for d in range(2, c.tp + 1) if c.tp % d == 0) + f"), got {c.dcp}")
+    if c.max_num_batched_tokens < c.max_num_seqs:
+        problems.append(f"--max-num-batched-tokens ({c.max_num_batched_tokens}) must be at least --max-num-seqs "
+                        f"({c.max_num_seqs}), as vLLM requires")
+    gathered = c.dcp * (c.num_heads // c.tp)
+    if not problems and c.q_padded_heads is not None and c.q_padded_heads < gathered:
+        problems.append(f"{_flag('q_padded_heads')} must be at least DCP x heads per rank ({gathered}), "
+                        f"got {c.q_padded_heads}")
+    return problems
+
+
+def config_problems(config: ServingConfig) -> list[str]:
+    """Every problem of ``config``, each naming the field (and its flag) and what is accepted."""
+    return _field_problems(config) or _layout_problems(config)
+
+
 @dataclass(frozen=True)
 class ServingConfig:
     """The serving parameters that size the workspaces (defaults: GLM-5.x, one H200/H100 node)."""
@@ -112,10 +180,9 @@ class ServingConfig:
     q_padded_heads: int | None = None
 
     def __post_init__(self) -> None:
-        if self.num_heads % self.tp:
-            raise ValueError(f"num_heads {self.num_heads} is not divisible by TP {self.tp}")
-        if self.dcp < 1 or self.tp % self.dcp:
-            raise ValueError(f"DCP {self.dcp} must divide TP {self.tp}")
+        problems = config_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
 
     @property
     def heads_per_rank(self) -> int:

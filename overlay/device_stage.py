@@ -32,10 +32,8 @@ is not on PyPI).
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures
 import hashlib
-import io
 import json
 import lzma
 import os
@@ -43,7 +41,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import zipfile
@@ -56,16 +53,16 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from overlay.archive import tar_bytes
 from overlay.atomic import replacing_dir
 from overlay.errors import OverlayError
 from overlay.fetch import cache_dir, sha256_file
-from overlay.wheel import dist_info_name
+from overlay.wheel import dist_info_name, record_hash
 
 MIB = 2**20
 CARRY_LIMIT = 60 * MIB
 MANIFEST_RESERVE = MIB  # room kept in every carry for its copy of manifest.json
 XZ_PRESET = 6
-TAR_MTIME = 315532800  # 1980-01-01, the zip epoch: every tree member gets it
 STUB_LABEL = "device"
 TORCH_FAMILY = frozenset({"torch", "torchvision", "torchaudio"})
 # vLLM requirements (or their dependencies) that no engine run of a text-only sparse-MLA model on
@@ -432,8 +429,7 @@ def write_stub_wheel(folder: Path, name: str, version: str) -> Path:
     with zipfile.ZipFile(path, "w") as zf:
         for member, data in files.items():
             zf.writestr(member, data)
-            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-            record.append(f"{member},sha256={digest},{len(data)}\n")
+            record.append(f"{member},{record_hash(data)},{len(data)}\n")
         zf.writestr(f"{dist_info}/RECORD", "".join(record) + f"{dist_info}/RECORD,,\n")
     return path
 
@@ -594,19 +590,9 @@ def xz_cached(data: bytes, cache: Path) -> Path:
 
 
 def tree_tar(zf: zipfile.ZipFile, members: Sequence[str]) -> bytes:
-    """A tar of ``members`` in sorted order: fixed mtime, owner root, mode 644 (755 if executable)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name in sorted(members):
-            info_zip = zf.getinfo(name)
-            data = zf.read(info_zip)
-            info = tarfile.TarInfo(name)
-            info.size, info.mtime = len(data), TAR_MTIME
-            info.mode = 0o755 if (info_zip.external_attr >> 16) & 0o111 else 0o644
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
+    """A reproducible tar of ``members``: mode 644 (755 if executable in the wheel)."""
+    return tar_bytes((name, zf.read(name), 0o755 if (zf.getinfo(name).external_attr >> 16) & 0o111 else 0o644)
+                     for name in members)
 
 
 def stage_vllm(wheel: Path, xz_cache: Path, jobs: int = 2) -> tuple[list[StagedFile], list[dict]]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from overlay import device_stage as ds
+from overlay.archive import TAR_MTIME
 from overlay.cli import main
 from tests.wheelkit import make_release, make_wheel
 
@@ -451,7 +452,7 @@ def test_stage_vllm_tree_kernels_left_out_and_deterministic(tmp_path: Path) -> N
     assert "vllm/model.py" in names and "vllm/third_party/deep_gemm/__init__.py" in names
     assert "vllm-0.28.0+ovltest.dist-info/METADATA" in names
     assert not any(n.endswith(".so") or "fmha_sm100" in n or n.endswith("vllm-rs") for n in names)
-    assert {(m.mtime, m.uid, m.gid, m.uname) for m in members} == {(ds.TAR_MTIME, 0, 0, "")}
+    assert {(m.mtime, m.uid, m.gid, m.uname) for m in members} == {(TAR_MTIME, 0, 0, "")}
 
 
 def test_stage_vllm_refuses_a_wheel_without_a_kept_kernel(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 
 from overlay.atomic import replacing_dir
 from overlay.errors import OverlayError
+from overlay.fetch import sha256_file
 
 EOS_TOKEN = "<|endoftext|>"
 FORMAT_VERSION = 1  # bump when the file layout or the drawing rule changes
@@ -216,14 +217,18 @@ def weight_recipes(spec: TinyGlm5Spec) -> dict[str, Recipe]:
 
 
 def _tensor_seed(seed: int, name: str) -> int:
-    """The MTP layer's copies of the embedding / LM head draw the same numbers as the originals."""
-    for shared in ("embed_tokens.weight", "lm_head.weight"):
-        if name.endswith(shared):
-            name = "model.embed_tokens.weight" if shared.startswith("embed") else "lm_head.weight"
-    if name.endswith("shared_head.head.weight"):
-        name = "lm_head.weight"
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def shared_weights(spec: TinyGlm5Spec) -> dict[str, str]:
+    """The MTP layers' copies of the embedding and the LM head: copy name -> original name."""
+    out: dict[str, str] = {}
+    for k in range(spec.num_nextn_predict_layers):
+        p = f"model.layers.{spec.num_hidden_layers + k}"
+        out |= {f"{p}.embed_tokens.weight": "model.embed_tokens.weight",
+                f"{p}.shared_head.head.weight": "lm_head.weight"}
+    return out
 
 
 def draw(name: str, recipe: Recipe, seed: int):
@@ -310,13 +315,16 @@ def generate(out: Path, spec: TinyGlm5Spec | None = None, seed: int = 0, *, forc
         raise OverlayError(f"{out}: exists and is not checkpoint {cid}; remove it or pass --force")
     with replacing_dir(out) as tmp:
         recipes = weight_recipes(spec)
-        tensors = {name: draw(name, recipes[name], seed) for name in sorted(recipes)}
+        copies = shared_weights(spec)
+        tensors = {name: draw(name, recipes[name], seed) for name in sorted(recipes) if name not in copies}
+        tensors |= {name: tensors[original].clone() for name, original in copies.items()}  # no shared storage
+        tensors = dict(sorted(tensors.items()))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "model.safetensors").chmod(0o644)
         (tmp / "config.json").write_text(json.dumps(config_dict(spec), indent=2, sort_keys=True) + "\n")
         for fname, text in tokenizer_files(spec).items():
             (tmp / fname).write_text(text)
-        files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(tmp.iterdir())}
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
         params = sum(t.numel() for t in tensors.values())
         manifest_doc = {"id": cid, "format": FORMAT_VERSION, "seed": seed, "spec": asdict(spec),
                         "parameters": params, "files": files}

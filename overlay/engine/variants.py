@@ -12,14 +12,13 @@ as a symlink farm (``/tmp/variants/<variant>/vllm``), and ``engine.check --tree`
 
 from __future__ import annotations
 
-import io
 import json
-import tarfile
 import zipfile
 from pathlib import Path
 from typing import Any
 
 from overlay.apply import apply_series, wheel_reader
+from overlay.archive import tar_bytes
 from overlay.errors import ApplyError, OverlayError
 from overlay.fetch import fetch_wheel
 from overlay.pins import load_pin, pin_dir
@@ -43,16 +42,6 @@ EXPECT: dict[str, tuple[str, str, str | None]] = {
                                       "the long prompt kills the engine in the direct A2A lse_reduce",
                                       "dcp-a2a-direct-proj1-graph"),
 }
-
-
-def _tar(files: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
-        for path in sorted(files):
-            info = tarfile.TarInfo(path)
-            info.size, info.mode, info.mtime = len(files[path]), 0o644, 0
-            tar.addfile(info, io.BytesIO(files[path]))
-    return buf.getvalue()
 
 
 def build_variants(patches_root: Path, version: str, out: Path, *, base_wheel: Path | None = None) -> dict[str, Any]:
@@ -85,7 +74,7 @@ def build_variants(patches_root: Path, version: str, out: Path, *, base_wheel: P
                               f"the series up to {p.name} (without it a later patch does not apply: {reason})"))
         for variant, patches, what in plans:
             files = tree(patches)
-            (out / f"{variant}.tar.gz").write_bytes(_tar(files))
+            (out / f"{variant}.tar.gz").write_bytes(tar_bytes(((n, d, 0o644) for n, d in files.items()), gz=True))
             key = "stock" if variant == "stock" else f"{variant.removeprefix('minus-')}.patch"
             expect, symptom, case = EXPECT[key]
             manifest["variants"][variant] = {"what": what, "patches": [p.name for p in patches],

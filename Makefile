@@ -77,8 +77,8 @@ regress: $(TOOL_STAMP) ## GSM8K, long context, acceptance, latency vs baselines;
 	@$(if $(ATTACH_TIMEOUT),REGRESS_ATTACH_TIMEOUT=$(ATTACH_TIMEOUT) )$(OVERLAY) regress --profile $(or $(PROFILE),glm5.2-fp8-tp8-dcp8) --out $(REGRESS_OUT)$(if $(BASE_URL), --base-url $(BASE_URL)) $(ARGS) || { rc=$$?; echo "make regress: verdict $$(cat $(REGRESS_OUT)/verdict 2>/dev/null || echo harness) (overlay regress exit $$rc); details in $(REGRESS_OUT)/verdict.json" >&2; exit $$rc; }
 
 .PHONY: engine-check engine-variants
-engine-check: ## GPUs: real vLLM engine, tiny GLM-5 checkpoint, every DCP case vs DCP 1 [OUT=engine-check TP=2 CASES= TIMEOUT=420 VARIANT= EXPECT=]
-	$(PYTHON) -m overlay.engine.check --out $(or $(OUT),engine-check) --tp $(or $(TP),2)$(if $(CASES), --cases $(CASES))$(if $(TIMEOUT), --timeout $(TIMEOUT))$(if $(VARIANT), --variant $(VARIANT))$(if $(EXPECT), --expect '$(EXPECT)')
+engine-check: ## GPUs: real vLLM engine, tiny GLM-5 checkpoint, every DCP case vs DCP 1 [OUT=engine-check TP=2 CASES= TIMEOUT=420 PARALLEL=1 VARIANTS= VARIANT= EXPECT=]
+	$(PYTHON) -m overlay.engine.check --out $(or $(OUT),engine-check) --tp $(or $(TP),2)$(if $(CASES), --cases $(CASES))$(if $(TIMEOUT), --timeout $(TIMEOUT))$(if $(PARALLEL), --parallel $(PARALLEL))$(if $(VARIANTS), --variants $(VARIANTS))$(if $(VARIANT), --variant $(VARIANT))$(if $(EXPECT), --expect '$(EXPECT)')
 
 engine-variants: $(TOOL_STAMP) ## the seed-bug variant trees (series minus each fix, stock) for engine-check [OUT=.device/variants]
 	$(PY) -m overlay.engine.variants --vllm $(VLLM) --out $(or $(OUT),.device/variants)

@@ -1,17 +1,24 @@
 """The engine check: run the cases of ``engine.workload`` as real vLLM engines, compare, report.
 
 ``python -m overlay.engine.check --out DIR [--model DIR] [--tp 2] [--cases a,b] [--timeout S]
-[--budget S] [--tree DIR] [--expect KIND[:REGEX]]`` on a GPU machine where the patched vLLM
-imports (the device: ``scripts/device-run.sh``). Each case runs in its own process group
-(``engine.run_case``) under a timeout, with the test-only ``deep_gemm`` stand-in
-(``tests/engine/standin``) first on ``PYTHONPATH`` and NVLink multicast off. The DCP 1
+[--budget S] [--parallel N] [--variants DIR] [--tree DIR] [--expect KIND[:REGEX]]`` on a GPU
+machine where the patched vLLM imports (the device: ``scripts/device-run.sh``). Each case runs
+in its own process group (``engine.run_case``) under a timeout, with the test-only ``deep_gemm``
+stand-in (``tests/engine/standin``) first on ``PYTHONPATH`` and NVLink multicast off. The DCP 1
 reference and spread runs come first; the tolerance is derived from them
 (``engine.compare.derive_tolerance``); every other case must match the reference within it,
 greedy tokens included, and must not crash or hang.
 
-``--tree DIR`` puts another vLLM tree first on the children's ``PYTHONPATH`` (a seed-bug
-variant: the series minus one fix); with ``--expect crash:REGEX`` or ``--expect mismatch`` the
-non-reference cases are then expected to fail that way, and the check passes when they do.
+``--parallel N`` runs up to N engines at once on the same GPUs (start-up is mostly one CPU
+core compiling: N engines start in about the time of one). Every engine reserves a fixed
+``KV_CACHE_BYTES`` instead of profiling free memory (another engine's allocations would be
+counted as its own), listens on its own port range, and keeps its torch.compile cache in its
+slot's folder (two engines never write one cache entry at once).
+
+``--variants DIR`` (``engine.variants``' output) adds, after the production shape, one job per
+seed-bug variant: that variant's case on the variant's tree, expected to fail the way its bug
+report says. ``--tree DIR`` / ``--variant TAR`` with ``--expect crash:REGEX`` or ``--expect
+mismatch`` instead run every checked case on one such tree.
 
 Writes ``DIR/results.json`` and ``DIR/REPORT.md`` after every case (a run cut short keeps what
 it measured), and each case's log as ``DIR/<case>.log``. Exit 0: every case as expected;
@@ -28,8 +35,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from overlay.engine.compare import FLOOR, SAFETY, compare, derive_tolerance
 from overlay.engine.workload import Case, cases
@@ -62,51 +71,156 @@ def _strip_log_prefix(line: str) -> str:
     return m.group(0) if m else line
 
 
-def child_env(case: Case, tree: Path | None) -> dict[str, str]:
+RUN_CASE = "overlay.engine.run_case"  # the module each job runs (python -m)
+PORT_BASE = 21000  # slot k's engines take ports from PORT_BASE + k * PORT_STRIDE upward (VLLM_PORT)
+PORT_STRIDE = 400
+
+
+@dataclass
+class Job:
+    """One engine run: a case, on the installed vLLM or on a variant ``tree``, maybe expected to fail."""
+
+    case: Case
+    name: str
+    tree: Path | None = None
+    expect: str | None = None
+    variant: str | None = None
+
+    def record(self, **kw: Any) -> dict[str, Any]:
+        rec: dict[str, Any] = {"case": self.case.to_dict(), "name": self.name}
+        if self.variant:
+            rec |= {"variant": self.variant, "expect": self.expect}
+        return rec | kw
+
+
+def child_env(case: Case, tree: Path | None, slot: int = 0, cache: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(case.env)
     env.update(SAFE_ENV)
     paths = [str(STANDIN), str(REPO)]
     if tree is not None:
         paths.insert(0, str(tree))
+        # a variant's source differs from the series': never share compiled graphs with it
+        env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
     env.setdefault("PYTHONUNBUFFERED", "1")
     # Start-up: the CUDA-graph memory estimate took 93 s of a cold 268 s start on two H200s
-    # (the check's engines use 35% of the GPU; memory accounting is not what it checks).
+    # (the check's engines reserve a fixed KV cache; memory accounting is not what it checks).
     env.setdefault("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "0")
+    # Engines running side by side: their own ports and torch.compile cache per slot.
+    env["VLLM_PORT"] = str(PORT_BASE + slot * PORT_STRIDE)
+    if cache is not None:
+        env["VLLM_CACHE_ROOT"] = str(cache / f"slot-{slot}")
     return env
 
 
-def run_one(case: Case, model: Path, out: Path, timeout: float, tree: Path | None) -> dict[str, Any]:
-    """Run ``case`` in a child process group; return its status record (and write its outputs)."""
-    case_file = out / f"{case.name}.case.json"
-    case_file.write_text(json.dumps(case.to_dict()))
-    result_file = out / f"{case.name}.json"
-    log_file = out / f"{case.name}.log"
+@dataclass
+class _Running:
+    job: Job
+    proc: subprocess.Popen
+    log: IO[str]
+    slot: int
+    t0: float
+    deadline: float
+
+
+def _start(job: Job, model: Path, out: Path, timeout: float, slot: int) -> _Running:
+    case_file = out / f"{job.name}.case.json"
+    case_file.write_text(json.dumps(job.case.to_dict()))
+    result_file = out / f"{job.name}.json"
     result_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "overlay.engine.run_case", "--case", str(case_file), "--model", str(model),
+    cmd = [sys.executable, "-m", RUN_CASE, "--case", str(case_file), "--model", str(model),
            "--out", str(result_file)]
-    t0 = time.monotonic()
-    print(f"[engine-check] {case.name}: starting (timeout {timeout:.0f} s)", flush=True)
-    with log_file.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(case, tree),
-                                cwd=REPO, start_new_session=True)
-        try:
-            rc: int | None = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            _kill_group(proc)
-    wall = round(time.monotonic() - t0, 1)
-    text = log_file.read_text(errors="replace")
-    if rc is None:
+    print(f"[engine-check] {job.name}: starting in slot {slot} (timeout {timeout:.0f} s)", flush=True)
+    log = (out / f"{job.name}.log").open("w")
+    env = child_env(job.case, job.tree, slot, out.parent / f"{out.name}-cache")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+    now = time.monotonic()
+    return _Running(job, proc, log, slot, now, now + timeout)
+
+
+def _finish(run: _Running, out: Path, timeout: float) -> dict[str, Any]:
+    rc = run.proc.poll()
+    _kill_group(run.proc)  # the engine's workers too, whether it finished or timed out
+    run.log.close()
+    wall = round(time.monotonic() - run.t0, 1)
+    text = (out / f"{run.job.name}.log").read_text(errors="replace")
+    if rc is None and run.deadline < run.t0 + timeout:  # stopped by the run's budget, not its own timeout
+        status, why = "skipped", f"cut at the budget after {wall} s (inconclusive)"
+    elif rc is None:
         status, why = "timeout", f"no result within {timeout:.0f} s; last line: {error_line(text)}"
-    elif rc != 0 or not result_file.exists():
+    elif rc != 0 or not (out / f"{run.job.name}.json").exists():
         status, why = "crashed", error_line(text)
     else:
         status, why = "ok", ""
-    print(f"[engine-check] {case.name}: {status} in {wall} s{': ' + why if why else ''}", flush=True)
-    return {"case": case.to_dict(), "status": status, "error": why, "wall_s": wall, "rc": rc}
+    print(f"[engine-check] {run.job.name}: {status} in {wall} s{': ' + why if why else ''}", flush=True)
+    return run.job.record(status=status, error=why, wall_s=wall, rc=rc)
+
+
+def run_jobs(jobs: list[Job], model: Path, out: Path, *, timeout: float, parallel: int = 1, budget: float = 0,
+             reuse: Path | None = None, on_change: Callable[[list[dict[str, Any]]], None] | None = None,
+             poll_s: float = 1.0) -> list[dict[str, Any]]:
+    """Run ``jobs`` at most ``parallel`` at a time, started in order; return their records in job order.
+
+    With a ``budget`` (seconds), the run ends within it: a job is not started ("out of budget")
+    when it could not end in time, judged by the slowest job so far (capped at the timeout), and
+    a job still running at the budget is stopped and recorded as skipped (inconclusive). ``on_change`` gets the records
+    (in job order, unfinished ones left out) whenever a job ends.
+    """
+    done: dict[str, dict[str, Any]] = {}
+    pending = list(jobs)
+    running: list[_Running] = []
+    free = list(range(max(1, parallel)))
+    t_start = time.monotonic()
+
+    def changed() -> None:
+        if on_change is not None:
+            on_change([done[j.name] for j in jobs if j.name in done])
+
+    while pending or running:
+        while pending and free:
+            job = pending.pop(0)
+            reused = _reuse(job, reuse, out, model) if reuse else None
+            if reused:
+                done[job.name] = reused
+                changed()
+                continue
+            now = time.monotonic()
+            typical = max([_typical(list(done.values()))] + [now - r.t0 for r in running])
+            if budget and now - t_start + min(timeout, typical) > budget:
+                done[job.name] = job.record(status="skipped", error="out of budget", wall_s=0)
+                continue
+            run = _start(job, model, out, timeout, free.pop(0))
+            if budget:  # the whole run ends within its budget: a late job is cut there
+                run.deadline = min(run.deadline, t_start + budget)
+            running.append(run)
+        for run in list(running):
+            if run.proc.poll() is not None or time.monotonic() > run.deadline:
+                running.remove(run)
+                free.append(run.slot)
+                free.sort()
+                done[run.job.name] = _finish(run, out, timeout)
+                changed()
+        if running:
+            time.sleep(poll_s)
+    return [done[j.name] for j in jobs]
+
+
+def variant_jobs(variants: Path, tp: int, out: Path) -> list[Job]:
+    """One job per seed-bug variant of ``variants/variants.json`` that this machine can show."""
+    manifest = json.loads((variants / "variants.json").read_text())
+    by_name = {c.name: c for c in cases(tp)}
+    jobs: list[Job] = []
+    for variant, v in manifest["variants"].items():
+        if not v.get("case"):
+            print(f"[engine-check] {variant}: not shown here ({v['symptom']})", flush=True)
+            continue
+        if v["case"] not in by_name:
+            raise SystemExit(f"error: {variants / 'variants.json'}: {variant}: no case {v['case']!r} for --tp {tp}")
+        tree = lay_variant(variants / f"{variant}.tar.gz", out / "trees" / variant)
+        jobs.append(Job(by_name[v["case"]], f"{variant}--{v['case']}", tree=tree, expect=v["expect"],
+                        variant=variant))
+    return jobs
 
 
 def lay_variant(tar: Path, dest: Path) -> Path:
@@ -152,11 +266,18 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _name(record: dict[str, Any]) -> str:
+    return record.get("name") or record["case"]["name"]
+
+
 def judge(records: list[dict[str, Any]], out: Path, expect: str | None) -> dict[str, Any]:
-    """Tolerance from the spread runs, then a verdict per case (``pass`` / ``fail`` / ``expected-fail``)."""
-    docs = {r["case"]["name"]: json.loads((out / f"{r['case']['name']}.json").read_text())
-            for r in records if r["status"] == "ok"}
-    ref_rec = next((r for r in records if r["case"]["role"] == "reference"), None)
+    """Tolerance from the spread runs, then a verdict per case (``pass`` / ``fail`` / ``expected-fail``).
+
+    A record with its own ``expect`` (a variant job) must fail that way; ``expect`` here applies
+    to every other checked case (a run on one variant tree).
+    """
+    docs = {_name(r): json.loads((out / f"{_name(r)}.json").read_text()) for r in records if r["status"] == "ok"}
+    ref_rec = next((r for r in records if r["case"]["role"] == "reference" and not r.get("variant")), None)
     summary: dict[str, Any] = {"safety": SAFETY, "floor": FLOOR, "expect": expect}
     if ref_rec is None or ref_rec["status"] != "ok":
         summary["verdict"] = "harness"
@@ -164,16 +285,16 @@ def judge(records: list[dict[str, Any]], out: Path, expect: str | None) -> dict[
         for r in records:
             r["verdict"] = "n/a"
         return summary
-    ref = docs[ref_rec["case"]["name"]]
-    spreads = [docs[r["case"]["name"]] for r in records if r["case"]["role"] == "spread" and r["status"] == "ok"]
+    ref = docs[_name(ref_rec)]
+    spreads = [docs[_name(r)] for r in records if r["case"]["role"] == "spread" and r["status"] == "ok"]
     tol, spread = derive_tolerance(ref, spreads)
     summary |= {"tolerance": tol.to_dict(), "spread": spread, "spread_runs": len(spreads)}
     failed = False
     for r in records:
-        name, role = r["case"]["name"], r["case"]["role"]
+        name, role = _name(r), r["case"]["role"]
         r["startup_s"] = docs.get(name, {}).get("startup_s")
         r["generate_s"] = docs.get(name, {}).get("generate_s")
-        if role == "reference":
+        if r is ref_rec:
             r["verdict"] = "reference"
             continue
         problems: list[str]
@@ -185,10 +306,11 @@ def judge(records: list[dict[str, Any]], out: Path, expect: str | None) -> dict[
             r["spec_decode"] = docs[name].get("spec_decode") or {}
             problems = d.problems(tol)
         r["problems"] = problems
-        if role == "spread":
+        wanted = r.get("expect") if r.get("variant") else (expect if role == "check" else None)
+        if r.get("variant") or (wanted and role == "check"):
+            r["verdict"] = "expected-fail" if wanted and _matches(wanted, r) else "fail"
+        elif role == "spread":
             r["verdict"] = "spread" if r["status"] == "ok" else "fail"
-        elif expect and role == "check":
-            r["verdict"] = "expected-fail" if _matches(expect, r) else "fail"
         else:
             r["verdict"] = "fail" if problems else "pass"
         failed |= r["verdict"] == "fail"
@@ -210,7 +332,7 @@ def report(out: Path, summary: dict[str, Any], records: list[dict[str, Any]], me
     doc = {"meta": meta, "summary": summary, "cases": records}
     (out / "results.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     lines = [f"# Engine check: {summary.get('verdict', '?')}", ""]
-    for k in ("model", "tree", "vllm", "gpus", "started"):
+    for k in ("model", "tree", "vllm", "gpus", "parallel", "started", "wall_s"):
         if meta.get(k):
             lines.append(f"- {k}: `{meta[k]}`")
     if "tolerance" in summary:
@@ -227,8 +349,9 @@ def report(out: Path, summary: dict[str, Any], records: list[dict[str, Any]], me
     for r in records:
         d = r.get("diff") or {}
         dl = f"{d['dense_max_abs']:.3g} / {d['sparse_q50']:.3g} / {d['sparse_q90']:.3g}" if d else ""
+        role = f"variant, expect {r['expect']}" if r.get("variant") else r["case"]["role"]
         note = "; ".join(r.get("problems") or []) or r["case"].get("note", "")
-        lines.append(f"| {r['case']['name']} | {r['case']['role']} | {r['status']} | {r.get('verdict', '')} | {dl} "
+        lines.append(f"| {_name(r)} | {role} | {r['status']} | {r.get('verdict', '')} | {dl} "
                      f"| {r.get('startup_s') or ''} | {r.get('generate_s') or ''} | {note[:300]} |")
     (out / "REPORT.md").write_text("\n".join(lines) + "\n")
 
@@ -241,12 +364,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", help="comma-separated case names (default: all for --tp, in order)")
     ap.add_argument("--timeout", type=float, default=420, help="seconds per case")
     ap.add_argument("--budget", type=float, default=0, help="stop starting cases after this many seconds (0: none)")
+    ap.add_argument("--parallel", type=int, default=1, help="engines at once on the same GPUs (default 1)")
     ap.add_argument("--tree", type=Path, help="a vLLM tree to put first on the children's PYTHONPATH")
     ap.add_argument("--rejudge", action="store_true", help="judge the cases already in --out again (no runs)")
     ap.add_argument("--reuse", type=Path, help="take the reference and spread results of an earlier --out here")
     ap.add_argument("--variant", type=Path, help="a variant tarball (engine.variants): lay it over vllm, use as --tree")
+    ap.add_argument("--variants", type=Path, help="engine.variants' folder: add one job per seed-bug variant")
     ap.add_argument("--expect", help="crash:REGEX or mismatch: the checked cases must fail so (seed-bug variants)")
     ns = ap.parse_args(argv)
+    if ns.parallel < 1:
+        ap.error(f"--parallel must be at least 1, not {ns.parallel}")
     ns.out.mkdir(parents=True, exist_ok=True)
     if ns.rejudge:
         return rejudge(ns.out, ns.expect)
@@ -266,22 +393,23 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: unknown case(s) for --tp {ns.tp}: {', '.join(unknown)}", file=sys.stderr)
             return 2
         todo = [c for c in todo if c.name in wanted]
+    # --tree applies to the checked cases: references and spread runs stay on the installed series
+    jobs = [Job(c, c.name, tree=ns.tree if c.role == "check" else None) for c in todo]
+    if ns.variants:
+        # after the reference, the production shape and the first spread run: the variants
+        jobs[3:3] = variant_jobs(ns.variants, ns.tp, ns.out)
     meta = {"model": str(model), "tree": str(ns.tree or ""), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
-    records: list[dict[str, Any]] = []
-    t_start = time.monotonic()
-    summary: dict[str, Any] = {}
-    for case in todo:
-        elapsed = time.monotonic() - t_start
-        if ns.budget and elapsed + min(ns.timeout, _typical(records)) > ns.budget:
-            records.append({"case": case.to_dict(), "status": "skipped", "error": "out of budget", "wall_s": 0})
-            continue
-        reused = _reuse(case, ns.reuse, ns.out) if ns.reuse else None
-        records.append(reused or run_one(case, model, ns.out, ns.timeout, ns.tree))
-        summary = judge([r for r in records if r["status"] != "skipped"], ns.out, ns.expect)
-        report(ns.out, summary, records, meta)
+            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "parallel": ns.parallel}
+    t0 = time.monotonic()
+
+    def progress(records: list[dict[str, Any]]) -> None:
+        live = [r for r in records if r["status"] != "skipped"]
+        report(ns.out, judge(live, ns.out, ns.expect), records, meta | {"wall_s": round(time.monotonic() - t0)})
+
+    records = run_jobs(jobs, model, ns.out, timeout=ns.timeout, parallel=ns.parallel, budget=ns.budget,
+                       reuse=ns.reuse, on_change=progress)
     summary = judge([r for r in records if r["status"] != "skipped"], ns.out, ns.expect)
-    report(ns.out, summary, records, meta)
+    report(ns.out, summary, records, meta | {"wall_s": round(time.monotonic() - t0)})
     print(f"[engine-check] verdict: {summary['verdict']} ({ns.out / 'REPORT.md'})", flush=True)
     return {"pass": 0, "fail": 1}.get(summary["verdict"], 2)
 
@@ -289,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
 def rejudge(out: Path, expect: str | None) -> int:
     """Judge the records of ``out/results.json`` again (another tolerance rule), rewrite the report."""
     doc = json.loads((out / "results.json").read_text())
-    keep = ("case", "status", "error", "wall_s", "rc", "reused")
+    keep = ("case", "name", "variant", "expect", "status", "error", "wall_s", "rc", "reused")
     records = [{k: r[k] for k in keep if k in r} for r in doc["cases"]]
     summary = judge([r for r in records if r["status"] != "skipped"], out, expect)
     report(out, summary, records, doc.get("meta", {}))
@@ -297,26 +425,28 @@ def rejudge(out: Path, expect: str | None) -> int:
     return {"pass": 0, "fail": 1}.get(summary["verdict"], 2)
 
 
-def _reuse(case: Case, earlier: Path, out: Path) -> dict[str, Any] | None:
-    """The record of a reference / spread case from an earlier run (same case), its outputs copied."""
-    if case.role not in ("reference", "spread"):
+def _reuse(job: Job, earlier: Path, out: Path, model: Path) -> dict[str, Any] | None:
+    """The record of a reference / spread case of an earlier run (same case, same model), outputs copied."""
+    if job.case.role not in ("reference", "spread") or job.tree is not None:
         return None
     try:
         doc = json.loads((earlier / "results.json").read_text())
     except (OSError, ValueError):
         return None
+    if doc.get("meta", {}).get("model") != str(model):
+        print(f"[engine-check] {job.name}: not reused: {earlier} ran another checkpoint", flush=True)
+        return None
     for rec in doc.get("cases", []):
-        if rec["case"] == case.to_dict() and rec["status"] == "ok" and (earlier / f"{case.name}.json").exists():
+        if rec["case"] == job.case.to_dict() and rec["status"] == "ok" and (earlier / f"{_name(rec)}.json").exists():
             if earlier.resolve() != out.resolve():
-                (out / f"{case.name}.json").write_bytes((earlier / f"{case.name}.json").read_bytes())
-            print(f"[engine-check] {case.name}: reused from {earlier}", flush=True)
-            return {"case": case.to_dict(), "status": "ok", "error": "", "wall_s": rec.get("wall_s", 0),
-                    "rc": 0, "reused": str(earlier)}
+                (out / f"{job.name}.json").write_bytes((earlier / f"{_name(rec)}.json").read_bytes())
+            print(f"[engine-check] {job.name}: reused from {earlier}", flush=True)
+            return job.record(status="ok", error="", wall_s=rec.get("wall_s", 0), rc=0, reused=str(earlier))
     return None
 
 
 def _typical(records: list[dict[str, Any]]) -> float:
-    walls = [r["wall_s"] for r in records if r.get("status") == "ok"]
+    walls = [r["wall_s"] for r in records if r.get("status") != "skipped" and not r.get("reused")]
     return max(walls) if walls else 0.0
 
 

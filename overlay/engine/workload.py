@@ -31,6 +31,14 @@ MTP = {"method": "mtp", "num_speculative_tokens": 5}
 # CUDA graphs up to 128 tokens: every decode step of the workload (7 requests x (1 + 5) with
 # MTP) fits, and start-up captures 4x fewer sizes than vLLM's default 512.
 MAX_CUDAGRAPH_CAPTURE_SIZE = 128
+# A fixed KV cache per GPU instead of vLLM's free-memory profiling: engines of the check run side
+# by side on the same GPUs (``engine.check --parallel``), and a profile would count the others'
+# allocations as its own. 2 GiB holds about 600k tokens of this checkpoint (fp8_ds_mla 656 B +
+# indexer 132 B per token and layer, 4 layers with MTP); the workload needs 13k.
+KV_CACHE_BYTES = 2 << 30
+# What vLLM checks is free at start-up (with KV_CACHE_BYTES it reserves nothing else by it):
+# low enough for six engines side by side on one 140 GiB H200.
+GPU_MEMORY_UTILIZATION = 0.12
 
 
 def prompts(seed: int = 0, lens: tuple[int, ...] = PROMPT_LENS) -> list[list[int]]:
@@ -70,7 +78,8 @@ class Case:
             "max_num_seqs": MAX_NUM_SEQS,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "enable_prefix_caching": False,
-            "gpu_memory_utilization": 0.35,
+            "gpu_memory_utilization": GPU_MEMORY_UTILIZATION,
+            "kv_cache_memory_bytes": KV_CACHE_BYTES,
             "enforce_eager": self.eager,
             "seed": 0,
             "disable_log_stats": False,

@@ -1,0 +1,48 @@
+"""A stand-in for ``overlay.engine.run_case`` in the scheduler's CPU tests: no engine, just the protocol.
+
+Same arguments; writes ``<out>.env.json`` (the environment it ran with: port, cache folder,
+PYTHONPATH), then behaves as the case's env asks: ``FAKE_WAIT_FOR=NAME`` waits (up to ``FAKE_WAIT_S``, 20 s)
+until job NAME has started (proves two jobs ran at once), ``FAKE_HANG=1`` never ends,
+``FAKE_CRASH=MSG`` prints MSG and exits 1; otherwise writes a minimal run output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", type=Path, required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ns = ap.parse_args()
+    keys = ("VLLM_PORT", "VLLM_CACHE_ROOT", "PYTHONPATH", "VLLM_DISABLE_COMPILE_CACHE", "NCCL_NVLS_ENABLE")
+    ns.out.with_suffix(".env.json").write_text(json.dumps({k: os.environ.get(k) for k in keys}))
+    if wait := os.environ.get("FAKE_WAIT_FOR"):
+        other = ns.out.parent / f"{wait}.json"
+        deadline = time.monotonic() + float(os.environ.get("FAKE_WAIT_S", "20"))
+        while not other.with_suffix(".env.json").exists():
+            if time.monotonic() > deadline:
+                print(f"RuntimeError: {wait} never started beside me", flush=True)
+                return 1
+            time.sleep(0.05)
+    if os.environ.get("FAKE_HANG"):
+        time.sleep(3600)
+    if msg := os.environ.get("FAKE_CRASH"):
+        print(msg, flush=True)
+        return 1
+    doc = {"requests": [{"prompt_len": 2, "prompt_logprobs": [None, -1.0], "tokens": [5], "top": [[[5, -0.1]]]}],
+           "startup_s": 0.1, "generate_s": 0.1}
+    ns.out.write_text(json.dumps(doc))
+    print(f"wrote {ns.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -209,7 +209,8 @@ def cmd_device_stage(ns: argparse.Namespace) -> int:
     wheel = Path(ns.wheel) if ns.wheel else built_wheel(_root(ns), ns.vllm, Path(ns.dist))
     dest = Path(ns.dest) / ns.name
     result = stage(wheel, dest, device_packages=Path(ns.device_packages), name=ns.name,
-                   limit=int(ns.limit_mib * MIB), resolver_python=ns.resolver_python, full=ns.full)
+                   limit=int(ns.limit_mib * MIB), resolver_python=ns.resolver_python, full=ns.full,
+                   resolution_cache=not ns.no_resolution_cache)
     print(format_summary(result.manifest), file=sys.stderr)
     print(device_calls(result.manifest, dest, ns.command))
     return 0
@@ -335,6 +336,9 @@ def parser() -> argparse.ArgumentParser:
                                                                 "run does not import (device_stage.NOT_NEEDED)")
             sp.add_argument("--resolver-python", help="a CPython 3.12 with pip to resolve with "
                                                       "(default: python3.12, then pyenv's)")
+            sp.add_argument("--no-resolution-cache", action="store_true",
+                            help="resolve again with pip even if the same requirements, device packages and "
+                                 "target were resolved before (the new resolution replaces the cached one)")
             sp.add_argument("--command", default="python3 -m pytest -m gpu tests/patches",
                             help="the command shown for the last device call")
         elif name == "bench-build":

@@ -45,7 +45,7 @@ import tempfile
 import time
 import zipfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from email.parser import BytesParser
 from pathlib import Path
 
@@ -369,8 +369,11 @@ def _parse_all(lines: Iterable[str]) -> list[Requirement]:
     return reqs
 
 
+RESOLVE_MAX_ROUNDS = 30
+
+
 def resolve(requirements: Sequence[str], device: Mapping[str, str], run: PipRun, *,
-            max_rounds: int = 30, restore: bool = True) -> Resolution:
+            max_rounds: int = RESOLVE_MAX_ROUNDS, restore: bool = True) -> Resolution:
     """Resolve with every device package pinned; drop the pins pip names in a conflict, retry.
 
     A conflict that names no droppable pin (none, or only the torch family, which stays the
@@ -498,6 +501,92 @@ def pip_runner(resolver: Resolver, work: Path, platforms: Sequence[str] = PLATFO
             return PipOutcome(True, proc.stdout, json.loads((root / "report.json").read_text()))
 
     return run
+
+
+# --- the resolution cache -------------------------------------------------------------------
+
+RESOLUTION_CACHE_FORMAT = 1
+# pip settings from the environment that change what it resolves (hashed into the key, never stored)
+PIP_ENV_KEYS: tuple[str, ...] = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_NO_INDEX",
+                                 "PIP_CONSTRAINT", "PIP_PRE")
+
+
+def resolution_key(requirements: Sequence[str], device: Mapping[str, str], resolver: Resolver, *,
+                   platforms: Sequence[str] = PLATFORMS, max_rounds: int = RESOLVE_MAX_ROUNDS,
+                   restore: bool = True) -> str:
+    """sha256 of everything :func:`resolve` depends on, not of the wheel: a patch edit changes the
+    wheel's version and sha256 but not its ``Requires-Dist``, and so keeps the key."""
+    inputs = {
+        "format": RESOLUTION_CACHE_FORMAT,
+        "requirements": list(requirements),
+        "device_packages": sorted((canonicalize_name(k), v) for k, v in device.items()),
+        "target": target_args(platforms),
+        "markers": DEVICE_ENV,
+        "resolver": [resolver.description, resolver.exact],
+        "kept_pins": sorted(TORCH_FAMILY),
+        "stub_label": STUB_LABEL,
+        "max_rounds": max_rounds,
+        "restore": restore,
+        "pip_env": [os.environ.get(k, "") for k in PIP_ENV_KEYS],
+    }
+    text = json.dumps(inputs, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def resolution_cache_file(cache: Path, key: str) -> Path:
+    return cache / "device-resolutions" / f"{key}.json"
+
+
+def _record(item: object, cls: type, optional: frozenset[str] = frozenset()) -> dict:
+    """``item`` as the fields of dataclass ``cls``, every one a string (or None where ``optional``)."""
+    names = [f.name for f in fields(cls)]
+    if not isinstance(item, dict) or sorted(item) != sorted(names):
+        raise ValueError(f"not a {cls.__name__}: {item!r}")
+    for k, v in item.items():
+        if not (isinstance(v, str) or (v is None and k in optional)):
+            raise ValueError(f"{cls.__name__}.{k}: {v!r}")
+    return item
+
+
+def resolution_from_json(data: object, key: str) -> Resolution:
+    """A :class:`Resolution` from :func:`save_resolution`'s JSON; ValueError if it is not one for ``key``."""
+    if not isinstance(data, dict) or data.get("format") != RESOLUTION_CACHE_FORMAT or data.get("key") != key:
+        raise ValueError("not a resolution of this format and key")
+    rounds, restored, who = data["rounds"], data["restored"], data["required_by"]
+    if (not isinstance(rounds, int) or not isinstance(restored, list) or not isinstance(who, dict)
+            or not all(isinstance(r, str) for r in restored)
+            or not all(isinstance(v, list) and all(isinstance(x, str) for x in v) for v in who.values())):
+        raise ValueError("rounds, restored or required_by malformed")
+    return Resolution([ResolvedWheel(**_record(w, ResolvedWheel, frozenset({"sha256"}))) for w in data["wheels"]],
+                      [DroppedPin(**_record(d, DroppedPin)) for d in data["dropped"]],
+                      rounds, list(restored), {k: list(v) for k, v in who.items()})
+
+
+def load_resolution(path: Path, key: str) -> Resolution | None:
+    """The cached resolution for ``key``; None if there is none, or (with a warning) if it is unreadable."""
+    if not path.exists():
+        return None
+    try:
+        return resolution_from_json(json.loads(path.read_text()), key)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        log(f"  warning: cached resolution {path} unreadable ({type(exc).__name__}: {exc}); resolving again")
+        return None
+
+
+def save_resolution(path: Path, key: str, resolution: Resolution) -> None:
+    """Write ``resolution`` as JSON, atomically (a temporary sibling, then os.replace)."""
+    data = {"format": RESOLUTION_CACHE_FORMAT, "key": key,
+            "wheels": [asdict(w) for w in resolution.wheels], "dropped": [asdict(d) for d in resolution.dropped],
+            "rounds": resolution.rounds, "restored": resolution.restored, "required_by": resolution.required_by}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 # --- fetching -------------------------------------------------------------------------------
@@ -803,8 +892,12 @@ class StageResult:
 
 def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: int = CARRY_LIMIT,
           cache: Path | None = None, resolver_python: str | None = None, jobs: int = 2,
-          full: bool = False) -> StageResult:
-    """Resolve, fetch and compress everything, then write the carries and manifest under ``dest``."""
+          full: bool = False, resolution_cache: bool = True) -> StageResult:
+    """Resolve, fetch and compress everything, then write the carries and manifest under ``dest``.
+
+    The resolution is cached under ``cache/device-resolutions/<key>.json`` (:func:`resolution_key`);
+    ``resolution_cache=False`` resolves again (and refreshes the cached one).
+    """
     start = _CLOCK["start"] = time.monotonic()
     cache = cache or cache_dir()
     if not wheel.is_file():
@@ -818,8 +911,22 @@ def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: i
         f"{len(device)} device package(s); resolver {resolver.description}")
     if not resolver.exact:
         log("  warning: the resolver is not CPython 3.12: dependencies' markers are evaluated for it")
-    with tempfile.TemporaryDirectory(prefix="device-stage-") as work:
-        resolution = resolve(requirements, device, pip_runner(resolver, Path(work)))
+    key = resolution_key(requirements, device, resolver)
+    cached_file = resolution_cache_file(cache, key)
+    resolution = load_resolution(cached_file, key) if resolution_cache else None
+    cached = resolution is not None
+    if resolution is not None:
+        log(f"resolution reused from the cache (key {key[:16]}): {cached_file}; "
+            "--no-resolution-cache resolves again")
+    else:
+        if not resolution_cache:
+            log("resolution cache not used (--no-resolution-cache): resolving")
+        with tempfile.TemporaryDirectory(prefix="device-stage-") as work:
+            resolution = resolve(requirements, device, pip_runner(resolver, Path(work)))
+        try:
+            save_resolution(cached_file, key, resolution)
+        except OSError as exc:
+            log(f"  warning: resolution not cached ({exc})")
     unneeded = [w for w in resolution.wheels if w.name in not_needed]
     resolution.wheels = [w for w in resolution.wheels if w.name not in not_needed]
     skipped += [f"{w.name}=={w.version}: not needed on the device: {not_needed[w.name]}" for w in unneeded]
@@ -841,6 +948,8 @@ def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: i
             "dropped_device_pins": [asdict(d) for d in resolution.dropped],
             "restored_device_pins": resolution.restored,
             "rounds": resolution.rounds,
+            "cached": cached,
+            "cache_key": key,
         },
         "wheels": [{"name": w.name, "version": w.version, "file": w.filename, "url": w.url,
                     "sha256": w.sha256, "size": sizes[f"wheels/{w.filename}"],

@@ -412,7 +412,7 @@ def test_device_calls_name_every_carry_in_order(tmp_path: Path) -> None:
 RNG_SEED = 7
 
 
-def _tiny_vllm(dest: Path) -> Path:
+def _tiny_vllm(dest: Path, version: str = "0.28.0+ovltest") -> Path:
     rng = __import__("random").Random(RNG_SEED)
     files = {k: rng.randbytes(3000) for k in ds.KEEP_KERNELS}
     files["vllm/_C_stable_libtorch.abi3.so"] = rng.randbytes(40_000)  # incompressible: split below
@@ -427,7 +427,7 @@ def _tiny_vllm(dest: Path) -> Path:
         "vllm/third_party/deep_gemm/__init__.py": b"",
         "vllm/_other_C.abi3.so": b"other",
     })
-    return make_wheel(dest, files, version="0.28.0+ovltest")
+    return make_wheel(dest, files, version=version)
 
 
 def test_stage_vllm_tree_kernels_left_out_and_deterministic(tmp_path: Path) -> None:
@@ -459,6 +459,156 @@ def test_stage_vllm_refuses_a_wheel_without_a_kept_kernel(tmp_path: Path) -> Non
     wheel = make_wheel(tmp_path, {"vllm/__init__.py": b""})
     with pytest.raises(ds.DeviceStageError, match=r"lacks kernel\(s\) vllm/_C_stable_libtorch"):
         ds.stage_vllm(wheel, tmp_path / "xz")
+
+
+# --- the resolution cache -------------------------------------------------------------------------
+
+
+class StageRig:
+    """``stage`` with a scripted pip (calls counted), fake downloads and a tiny wheel; no network."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.tmp = tmp_path
+        self.cache = tmp_path / "cache"
+        self.pip = ScriptedPip()
+        self.resolves = 0
+        self.requires = ["numba==0.65.0", "setuptools<81,>=77"]
+        self.packages = tmp_path / "device-packages.txt"
+        self.write_packages(DEVICE)
+        real_resolve, real_requires = ds.resolve, ds.wheel_requires_dist
+
+        def counted(*args, **kwargs) -> ds.Resolution:
+            self.resolves += 1
+            return real_resolve(*args, **kwargs)
+
+        def fake_download(wheels: Sequence[ds.ResolvedWheel], cache: Path, resolver: ds.Resolver):
+            cache.mkdir(parents=True, exist_ok=True)
+            staged = []
+            for w in wheels:
+                (cache / w.filename).write_bytes(f"{w.name}=={w.version}".encode())
+                staged.append(_staged(tmp_path, f"wheels/{w.filename}", f"{w.name}=={w.version}".encode()))
+            return staged
+
+        monkeypatch.setattr(ds, "resolve", counted)
+        monkeypatch.setattr(ds, "wheel_requires_dist", lambda wheel: (real_requires(wheel)[0], list(self.requires)))
+        monkeypatch.setattr(ds, "find_resolver", lambda explicit=None: ds.Resolver(sys.executable, "scripted", True))
+        monkeypatch.setattr(ds, "pip_runner", lambda resolver, work, platforms=ds.PLATFORMS: self.pip)
+        monkeypatch.setattr(ds, "download_wheels", fake_download)
+        for key in ds.PIP_ENV_KEYS:
+            monkeypatch.delenv(key, raising=False)
+
+    def write_packages(self, pins: Mapping[str, str]) -> None:
+        self.packages.write_text("".join(f"{k}=={v}\n" for k, v in pins.items()))
+
+    def wheel(self, version: str) -> Path:
+        folder = self.tmp / f"dist-{version}"
+        folder.mkdir(exist_ok=True)
+        return _tiny_vllm(folder, version)
+
+    def stage(self, version: str = "0.28.0+a", **kwargs) -> dict:
+        out = self.tmp / "out" / version
+        return ds.stage(self.wheel(version), out, device_packages=self.packages, name="engine",
+                        cache=self.cache, limit=256 * 1024, **kwargs).manifest
+
+    def cache_files(self) -> list[Path]:
+        return sorted((self.cache / "device-resolutions").glob("*.json"))
+
+
+@pytest.fixture
+def rig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StageRig:
+    return StageRig(tmp_path, monkeypatch)
+
+
+def test_resolution_cache_round_trip(tmp_path: Path) -> None:
+    res = ds.resolve(["numba==0.65.0"], DEVICE, ScriptedPip())
+    path = tmp_path / "r" / "k.json"
+    ds.save_resolution(path, "k", res)
+    assert ds.load_resolution(path, "k") == res
+    assert ds.load_resolution(tmp_path / "none.json", "k") is None
+    assert not [p for p in path.parent.iterdir() if p.name != "k.json"]  # no temporary file left
+
+
+def test_resolution_key_covers_what_the_resolution_depends_on() -> None:
+    resolver = ds.Resolver("python3.12", "CPython 3.12.3, pip 24.0", True)
+    key = ds.resolution_key(["a>=1", "b"], {"x": "1.0", "y": "2.0"}, resolver)
+    assert len(key) == 64
+    assert key == ds.resolution_key(["a>=1", "b"], {"y": "2.0", "X": "1.0"}, resolver)  # order, case of names
+    others = {
+        ds.resolution_key(["a>=2", "b"], {"x": "1.0", "y": "2.0"}, resolver),
+        ds.resolution_key(["a>=1", "b"], {"x": "1.1", "y": "2.0"}, resolver),
+        ds.resolution_key(["a>=1", "b"], {"x": "1.0"}, resolver),
+        ds.resolution_key(["a>=1", "b"], {"x": "1.0", "y": "2.0"}, resolver, platforms=("any",)),
+        ds.resolution_key(["a>=1", "b"], {"x": "1.0", "y": "2.0"}, resolver, max_rounds=3),
+        ds.resolution_key(["a>=1", "b"], {"x": "1.0", "y": "2.0"}, resolver, restore=False),
+        ds.resolution_key(["a>=1", "b"], {"x": "1.0", "y": "2.0"}, ds.Resolver("python3", "CPython 3.11.9", False)),
+    }
+    assert key not in others and len(others) == 7
+
+
+def test_stage_reuses_the_resolution_after_a_patch_edit(rig: StageRig, capsys: pytest.CaptureFixture[str]) -> None:
+    first = rig.stage("0.28.0+a")
+    assert rig.resolves == 1 and len(rig.pip.calls) == 6
+    assert "resolution reused" not in capsys.readouterr().err
+    second = rig.stage("0.28.0+b")  # a patch edit: another wheel, the same Requires-Dist
+    err = capsys.readouterr().err
+    assert rig.resolves == 1 and len(rig.pip.calls) == 6
+    key = first["resolution"]["cache_key"]
+    [cached] = rig.cache_files()
+    assert cached.name == f"{key}.json"
+    assert f"resolution reused from the cache (key {key[:16]}): {cached}" in err
+    assert first["vllm"]["version"] != second["vllm"]["version"]
+    assert second["wheels"] == first["wheels"] and [w["name"] for w in first["wheels"]] == [
+        "cuda-core", "cuda-python", "llvmlite", "numba", "setuptools"]
+    assert (first["resolution"]["cached"], second["resolution"]["cached"]) == (False, True)
+    assert second["resolution"]["cache_key"] == key
+    strip = ("cached",)
+    assert ({k: v for k, v in first["resolution"].items() if k not in strip}
+            == {k: v for k, v in second["resolution"].items() if k not in strip})
+
+
+def test_stage_resolves_again_when_a_pin_or_a_requirement_changes(rig: StageRig) -> None:
+    keys = [rig.stage()["resolution"]["cache_key"]]
+    rig.write_packages({**DEVICE, "numpy": "2.5.3"})
+    keys.append(rig.stage()["resolution"]["cache_key"])
+    assert rig.resolves == 2
+    rig.requires = [*rig.requires, "regex"]
+    manifest = rig.stage()
+    keys.append(manifest["resolution"]["cache_key"])
+    assert rig.resolves == 3 and manifest["resolution"]["cached"] is False
+    assert len(set(keys)) == 3 and [p.stem for p in rig.cache_files()] == sorted(keys)
+    assert rig.stage()["resolution"]["cached"] is True and rig.resolves == 3
+
+
+@pytest.mark.parametrize("garbage", ["{not json", '{"format": 1, "key": "KEY", "wheels": [{"name": "x"}], '
+                                                 '"dropped": [], "rounds": 1, "restored": [], "required_by": {}}'])
+def test_stage_ignores_a_corrupt_cached_resolution(rig: StageRig, capsys: pytest.CaptureFixture[str],
+                                                   garbage: str) -> None:
+    first = rig.stage()
+    [cached] = rig.cache_files()
+    cached.write_text(garbage.replace("KEY", cached.stem))
+    capsys.readouterr()
+    again = rig.stage()
+    err = capsys.readouterr().err
+    assert rig.resolves == 2 and again["resolution"]["cached"] is False
+    assert f"warning: cached resolution {cached} unreadable" in err and "resolving again" in err
+    assert again["wheels"] == first["wheels"]
+    assert ds.load_resolution(cached, cached.stem) is not None  # overwritten by the fresh resolution
+    assert rig.stage()["resolution"]["cached"] is True and rig.resolves == 2
+
+
+def test_no_resolution_cache_forces_a_resolve(rig: StageRig, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    rig.stage()
+    assert rig.stage(resolution_cache=False)["resolution"]["cached"] is False and rig.resolves == 2
+    monkeypatch.setenv("VLLM_OVERLAY_CACHE", str(rig.cache))
+    args = ["device-stage", "--wheel", str(rig.wheel("0.28.0+c")), "--dest", str(rig.tmp / "cli"),
+            "--device-packages", str(rig.packages)]
+    assert main(args) == 0 and rig.resolves == 2
+    assert "resolution reused" in capsys.readouterr().err
+    assert main([*args, "--no-resolution-cache"]) == 0 and rig.resolves == 3
+    assert "resolution cache not used (--no-resolution-cache)" in capsys.readouterr().err
+    manifest = json.loads((rig.tmp / "cli" / "engine" / "manifest.json").read_text())
+    assert manifest["resolution"]["cached"] is False
 
 
 # --- the device side, for real --------------------------------------------------------------------

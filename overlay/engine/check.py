@@ -114,6 +114,14 @@ def child_env(case: Case, tree: Path | None, slot: int = 0, cache: Path | None =
     return env
 
 
+# A log line after which the engine cannot recover: vLLM does not always exit then (a worker
+# that failed during CUDA-graph capture left its engine waiting until the 450 s timeout on two
+# H200s). The job is stopped FATAL_GRACE_S after such a line and recorded as crashed.
+FATAL = re.compile(r"WorkerProc hit an exception|Engine core initialization failed|EngineDeadError"
+                   r"|WorkerProc initialization failed")
+FATAL_GRACE_S = 30.0
+
+
 @dataclass
 class _Running:
     job: Job
@@ -122,6 +130,20 @@ class _Running:
     slot: int
     t0: float
     deadline: float
+    log_path: Path | None = None
+    seen: int = 0  # bytes of the log already scanned for FATAL
+    fatal_at: float | None = None
+
+    def check_fatal(self, grace: float) -> bool:
+        """True once a FATAL line has been in the log for ``grace`` seconds without the process exiting."""
+        if self.fatal_at is None and self.log_path is not None:
+            with self.log_path.open("rb") as f:
+                f.seek(max(0, self.seen - 200))  # a line may straddle two reads
+                chunk = f.read().decode(errors="replace")
+                self.seen = f.tell()
+            if FATAL.search(chunk):
+                self.fatal_at = time.monotonic()
+        return self.fatal_at is not None and time.monotonic() - self.fatal_at > grace
 
 
 def _start(job: Job, model: Path, out: Path, timeout: float, slot: int) -> _Running:
@@ -136,7 +158,7 @@ def _start(job: Job, model: Path, out: Path, timeout: float, slot: int) -> _Runn
     env = child_env(job.case, job.tree, slot, out.parent / f"{out.name}-cache")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
     now = time.monotonic()
-    return _Running(job, proc, log, slot, now, now + timeout)
+    return _Running(job, proc, log, slot, now, now + timeout, log_path=out / f"{job.name}.log")
 
 
 def _finish(run: _Running, out: Path, timeout: float) -> dict[str, Any]:
@@ -145,7 +167,9 @@ def _finish(run: _Running, out: Path, timeout: float) -> dict[str, Any]:
     run.log.close()
     wall = round(time.monotonic() - run.t0, 1)
     text = (out / f"{run.job.name}.log").read_text(errors="replace")
-    if rc is None and run.deadline < run.t0 + timeout:  # stopped by the run's budget, not its own timeout
+    if rc is None and run.fatal_at is not None:
+        status, why = "crashed", f"{error_line(text)} (stopped {FATAL_GRACE_S:.0f} s after the engine failed)"
+    elif rc is None and run.deadline < run.t0 + timeout:  # stopped by the run's budget, not its own timeout
         status, why = "skipped", f"cut at the budget after {wall} s (inconclusive)"
     elif rc is None:
         status, why = "timeout", f"no result within {timeout:.0f} s; last line: {error_line(text)}"
@@ -195,7 +219,8 @@ def run_jobs(jobs: list[Job], model: Path, out: Path, *, timeout: float, paralle
                 run.deadline = min(run.deadline, t_start + budget)
             running.append(run)
         for run in list(running):
-            if run.proc.poll() is not None or time.monotonic() > run.deadline:
+            if (run.proc.poll() is not None or time.monotonic() > run.deadline
+                    or run.check_fatal(FATAL_GRACE_S)):
                 running.remove(run)
                 free.append(run.slot)
                 free.sort()

@@ -30,6 +30,10 @@ EXPECT: dict[str, tuple[str, str, str | None]] = {
     "stock": ("crash:requires attention implementations to return the softmax LSE",
               "the engine refuses to start: FlashMLA-sparse returns no decode LSE",
               "dcp-a2a-direct-proj1-graph-mtp"),
+    "flashmla-sparse-dcp-spec-cudagraphs.patch": (
+        "crash:operation not permitted when stream is capturing|previous error during capture",
+        "the engine dies capturing full CUDA graphs of MTP decodes under DCP (two H200s, 2026-11-30)",
+        "dcp-a2a-direct-proj1-graph-mtp"),
     "sparse-mla-decode-metadata-guard.patch": ("crash:has no attribute 'decode'",
                                                "AttributeError on attn_metadata.decode",
                                                "dcp-a2a-direct-proj1-graph-mtp"),

@@ -3,6 +3,7 @@
 Same arguments; writes ``<out>.env.json`` (the environment it ran with: port, cache folder,
 PYTHONPATH), then behaves as the case's env asks: ``FAKE_WAIT_FOR=NAME`` waits (up to ``FAKE_WAIT_S``, 20 s)
 until job NAME has started (proves two jobs ran at once), ``FAKE_HANG=1`` never ends,
+``FAKE_CRASH_HANG=MSG`` logs a fatal worker error and never ends,
 ``FAKE_CRASH=MSG`` prints MSG and exits 1; otherwise writes a minimal run output.
 """
 
@@ -33,6 +34,9 @@ def main() -> int:
                 return 1
             time.sleep(0.05)
     if os.environ.get("FAKE_HANG"):
+        time.sleep(3600)
+    if msg := os.environ.get("FAKE_CRASH_HANG"):  # a dead engine that does not exit
+        print(f"(Worker pid=1) ERROR WorkerProc hit an exception.\n(Worker pid=1) ERROR {msg}", flush=True)
         time.sleep(3600)
     if msg := os.environ.get("FAKE_CRASH"):
         print(msg, flush=True)

@@ -120,3 +120,14 @@ def test_variant_jobs_run_on_their_tree_and_must_fail_their_way(tmp_path: Path) 
     assert [r["verdict"] for r in recs] == ["reference", "expected-fail", "fail"] and summary["verdict"] == "fail"
     check.report(out, summary, recs, {"model": "m"})
     assert "variant, expect mismatch" in (out / "REPORT.md").read_text()
+
+
+def test_a_dead_engine_that_does_not_exit_is_stopped_early(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(check, "FATAL_GRACE_S", 0.5)
+    msg = "torch.AcceleratorError: CUDA error: operation failed due to a previous error during capture"
+    t0 = time.monotonic()
+    recs = check.run_jobs([_job("dead", FAKE_CRASH_HANG=msg)], tmp_path / "model", tmp_path, timeout=120,
+                          poll_s=0.05)
+    assert time.monotonic() - t0 < 60
+    assert recs[0]["status"] == "crashed"
+    assert recs[0]["error"].startswith("AcceleratorError: CUDA error: operation failed due to a previous error")

@@ -36,7 +36,11 @@ def test_every_fix_has_a_variant_with_its_symptom(variants: tuple[Path, dict]) -
         assert (out / f"{name}.tar.gz").is_file() and v["expect"] and v["symptom"]
     assert manifest["variants"]["stock"]["patches"] == []
     # a later patch builds on the decode guard: its variant is the series before it
-    assert manifest["variants"]["minus-sparse-mla-decode-metadata-guard"]["patches"] == ["flashmla-sparse-dcp.patch"]
+    assert manifest["variants"]["minus-sparse-mla-decode-metadata-guard"]["patches"] == [
+        "flashmla-sparse-dcp.patch", "flashmla-sparse-dcp-spec-cudagraphs.patch"]
+    # the CUDA-graph fix drops cleanly too
+    g = manifest["variants"]["minus-flashmla-sparse-dcp-spec-cudagraphs"]["patches"]
+    assert "flashmla-sparse-dcp-spec-cudagraphs.patch" not in g and len(g) == len(manifest["series"]) - 1
     # the q-gather fallback drops cleanly: every other patch stays
     q = manifest["variants"]["minus-dcp-direct-q-gather-fallback"]["patches"]
     assert "dcp-direct-q-gather-fallback.patch" not in q and len(q) == len(manifest["series"]) - 1

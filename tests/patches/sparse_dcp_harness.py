@@ -85,7 +85,7 @@ def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 8, max_num_batched_
         device_config=DeviceConfig(device=device),
         model_config=model_config,
         parallel_config=ParallelConfig(tensor_parallel_size=dcp, decode_context_parallel_size=dcp,
-                                       dcp_comm_backend="a2a"),
+                                       dcp_comm_backend="a2a" if dcp > 1 else "ag_rs"),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                          max_num_batched_tokens=max_num_batched_tokens,
                                          max_model_len=4096, is_encoder_decoder=False),

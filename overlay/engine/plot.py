@@ -24,7 +24,7 @@ def bars(doc: dict[str, Any]) -> list[tuple[str, float, float, str]]:
         if rec["case"]["role"] == "reference" or rec["status"] == "skipped":
             continue
         d = rec.get("diff") or {}
-        out.append((rec["case"]["name"], d.get("dense_max_abs", 0.0), d.get("sparse_q90", 0.0),
+        out.append((rec.get("name") or rec["case"]["name"], d.get("dense_max_abs", 0.0), d.get("sparse_q90", 0.0),
                     rec["status"] if rec["status"] != "ok" else rec.get("verdict", "")))
     return out
 

@@ -24,7 +24,8 @@ def bars(doc: dict[str, Any]) -> list[tuple[str, float, float, str]]:
         if rec["case"]["role"] == "reference" or rec["status"] == "skipped":
             continue
         d = rec.get("diff") or {}
-        out.append((rec.get("name") or rec["case"]["name"], d.get("dense_max_abs", 0.0), d.get("sparse_q90", 0.0),
+        label = f"variant: {rec['variant']}" if rec.get("variant") else rec["case"]["name"]
+        out.append((label, d.get("dense_max_abs", 0.0), d.get("sparse_q90", 0.0),
                     rec["status"] if rec["status"] != "ok" else rec.get("verdict", "")))
     return out
 
@@ -35,7 +36,7 @@ def draw(docs: list[tuple[str, dict[str, Any]]], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(docs), figsize=(max(6, 0.9 * sum(len(bars(d)) for _, d in docs) + 2), 4.5),
+    fig, axes = plt.subplots(1, len(docs), figsize=(max(6, 0.6 * sum(len(bars(d)) for _, d in docs) + 2), 7),
                              squeeze=False)
     for ax, (title, doc) in zip(axes[0], docs, strict=True):
         rows = bars(doc)
@@ -53,7 +54,7 @@ def draw(docs: list[tuple[str, dict[str, Any]]], out: Path) -> Path:
         ax.set_xticks(list(xs), [r[0] for r in rows], rotation=60, ha="right", fontsize=7)
         ax.set_ylabel("max |logprob - reference| (nats)")
         ax.set_title(f"{title}: {doc['summary'].get('verdict', '?')}", fontsize=9)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.55), ncol=4)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -67,6 +67,7 @@ class Case:
     reverse: bool = False  # submit the prompts in reverse order (another batch composition)
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     note: str = ""
+    compare_to: str = ""  # the reference case it is compared with ("": the first reference)
 
     def engine_kwargs(self, model: str) -> dict[str, Any]:
         kw: dict[str, Any] = {
@@ -96,7 +97,8 @@ class Case:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "role": self.role, "tp": self.tp, "dcp": self.dcp, "backend": self.backend,
                 "eager": self.eager, "mtp": self.mtp, "env": dict(self.env), "reverse": self.reverse,
-                "max_num_batched_tokens": self.max_num_batched_tokens, "note": self.note}
+                "max_num_batched_tokens": self.max_num_batched_tokens, "note": self.note,
+                **({"compare_to": self.compare_to} if self.compare_to else {})}
 
 
 def _dcp(name: str, *, backend: str = "a2a", direct: bool = True, project: bool = True, eager: bool = False,
@@ -106,7 +108,8 @@ def _dcp(name: str, *, backend: str = "a2a", direct: bool = True, project: bool 
         env["VLLM_USE_DIRECT_DCP_A2A"] = "1" if direct else "0"
     if sizing:
         env["VLLM_DCP_DIRECT_WORKSPACE_SIZING"] = sizing
-    return Case(name, tp=tp, dcp=dcp, backend=backend, eager=eager, mtp=mtp, env=env)
+    return Case(name, tp=tp, dcp=dcp, backend=backend, eager=eager, mtp=mtp, env=env,
+                compare_to="ref-dcp1-mtp" if mtp else "")
 
 
 def cases(tp: int = 2) -> list[Case]:
@@ -119,7 +122,10 @@ def cases(tp: int = 2) -> list[Case]:
         Case("ref-dcp1-rerun", role="spread", tp=tp, note="identical rerun: run-to-run noise"),
         Case("ref-dcp1-reordered", role="spread", tp=tp, reverse=True, max_num_batched_tokens=4096,
              note="prompts reversed, 4096-token steps: other batches, same math (rounding spread)"),
-        Case("ref-dcp1-mtp", role="check", tp=tp, mtp=True, note="MTP-5 (sequential drafting) at DCP 1"),
+        # The reference of the MTP cases: vLLM 0.28.0 with MTP moves the first request's prompt
+        # logprobs by up to 11 nats at DCP 1 already (two H200s, 2026-11-30), so MTP cases are held
+        # to DCP 1 + MTP; its deviation from ref-dcp1 is reported beside it.
+        Case("ref-dcp1-mtp", role="reference", tp=tp, mtp=True, note="MTP-5 (sequential drafting) at DCP 1"),
     ]
     if tp < 2:
         return refs
@@ -139,5 +145,5 @@ def cases(tp: int = 2) -> list[Case]:
         _dcp("dcp-agrs-proj1-eager", backend="ag_rs", eager=True, **d),
         _dcp("dcp-a2a-direct-proj0-eager", project=False, eager=True, **d),
     ]
-    # reference, the production shape, a spread run (the tolerance), then by value
-    return [refs[0], checks[0], refs[2], checks[1], checks[2], checks[3], refs[1], refs[3], *checks[4:]]
+    # the references, the production shape, a spread run (the tolerance), then by value
+    return [refs[0], refs[3], checks[0], refs[2], checks[1], checks[2], checks[3], refs[1], *checks[4:]]

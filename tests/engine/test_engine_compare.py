@@ -102,7 +102,11 @@ def test_tolerance_is_safety_times_spread_with_a_floor() -> None:
 
 def test_cases_put_references_then_the_production_shape_first() -> None:
     names = [c.name for c in cases(2)]
-    assert names[:3] == ["ref-dcp1", "dcp-a2a-direct-proj1-graph-mtp", "ref-dcp1-reordered"]
+    assert names[:4] == ["ref-dcp1", "ref-dcp1-mtp", "dcp-a2a-direct-proj1-graph-mtp", "ref-dcp1-reordered"]
+    # MTP cases are held to DCP 1 + MTP, the others to the plain DCP 1 reference
+    assert {c.name: c.compare_to for c in cases(2) if c.mtp} == {
+        "ref-dcp1-mtp": "", "dcp-a2a-direct-proj1-graph-mtp": "ref-dcp1-mtp",
+        "dcp-agrs-proj1-graph-mtp": "ref-dcp1-mtp"}
     assert len(names) == len(set(names))
     prod = next(c for c in cases(2) if c.name == "dcp-a2a-direct-proj1-graph-mtp")
     kw = prod.engine_kwargs("/m")
@@ -178,3 +182,21 @@ def test_plot_draws_every_compared_case(tmp_path: Path) -> None:
     assert [b[0] for b in bars(doc)] == ["rerun", "dead"] and bars(doc)[1][3] == "crashed"
     png = draw([("main", doc)], tmp_path / "e.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_case_is_judged_against_its_own_reference(tmp_path: Path) -> None:
+    moved = copy.deepcopy(_ref())
+    moved["requests"][0]["prompt_logprobs"][2] = -7.0  # what MTP does to DCP 1's first request
+    recs = _records(tmp_path, {"ref": ("reference", _ref()), "ref-mtp": ("reference", moved),
+                               "mtp-same": ("check", moved), "mtp-off": ("check", _ref())})
+    for r in recs[2:]:
+        r["case"]["compare_to"] = "ref-mtp"
+    s = check.judge(recs, tmp_path, None)
+    assert {r["case"]["name"]: r["verdict"] for r in recs} == {
+        "ref": "reference", "ref-mtp": "reference", "mtp-same": "pass", "mtp-off": "fail"}
+    assert recs[1]["problems"] and s["verdict"] == "fail"  # the second reference's deviation is reported
+    recs = _records(tmp_path, {"ref": ("reference", _ref()), "ref-mtp": ("reference", None),
+                               "mtp": ("check", moved)})
+    recs[2]["case"]["compare_to"] = "ref-mtp"
+    check.judge(recs, tmp_path, None)
+    assert recs[1]["verdict"] == "fail" and recs[2]["problems"] == ["its reference ref-mtp did not run"]

@@ -29,9 +29,14 @@ $(BUILD_STAMP): $(TOOL_STAMP) $(wildcard patches/$(VLLM)/*) $(wildcard overlay/*
 	$(OVERLAY) build --vllm $(VLLM) --install $(VENV)
 	@touch $@
 
-test: $(BUILD_STAMP) ## the whole CPU test suite (lint included); what .ci/run calls
+test: $(BUILD_STAMP) ## the whole CPU test suite (lint included, then upstream-tests); what .ci/run calls
 	$(PY) -m ruff check overlay tests
 	$(PY) -m pytest -m "not gpu"
+	$(OVERLAY) upstream-tests --vllm $(VLLM) --out $(or $(UPSTREAM_OUT),upstream-tests)
+
+.PHONY: upstream-tests
+upstream-tests: $(BUILD_STAMP) ## vLLM's own tests of the touched modules (verified sdist) on the patched tree; exit 0 pass, else not [UPSTREAM_OUT=upstream-tests TIMEOUT=300]
+	$(OVERLAY) upstream-tests --vllm $(VLLM) --out $(or $(UPSTREAM_OUT),upstream-tests)$(if $(TIMEOUT), --timeout $(TIMEOUT))
 
 lint: $(TOOL_STAMP) ## ruff
 	$(PY) -m ruff check overlay tests

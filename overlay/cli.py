@@ -216,6 +216,22 @@ def cmd_device_stage(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_upstream_tests(ns: argparse.Namespace) -> int:
+    from overlay.upstream_tests import run
+
+    out = Path(ns.out)
+    report = run(_root(ns), ns.vllm, out, timeout=ns.timeout)
+    for row in report.regressions:
+        print(f"regression: {row['test']}: {row['message']}", file=sys.stderr)
+    for row in report.stale:
+        print(f"stale expected failure: {row['test']} ({row['patch']}): {row['why']}", file=sys.stderr)
+    c = report.counts
+    print(f"verdict: {report.verdict} ({c['passed']} passed, {c['failed']} failed ({len(report.expected_failing)} "
+          f"expected, {len(report.base_failures)} on the base too), {c['skipped']} skipped, {report.seconds:.0f} s); "
+          f"report {out / 'upstream-tests.md'}", file=sys.stderr)
+    return 0 if report.verdict == "pass" else 1
+
+
 COMMANDS: dict[str, tuple[str, Handler]] = {
     "build": ("fetch + verify the base wheel, apply the series, write and install the wheel", cmd_build),
     "status": ("each patch: subject, origin, kind, files, applies to the pinned base", cmd_status),
@@ -236,6 +252,8 @@ COMMANDS: dict[str, tuple[str, Handler]] = {
                         cmd_rebase_continue),
     "cherry-pick": ("add an upstream PR number, commit or patch file to the series; exit 2 at a conflict",
                     cmd_cherry_pick),
+    "upstream-tests": ("vLLM's own tests of the touched modules, from the verified sdist, on the patched tree; "
+                       "exit 0 pass, 1 regression or stale expected failure, 2 harness", cmd_upstream_tests),
     "device-stage": ("stage the built wheel's tree and kernels and the wheels vLLM needs for the GPU device "
                      "machine into carries of <= 60 MiB, with the device calls to make", cmd_device_stage),
 }
@@ -341,6 +359,9 @@ def parser() -> argparse.ArgumentParser:
                                  "target were resolved before (the new resolution replaces the cached one)")
             sp.add_argument("--command", default="python3 -m pytest -m gpu tests/patches",
                             help="the command shown for the last device call")
+        elif name == "upstream-tests":
+            sp.add_argument("--out", default="upstream-tests", help="report folder (default %(default)s)")
+            sp.add_argument("--timeout", type=int, default=300, help="seconds per test (default %(default)s)")
         elif name == "bench-build":
             sp.add_argument("--repeat", type=int, default=5)
             sp.add_argument("--json-out")

@@ -1,4 +1,5 @@
-"""Get a release's source distribution into the cache, verified, for ``make image``'s kernel stage.
+"""Get a release's source distribution into the cache, verified, for ``make image``'s kernel stage
+and ``make upstream-tests`` (vLLM's own tests).
 
 The sdist lives in ``<cache>/sdists/`` (see :func:`overlay.fetch.cache_dir`) and is only moved
 there after its sha256 matched ``pin.toml``'s ``sdist_sha256``; a mismatching download is
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -91,6 +93,36 @@ def pip_download_sdist(version: str, filename: str, dest: Path, *, python: str |
         )
 
 
+def pip_url_download_sdist(version: str, filename: str, dest: Path, *, python: str | None = None) -> None:
+    """Let pip find the sdist's URL on the index, then download those bytes as they are.
+
+    For a reader of the sdist's files (``make upstream-tests``), not a builder: unlike
+    :func:`pip_download_sdist` it needs none of vLLM's build requirements, since nothing is
+    prepared. The bytes are trusted only through ``sdist_sha256`` (:func:`fetch_sdist` checks it).
+    """
+    py = python or sys.executable
+    probe = subprocess.run(
+        [py, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
+         "-vv", "-d", str(dest), f"vllm=={version}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False,
+    )
+    if (dest / filename).is_file():
+        return
+    url = find_sdist_url(probe.stdout, filename)
+    if url is None:
+        raise FetchError(
+            f"pip download vllm=={version} (sdist) named no {filename} URL: {_last_line(probe.stdout)}"
+        )
+    part = dest / f".{filename}.part"
+    try:
+        with urllib.request.urlopen(url, timeout=60) as resp, part.open("wb") as fh:
+            while chunk := resp.read(1 << 20):
+                fh.write(chunk)
+    except OSError as exc:
+        raise FetchError(f"download of {url} failed: {exc}") from None
+    os.replace(part, dest / filename)
+
+
 def fetch_sdist(
     pin: Pin, source: str, *, cache: Path | None = None, downloader: Downloader | None = None
 ) -> Path:
@@ -124,6 +156,29 @@ def read_sources(sdist: Path, want: Callable[[str], bool]) -> dict[str, str]:
     except tarfile.TarError as exc:
         raise FetchError(f"{sdist}: not a readable source archive: {exc}") from None
     return out
+
+
+def extract_subtree(sdist: Path, prefix: str, dest: Path) -> int:
+    """Unpack only the members under ``prefix`` (e.g. ``tests/``, below the top folder) into ``dest``.
+
+    ``dest`` must not exist; the files land in a temporary sibling that is renamed at the end, so
+    a half-extracted tree is never left at ``dest``. Returns the number of files written.
+    """
+    if dest.exists():
+        raise FetchError(f"{dest}: exists; the {prefix} tree goes into a fresh folder")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with tarfile.open(sdist, "r:*") as tf:
+            top = _top(sdist, tf)
+            members = [m for m in tf.getmembers() if m.name.startswith(f"{top}/{prefix}")]
+            if not any(m.isfile() for m in members):
+                raise FetchError(f"{sdist.name}: holds no {prefix} files")
+            with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".extract-") as tmp:
+                tf.extractall(tmp, members=members, filter="data")
+                os.replace(Path(tmp) / top / prefix.rstrip("/"), dest)
+    except tarfile.TarError as exc:
+        raise FetchError(f"{sdist}: not a readable source archive: {exc}") from None
+    return sum(1 for m in members if m.isfile())
 
 
 def extract(sdist: Path, dest: Path) -> Path:

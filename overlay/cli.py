@@ -130,7 +130,10 @@ def cmd_regress(ns: argparse.Namespace) -> int:
             gsm8k_data=ns.gsm8k_data, gsm8k_limit=ns.gsm8k_limit, latency_tool=ns.latency_tool,
             ready_timeout_s=ns.ready_timeout, attach_timeout_s=attach_timeout_s,
             skip=tuple(c for c in (ns.skip or "").split(",") if c))
-        report = run(profile, out, base_url=ns.base_url or None)
+        report = run(profile, out, base_url=ns.base_url or None,
+                     ref_url=ns.ref_url or os.environ.get("REF_URL") or None, ref_file=ns.ref_file,
+                     record_differential=ns.record_differential, record_baseline=ns.record_baseline,
+                     baseline_for=ns.baseline_for)
     except OverlayError as exc:
         write_verdict(out, 2, [f"harness: {' '.join(str(exc).split())}"])
         raise
@@ -327,7 +330,17 @@ def parser() -> argparse.ArgumentParser:
                             help="with --base-url: seconds of refused connections before a harness failure "
                                  "(default: the profile's server.attach_timeout_s, or REGRESS_ATTACH_TIMEOUT)")
             sp.add_argument("--skip", help="checks to leave out, comma-separated "
-                                           "(long_context,gsm8k,acceptance,latency)")
+                                           "(differential,long_context,gsm8k,acceptance,latency)")
+            sp.add_argument("--ref-url", help="differential check: the reference server (default: $REF_URL)")
+            sp.add_argument("--ref-file", help="differential check: reference outputs recorded with "
+                                               "--record-differential")
+            sp.add_argument("--record-differential", metavar="FILE",
+                            help="this server is the reference: record its differential outputs into FILE "
+                                 "(judges nothing for that check)")
+            sp.add_argument("--record-baseline", metavar="FILE",
+                            help="write a profile (--baseline-for, default this one) with this run's GSM8K, "
+                                 "acceptance and latency as its baseline")
+            sp.add_argument("--baseline-for", metavar="PROFILE", help="with --record-baseline: the profile to copy")
         elif name in ("rebase", "rebase-continue"):
             sp.add_argument("--to", required=name == "rebase", help="target release x.y.z")
             sp.add_argument("--tests", default="tests/patches", help="the patches' own tests (default %(default)s)")

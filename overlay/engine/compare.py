@@ -184,13 +184,13 @@ def _compare_decode(a: dict[str, Any], b: dict[str, Any], tol: Tolerance, r: Req
         r.token_mismatch = f"{len(b['tokens'])} tokens generated instead of {len(a['tokens'])}"
 
 
-def derive_tolerance(ref: dict[str, Any], spreads: list[dict[str, Any]],
-                     index_topk: int = INDEX_TOPK) -> tuple[Tolerance, dict[str, float]]:
-    """The tolerance from the DCP 1 spread runs, and the spread it came from."""
+def derive_tolerance(ref: dict[str, Any], spreads: list[dict[str, Any]], index_topk: int = INDEX_TOPK, *,
+                     safety: float = SAFETY, floor: float = FLOOR) -> tuple[Tolerance, dict[str, float]]:
+    """The tolerance from the spread runs (``safety`` x their deviation, at least ``floor``), and the spread."""
     loose = Tolerance(float("inf"), float("inf"), float("inf"))
     dense, q50, q90 = 0.0, 0.0, 0.0
     for doc in spreads:
         d = compare(ref, doc, loose, index_topk)
         dense, q50, q90 = max(dense, d.dense_max_abs), max(q50, d.sparse_q50), max(q90, d.sparse_q90)
     spread = {"dense_max_abs": dense, "sparse_q50": q50, "sparse_q90": q90}
-    return Tolerance(max(SAFETY * dense, FLOOR), max(SAFETY * q50, FLOOR), max(SAFETY * q90, FLOOR)), spread
+    return Tolerance(max(safety * dense, floor), max(safety * q50, floor), max(safety * q90, floor)), spread

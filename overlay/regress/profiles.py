@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
+import shlex
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -19,7 +21,8 @@ import yaml
 
 from overlay.regress.errors import ProfileError
 
-CHECKS = ("long_context", "gsm8k", "acceptance", "latency")
+CHECKS = ("differential", "long_context", "gsm8k", "acceptance", "latency")
+DEFAULT_CHECKS = ("long_context", "gsm8k", "acceptance", "latency")  # differential needs a reference: opt in
 LATENCY_TOOLS = ("vllm-bench", "builtin")
 GSM8K_METRICS = ("strict-match", "flexible-extract")  # lm-eval's two GSM8K filters, each with a baseline
 # Which thresholds each check reads; a profile must justify exactly the ones its checks use.
@@ -28,6 +31,7 @@ THRESHOLDS_BY_CHECK: dict[str, tuple[str, ...]] = {
     "gsm8k": ("gsm8k_max_stderrs",),
     "acceptance": ("acceptance_near_one", "acceptance_cliff", "acceptance_max_drop"),
     "latency": ("ttft_max_ratio", "tpot_max_ratio"),
+    "differential": ("differential_safety", "differential_floor_nats"),
 }
 
 
@@ -50,7 +54,9 @@ class ServerSpec:
     attach_timeout_s: float = 30.0  # attached (BASE_URL): how long connections may be refused
 
     def command(self) -> list[str]:
-        cmd = [self.vllm_bin, "serve", self.model, "--host", self.host, "--port", str(self.port)]
+        model = os.path.expanduser(self.model) if self.model.startswith("~") else self.model  # a local checkpoint
+        # vllm_bin may be a command line: "python3 -m vllm.entrypoints.cli.main" where vLLM is on PYTHONPATH
+        cmd = [*shlex.split(self.vllm_bin), "serve", model, "--host", self.host, "--port", str(self.port)]
         if self.served_model_name != self.model:
             cmd += ["--served-model-name", self.served_model_name]
         return cmd + list(self.args)
@@ -103,6 +109,20 @@ class LongContextSpec:
 
 
 @dataclass(frozen=True)
+class DifferentialSpec:
+    """The differential check's prompts (seeded random token ids) and decoding (``regress.differential``)."""
+
+    prompt_tokens: tuple[int, ...] = (100, 3000, 9000, 8, 16, 24, 40)
+    token_range: tuple[int, int] = (0, 256)
+    seed: int = 0
+    max_tokens: int = 64
+    top_logprobs: int = 5
+    index_topk: int = 2048
+    spread_runs: int = 1
+    request_timeout_s: float = 900.0
+
+
+@dataclass(frozen=True)
 class LatencySpec:
     tool: str
     input_len: int
@@ -134,6 +154,8 @@ class Profile:
     latency: LatencySpec
     baseline: Baseline
     thresholds: dict[str, Threshold] = field(default_factory=dict)
+    differential: DifferentialSpec = field(default_factory=DifferentialSpec)
+    checks_off: dict[str, str] = field(default_factory=dict)  # check -> why it is off for this profile
 
     def threshold(self, name: str) -> float:
         return self.thresholds[name].value
@@ -196,10 +218,12 @@ class _Fields:
         self.problems = problems
         self.read: dict[int, tuple[str, dict[str, Any], set[str]]] = {}  # id -> (where, mapping, keys read)
 
-    def section(self, data: Any, key: str) -> dict[str, Any]:
+    def section(self, data: Any, key: str, optional: bool = False) -> dict[str, Any]:
         if isinstance(data, dict):
             self.read.setdefault(id(data), ("", data, set()))[2].add(key)
         value = data.get(key) if isinstance(data, dict) else None
+        if optional and value is None:
+            return {}
         if not isinstance(value, dict):
             self.problems.append(f"{key}: missing or not a mapping")
             return {}
@@ -263,10 +287,18 @@ def parse_profile(text: str, source: str) -> Profile:
     f = _Fields(problems)
     name = f.get(data, "", "name", str)
     description = f.get(data, "", "description", str, default="")
-    checks = f.get(data, "", "checks", list, default=list(CHECKS))
+    checks = f.get(data, "", "checks", list, default=list(DEFAULT_CHECKS))
     for c in checks or []:
         if c not in CHECKS:
             problems.append(f"checks: unknown check {c!r} (known: {', '.join(CHECKS)})")
+    checks_off = f.get(data, "", "checks_off", dict, default={}) or {}
+    for c, why in checks_off.items():
+        if c not in CHECKS:
+            problems.append(f"checks_off.{c}: unknown check (known: {', '.join(CHECKS)})")
+        elif c in (checks or []):
+            problems.append(f"checks_off.{c}: the check is also in checks")
+        if not isinstance(why, str) or not why.strip():
+            problems.append(f"checks_off.{c}: say why the check is off (a non-empty string)")
 
     s = f.section(data, "server")
     args = f.get(s, "server", "args", list, default=[])
@@ -325,6 +357,31 @@ def parse_profile(text: str, source: str) -> Profile:
         if max(prompt_tokens) <= long_context.workspace_capacity_tokens:
             problems.append(f"long_context.prompt_tokens: none is longer than workspace_capacity_tokens "
                             f"{long_context.workspace_capacity_tokens}; the workspace overflow would go untested")
+
+    dd = f.section(data, "differential", optional=True)
+    dflt = DifferentialSpec()
+    d_prompts = f.get(dd, "differential", "prompt_tokens", list, default=list(dflt.prompt_tokens)) or []
+    if not d_prompts or any(isinstance(n, bool) or not isinstance(n, int) or n <= 1 for n in d_prompts):
+        problems.append(f"differential.prompt_tokens: expected integers > 1, got {d_prompts!r}")
+        d_prompts = list(dflt.prompt_tokens)
+    d_range = f.get(dd, "differential", "token_range", list, default=list(dflt.token_range)) or []
+    if (len(d_range) != 2 or any(isinstance(n, bool) or not isinstance(n, int) for n in d_range)
+            or not 0 <= d_range[0] < d_range[1]):
+        problems.append(f"differential.token_range: expected [low, high) token ids, 0 <= low < high, got {d_range!r}")
+        d_range = list(dflt.token_range)
+    differential = DifferentialSpec(
+        prompt_tokens=tuple(d_prompts), token_range=(d_range[0], d_range[1]),
+        seed=f.get(dd, "differential", "seed", int, default=dflt.seed),
+        max_tokens=f.get(dd, "differential", "max_tokens", int, default=dflt.max_tokens, positive=True),
+        top_logprobs=f.get(dd, "differential", "top_logprobs", int, default=dflt.top_logprobs, positive=True),
+        index_topk=f.get(dd, "differential", "index_topk", int, default=dflt.index_topk, positive=True),
+        spread_runs=f.get(dd, "differential", "spread_runs", int, default=dflt.spread_runs, positive=True),
+        request_timeout_s=f.get(dd, "differential", "request_timeout_s", float, default=dflt.request_timeout_s,
+                                positive=True),
+    )
+    if "differential" in (checks or []) and max(differential.prompt_tokens) <= differential.index_topk:
+        problems.append(f"differential.prompt_tokens: none is longer than index_topk {differential.index_topk}; "
+                        "the sparse top-k path would go uncompared")
 
     la = f.section(data, "latency")
     latency = LatencySpec(
@@ -396,4 +453,5 @@ def parse_profile(text: str, source: str) -> Profile:
         raise ProfileError(f"{source}: " + "; ".join(problems))
     return Profile(name=name, description=description, path=source, checks=tuple(checks),
                    server=server, gsm8k=gsm8k, long_context=long_context, latency=latency,
-                   baseline=baseline, thresholds=thresholds)
+                   baseline=baseline, thresholds=thresholds, differential=differential,
+                   checks_off={str(k): str(v).strip() for k, v in checks_off.items()})

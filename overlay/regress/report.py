@@ -24,7 +24,7 @@ def to_dict(report: RunReport) -> dict[str, Any]:
         "attached": report.attached, "server_command": p.server.command(), "server_env": p.server.env,
         "server_log": report.server_log, "baseline_source": p.baseline.source,
         "thresholds": {k: {"value": t.value, "why": t.why} for k, t in p.thresholds.items()},
-        "steps": [s.to_dict() for s in report.steps],
+        "steps": [s.to_dict() for s in report.steps], "checks_off": dict(p.checks_off),
     }
 
 
@@ -61,8 +61,25 @@ def markdown(report: RunReport, images: dict[str, Path | None]) -> str:
     lines += ["## Checks", "", "| check | status | seconds | summary |", "| --- | --- | ---: | --- |"]
     for s in report.steps:
         lines.append(f"| {s.name} | {_ICON[s.status]} | {s.seconds:.1f} | {_cell(s.summary)} |")
+    for name, why in p.checks_off.items():
+        lines.append(f"| {name} | off | | {_cell(why)} |")
     lines.append("")
     steps = {s.name: s for s in report.steps}
+    if "differential" in steps and "diff" in steps["differential"].data:
+        d = steps["differential"].data
+        t, sp = d["tolerance"], d["spread"]
+        lines += ["## Differential", "",
+                  f"Prompts of {', '.join(map(str, d['prompt_tokens']))} tokens, greedy, against `{d['reference']}`. "
+                  f"Tolerance (nats): every logprob with context <= index_topk {t['dense']:.3g} (reference spread "
+                  f"{sp['dense_max_abs']:.3g}); beyond, median {t['sparse_q50']:.3g} and 90th percentile "
+                  f"{t['sparse_q90']:.3g} (spread {sp['sparse_q50']:.3g} / {sp['sparse_q90']:.3g}).", "",
+                  "| request | prompt tokens | dense max (where) | beyond: median / p90 | steps compared | note |",
+                  "| ---: | ---: | --- | --- | ---: | --- |"]
+        for i, r in enumerate(d["diff"]["requests"]):
+            lines.append(f"| {i} | {r['prompt_len']} | {r['dense_max_abs']:.3g} ({r.get('dense_worst') or '-'}) | "
+                         f"{r['sparse_q50']:.3g} / {r['sparse_q90']:.3g} | {r['steps_compared']} | "
+                         f"{_cell(r.get('token_mismatch') or '')} |")
+        lines.append("")
     if "long_context" in steps and steps["long_context"].data:
         d = steps["long_context"].data
         lines += ["## Long context", "",

@@ -1,6 +1,7 @@
 """One regression run: bring the server up (or attach), run the profile's checks, write the report.
 
-Order: long context first (a crash on a long prefill ends the run in minutes, not after GSM8K),
+Order: the differential check, then long context (a crash on a long prefill ends the run in
+minutes, not after GSM8K),
 then GSM8K (corruption left behind by long prompts shows up there too), then latency, then the
 acceptance rates over everything the run sent. A server that dies ends the run with a
 ``server-died`` regression; the remaining checks are reported as skipped.
@@ -18,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from overlay.regress import acceptance, gsm8k, latency, longctx
+from overlay.regress import acceptance, differential, gsm8k, latency, longctx
 from overlay.regress.errors import RegressError, ServerDied
 from overlay.regress.profiles import GSM8K_METRICS, Profile
 from overlay.regress.results import Finding, Progress, StepResult, step_status, verdict, write_verdict
@@ -62,14 +63,27 @@ def _summary(name: str, data: dict[str, Any], findings: list[Finding]) -> str:
         return f"TTFT {data['mean_ttft_ms']:.1f} ms, TPOT {data['mean_tpot_ms']:.2f} ms ({data['tool']})"
     if name == "acceptance":
         return "per position " + ", ".join(f"{r:.2f}" for r in data.get("rates", []))
+    if name == "differential":
+        if "recorded" in data:
+            return f"recorded {data['requests']} prompts into {data['recorded']}"
+        d = data["diff"]
+        return (f"matches {data['reference']}: dense max {d['dense_max_abs']:.3g} nats, beyond index_topk median "
+                f"{d['sparse_q50']:.3g} / p90 {d['sparse_q90']:.3g}")
     if name == "long_context":
         return f"{len(data['probes'])} probes and {len(data['repeated']['answers'])} repeats right"
     return "ok"
 
 
 def run(profile: Profile, out_dir: Path, base_url: str | None = None,
-        progress: Callable[[str], None] | None = None) -> RunReport:
-    """Run every check of ``profile`` and write the report folder; never raises for a check."""
+        progress: Callable[[str], None] | None = None, *, ref_url: str | None = None,
+        ref_file: str | None = None, record_differential: str | None = None,
+        record_baseline: str | None = None, baseline_for: str | None = None) -> RunReport:
+    """Run every check of ``profile`` and write the report folder; never raises for a check.
+
+    ``ref_url`` / ``ref_file``: the differential check's reference (a server, or outputs recorded
+    with ``record_differential`` on a run against the reference server). ``record_baseline``: write
+    ``baseline_for`` (default this profile) with this run's measurements as its baseline.
+    """
     say = progress or Progress()
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("verdict", "verdict.json"):  # a previous run's verdict must not outlive a crash of this one
@@ -108,13 +122,16 @@ def run(profile: Profile, out_dir: Path, base_url: str | None = None,
         scrape_errors: list[Finding] = []
         if not dead and server is not None and "acceptance" in profile.checks:
             before = _snapshot(server, scrape_errors)
-        for name in ("long_context", "gsm8k", "latency"):
-            if name not in profile.checks:
+        steps = dict(STEPS)
+        steps["differential"] = lambda p, s, out, progress: differential.run_differential(
+            p, s, progress, ref_url=ref_url, ref_file=ref_file, record=record_differential)
+        for name in ("differential", "long_context", "gsm8k", "latency"):
+            if name not in profile.checks and not (name == "differential" and record_differential):
                 continue
             if dead or server is None:
                 report.steps.append(StepResult(name, "skipped", "the server is not up"))
                 continue
-            dead = _run_step(name, STEPS[name], profile, server, out_dir, say, report)
+            dead = _run_step(name, steps[name], profile, server, out_dir, say, report)
         if "acceptance" in profile.checks:
             if dead or server is None:
                 report.steps.append(StepResult("acceptance", "skipped", "the server is not up"))
@@ -133,6 +150,17 @@ def run(profile: Profile, out_dir: Path, base_url: str | None = None,
             if server.launched:
                 say("server: stopping")
             server.stop()
+    if record_baseline:
+        from overlay.regress.baseline_record import recorded_values, write_recorded_profile
+
+        try:
+            path = write_recorded_profile(baseline_for or profile.path, recorded_values(report.steps),
+                                          Path(record_baseline), f"{profile.name} at {report.base_url}")
+            report.steps.append(StepResult("record-baseline", "pass", f"wrote {path}"))
+            say(f"record-baseline: wrote {path}")
+        except RegressError as exc:
+            _record(report, say, StepResult("record-baseline", "error", str(exc),
+                                            findings=[Finding("record-baseline", "harness", str(exc))]))
     report.verdict, report.exit_code = verdict(report.steps)
     report.seconds = time.monotonic() - start
     from overlay.regress.report import write_report

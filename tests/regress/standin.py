@@ -13,6 +13,12 @@ Modes, each the symptom of one reported failure (``../shared/seeds/000_81f8ab4c6
 - ``accumulate``: after the first long prompt every request is a little more wrong than the last.
 - ``collapse``: right answers, but per-position acceptance ``1.0, 1.0, 0.26, ...``.
 - ``dies``: the process exits (engine crash) on the first prompt longer than ``--capacity``.
+- ``skew``: right answers, but logprobs whose context exceeds ``--long-tokens`` are 1.5 nats off
+  (silent corruption past ``index_topk``: only the differential check sees it).
+
+Token-id prompts (``"prompt": [ids]``) are answered like vLLM's completions API with
+``logprobs``, ``prompt_logprobs``, ``return_tokens_as_token_ids`` and ``return_token_ids``: a
+deterministic toy model, so that two healthy stand-ins agree exactly.
 
 ``--start-delay`` makes any mode start slowly: the port is bound only after that many seconds,
 as vLLM binds only once the engine is loaded.
@@ -72,6 +78,10 @@ class State:
                     self.long_seen = True
             return self.corruption
 
+    def skew(self, pos: int) -> float:
+        """``skew`` mode: logprobs with a context past ``--long-tokens`` are 1.5 nats off (a wrong merge)."""
+        return 1.5 if self.args.mode == "skew" and pos > self.args.long_tokens else 0.0
+
     def on_output(self, output_tokens: int) -> None:
         if not self.args.spec_tokens:
             return
@@ -83,6 +93,11 @@ class State:
             self.draft_tokens += drafts * self.args.spec_tokens
             for pos, rate in enumerate(curve):
                 self.accepted[pos] += rate * drafts
+
+
+def _token_lp(prev: int, pos: int, tok: int) -> float:
+    """The stand-in model's logprob of ``tok`` at ``pos`` after ``prev``: deterministic, in (-9, 0)."""
+    return -(((tok * 31 + pos * 17 + prev * 7) % 89) / 10.0) - 0.05
 
 
 def _norm(text: str) -> str:
@@ -207,6 +222,9 @@ class Handler(BaseHTTPRequestHandler):
             return
         if self.path == "/v1/completions":
             prompt = req.get("prompt", "")
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                self._token_completion(req, prompt)
+                return
             if isinstance(prompt, list):
                 prompt = prompt[0]
             chat = False
@@ -244,6 +262,42 @@ class Handler(BaseHTTPRequestHandler):
         self._json(200, {"id": "cmpl-standin", "object": "chat.completion" if chat else "text_completion",
                          "model": self.state.args.model_name, "choices": [choice], "usage": usage})
 
+    def _token_completion(self, req: dict[str, object], ids: list[int]) -> None:
+        """A token-id prompt with logprobs, answered the way vLLM's completions API does (differential)."""
+        st = self.state
+        if req.get("model") != st.args.model_name:
+            self._json(404, {"error": f"model {req.get('model')!r} does not exist"})
+            return
+        if st.args.mode == "dies" and len(ids) > st.args.capacity:
+            sys.stderr.write("standin: RuntimeError: token count exceeds symmetric buffer capacity\n")
+            sys.stderr.flush()
+            os._exit(1)
+        st.on_request(len(ids))
+        max_tokens = int(req.get("max_tokens") or 16)  # type: ignore[call-overload]
+        k = int(req.get("logprobs") or 0)  # type: ignore[call-overload]
+        seq = list(ids)
+        tokens: list[int] = []
+        top: list[dict[str, float]] = []
+        for _ in range(max_tokens):
+            pos = len(seq)
+            best = (seq[-1] * 5 + pos * 3) % 256
+            row = {best: -0.05} | {(best + i) % 256: -0.5 - 0.5 * i for i in range(1, max(k, 1))}
+            top.append({f"token_id:{t}": lp + st.skew(pos) for t, lp in row.items()})
+            tokens.append(best)
+            seq.append(best)
+        prompt_lp: list[object] = [None] + [
+            {str(ids[p]): {"logprob": _token_lp(ids[p - 1], p, ids[p]) + st.skew(p), "rank": 1,
+                           "decoded_token": f"<{ids[p]}>"}} for p in range(1, len(ids))]
+        choice = {"index": 0, "text": "", "finish_reason": "length", "token_ids": tokens,
+                  "prompt_token_ids": ids, "prompt_logprobs": prompt_lp if req.get("prompt_logprobs") else None,
+                  "logprobs": {"tokens": [f"token_id:{t}" for t in tokens],
+                               "token_logprobs": [r[f"token_id:{t}"] for r, t in zip(top, tokens, strict=True)],
+                               "top_logprobs": top, "text_offset": [0] * len(tokens)} if k else None}
+        st.on_output(len(tokens))
+        self._json(200, {"id": "cmpl-standin", "object": "text_completion", "model": st.args.model_name,
+                         "choices": [choice], "usage": {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
+                                                        "total_tokens": len(ids) + len(tokens)}})
+
     def _stream(self, text: str, usage: dict[str, int], req: dict[str, object]) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -271,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--mode", default="healthy", choices=["healthy", "repetition", "accumulate", "collapse", "dies"])
+    p.add_argument("--mode", default="healthy",
+                   choices=["healthy", "repetition", "accumulate", "collapse", "dies", "skew"])
     p.add_argument("--model-name", default="standin")
     p.add_argument("--gsm8k", help="folder with train.jsonl and test.jsonl (GSM8K format)")
     p.add_argument("--spec-tokens", type=int, default=5, help="MTP draft positions in /metrics (0: none)")

@@ -1,0 +1,65 @@
+"""``--record-baseline``: a profile whose baseline is what this run measured, instead of typed numbers.
+
+Run against the reference server (for the tiny checkpoint: the DCP 1 server), the run's GSM8K
+scores, acceptance per position and TTFT/TPOT (with the tool that measured them) replace the
+``baseline`` section of a profile (the run's own, or ``--baseline-for``), and the result is
+written as a new profile YAML: validated by loading it before it is moved into place. Checks the
+run did not measure keep the target profile's values, and the new ``baseline.source`` says which
+were recorded, from where and when.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from overlay.regress.errors import ProfileError
+from overlay.regress.profiles import GSM8K_METRICS, load_profile
+
+
+def recorded_values(steps: list[Any]) -> dict[str, Any]:
+    """The baseline fields a run measured: ``gsm8k``, ``latency``, ``acceptance_per_position``."""
+    by = {s.name: s for s in steps if s.status in ("pass", "fail") and s.data}
+    out: dict[str, Any] = {}
+    g = by.get("gsm8k")
+    if g and all(m in g.data for m in GSM8K_METRICS):
+        out["gsm8k"] = {m: round(float(g.data[m]["value"]), 4) for m in GSM8K_METRICS}
+        out["gsm8k"]["stderr"] = round(max(float(g.data[m]["stderr"]) for m in GSM8K_METRICS), 4)
+    lat = by.get("latency")
+    if lat and "mean_ttft_ms" in lat.data:
+        out["latency"] = {"mean_ttft_ms": round(float(lat.data["mean_ttft_ms"]), 2),
+                          "mean_tpot_ms": round(float(lat.data["mean_tpot_ms"]), 3), "tool": lat.data["tool"]}
+    acc = by.get("acceptance")
+    if acc and acc.data.get("rates"):
+        out["acceptance_per_position"] = [round(float(r), 4) for r in acc.data["rates"]]
+    return out
+
+
+def write_recorded_profile(target: str, values: dict[str, Any], out: Path, source: str) -> Path:
+    """``target`` (a profile name or file) with ``values`` as its baseline, written to ``out``."""
+    if not values:
+        raise ProfileError("--record-baseline: the run measured nothing to record (gsm8k, latency, acceptance)")
+    src = Path(load_profile(target).path)
+    path = src if src.is_file() else Path(__file__).resolve().parent / "profiles" / src.name
+    data = yaml.safe_load(path.read_text())
+    base = dict(data.get("baseline") or {})
+    base.update(values)
+    when = datetime.now(UTC).isoformat(timespec="seconds")
+    base["source"] = f"recorded {when} from {source} ({', '.join(sorted(values))}; make regress --record-baseline)"
+    data["baseline"] = base
+    text = (f"# Written by make regress --record-baseline from {source} at {when}: the profile {path.name}\n"
+            f"# with the measured baseline ({', '.join(sorted(values))}).\n") + yaml.safe_dump(data, sort_keys=False)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    try:
+        load_profile(str(tmp))  # the recorded profile must load as it is
+    except ProfileError:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, out)
+    return out

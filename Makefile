@@ -50,7 +50,7 @@ workspace: $(TOOL_STAMP) ## git tree .work/<VLLM> of the base + one commit per p
 export: $(TOOL_STAMP) ## write .work/<VLLM>'s commits back to patches/<VLLM>/ (deterministic; refuses uncommitted edits) [ALLOW_DIRTY=1]
 	$(OVERLAY) export --vllm $(VLLM)$(if $(ALLOW_DIRTY), --allow-dirty)
 
-bench-build: $(TOOL_STAMP) ## rebuild time from the cached wheel vs cp of that wheel, as a ratio
+bench-build: $(TOOL_STAMP) ## rebuild time from the cached wheel vs cp of that wheel; edit -> installed vs pip, as ratios
 	$(OVERLAY) bench-build --vllm $(VLLM)
 
 bench-merge: $(TOOL_STAMP) ## GPUs: DCP merge + W_UV projection, baseline vs project-first, per transport [OUT=bench-merge PLOT=merge.json RANKS=2]

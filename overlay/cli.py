@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,8 +41,12 @@ def cmd_build(ns: argparse.Namespace) -> int:
         print(f"not installed into {ns.install}: {why_not}; install it on a GPU machine with "
               f"`pip install {result.wheel}`", file=sys.stderr)
     elif ns.install:
-        install(result.wheel, Path(ns.install), with_deps=not ns.no_deps)
-        print(f"installed {result.version} into {ns.install}", file=sys.stderr)
+        t0 = time.perf_counter()
+        done = install(result.wheel, Path(ns.install), with_deps=not ns.no_deps)
+        how = {"incremental": f"changed files only, {done.written} written", "pip": "pip",
+               "unchanged": "already installed"}[done.how]
+        print(f"installed {result.version} into {ns.install} ({how}, {time.perf_counter() - t0:.2f} s)",
+              file=sys.stderr)
     print(result.wheel)
     return 0
 
@@ -242,7 +247,8 @@ COMMANDS: dict[str, tuple[str, Handler]] = {
     "export": ("write the workspace's commits back as the series (deterministic)", cmd_export),
     "workspace-plan": ("capacity (tokens) and bytes per GPU of the direct DCP q-gather and A2A workspaces, "
                        "both sizing modes, from flags or a regress profile", cmd_workspace_plan),
-    "bench-build": ("time a rebuild from the cached wheel against a plain copy of it", cmd_bench_build),
+    "bench-build": ("time a rebuild from the cached wheel against a plain copy of it, and edit -> installed",
+                    cmd_bench_build),
     "bench-merge": ("GPUs: DCP merge + W_UV projection, merge-then-project vs project-then-merge, "
                     "per transport (table, JSON, PNG)", cmd_bench_merge),
     "image": ("Docker image over the official vLLM image; kernels rebuilt only for kernel patches",

@@ -15,12 +15,17 @@ __version_tuple__ = version_tuple = (0, 28, 0)
 """
 
 
-def make_wheel(dest: Path, files: dict[str, bytes], version: str = "0.28.0") -> Path:
-    """Write ``vllm-<version>-cp38-abi3-manylinux_2_28_x86_64.whl`` holding ``files``."""
+def make_wheel(dest: Path, files: dict[str, bytes], version: str = "0.28.0", *, requires: tuple[str, ...] = (),
+               executable: frozenset[str] = frozenset()) -> Path:
+    """Write ``vllm-<version>-cp38-abi3-manylinux_2_28_x86_64.whl`` holding ``files``.
+
+    ``requires`` become ``Requires-Dist`` lines; members named in ``executable`` get mode 0755.
+    """
     files = {"vllm/_version.py": VERSION_PY.format(v=version).encode(), **files}
     di = f"vllm-{version}.dist-info"
+    req = "".join(f"Requires-Dist: {r}\n" for r in requires)
     meta = {
-        f"{di}/METADATA": f"Metadata-Version: 2.4\nName: vllm\nVersion: {version}\n\nA test wheel.\n".encode(),
+        f"{di}/METADATA": f"Metadata-Version: 2.4\nName: vllm\nVersion: {version}\n{req}\nA test wheel.\n".encode(),
         f"{di}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: false\nTag: cp38-abi3-linux_x86_64\n",
         f"{di}/entry_points.txt": b"[console_scripts]\nvllm = vllm.entrypoints.cli.main:main\n",
     }
@@ -28,7 +33,10 @@ def make_wheel(dest: Path, files: dict[str, bytes], version: str = "0.28.0") -> 
     record = []
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
         for name, data in {**files, **meta}.items():
-            zf.writestr(zipfile.ZipInfo(name, (2026, 8, 25, 0, 3, 28)), data, zipfile.ZIP_DEFLATED)
+            info = zipfile.ZipInfo(name, (2026, 8, 25, 0, 3, 28))
+            if name in executable:
+                info.external_attr = 0o100755 << 16
+            zf.writestr(info, data, zipfile.ZIP_DEFLATED)
             digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
             record.append(f"{name},sha256={digest},{len(data)}\n")
         record.append(f"{di}/RECORD,,\n")

@@ -282,7 +282,7 @@ def _requires(metadata: bytes) -> tuple[list[str], list[str]]:
     return list(raw.get("requires_dist", [])), [str(raw.get("requires_python", ""))]
 
 
-def _intact(path: Path, hash_: str, size: str, record_mtime_ns: int = 0) -> bool:
+def _intact(path: Path | str, hash_: str, size: str, record_mtime_ns: int = 0) -> bool:
     """Whether an installed file still is what RECORD says.
 
     By size, plus: a file not modified since RECORD was written (installers write RECORD last) is
@@ -297,7 +297,8 @@ def _intact(path: Path, hash_: str, size: str, record_mtime_ns: int = 0) -> bool
         return False
     if st.st_size > HASH_CHECK_MAX or st.st_mtime_ns <= record_mtime_ns:
         return True
-    return record_hash(path.read_bytes()) == hash_
+    with open(path, "rb") as fh:
+        return record_hash(fh.read()) == hash_
 
 
 def _file_mode(info: zipfile.ZipInfo, umask: int) -> int:
@@ -313,12 +314,13 @@ def _stage_incremental(zf: zipfile.ZipFile, new: _WheelView, old: _Installed, si
     """Stage the new distribution from the installed one plus the changed members; None when nothing changed."""
     umask = _umask()
     written = 0
-    made: set[Path] = set()
+    made: set[str] = set()  # plain strings in this loop over ~7000 files: pathlib costs more than the links
 
-    def parent(path: Path) -> None:
-        if path.parent not in made:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            made.add(path.parent)
+    def parent(path: Path | str) -> None:
+        folder = os.path.dirname(path)
+        if folder not in made:
+            os.makedirs(folder, exist_ok=True)
+            made.add(folder)
 
     def extract(name: str, dest: Path) -> None:
         nonlocal written
@@ -332,24 +334,26 @@ def _stage_incremental(zf: zipfile.ZipFile, new: _WheelView, old: _Installed, si
     reused = 0
     compile_these: list[str] = []
     record_mtime_ns = os.stat(site / old.dist_info / "RECORD").st_mtime_ns
+    site_s, stage_s = os.fspath(site), os.fspath(stage)
+    info_prefix = new.dist_info + "/"
     for name, (hash_, _size) in new.record.items():
-        if name.startswith(new.dist_info + "/"):
+        if name.startswith(info_prefix):
             continue
-        dest = stage / name
+        src, dest = os.path.join(site_s, name), os.path.join(stage_s, name)
         old_row = old.record.get(name)
-        if old_row is not None and old_row[0] == hash_ and _intact(site / name, hash_, old_row[1], record_mtime_ns):
+        if old_row is not None and old_row[0] == hash_ and _intact(src, hash_, old_row[1], record_mtime_ns):
             parent(dest)
-            os.link(site / name, dest)
+            os.link(src, dest)
             reused += 1
             if name.endswith(".py"):
                 pyc = cache_from_source(name)
-                if pyc in old.record and (site / pyc).is_file():
-                    parent(stage / pyc)
-                    os.link(site / pyc, stage / pyc)
+                if pyc in old.record and os.path.isfile(os.path.join(site_s, pyc)):
+                    parent(os.path.join(stage_s, pyc))
+                    os.link(os.path.join(site_s, pyc), os.path.join(stage_s, pyc))
                 else:
                     compile_these.append(name)
         else:
-            extract(name, dest)
+            extract(name, Path(dest))
             if name.endswith(".py"):
                 compile_these.append(name)
     changed = written

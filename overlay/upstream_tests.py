@@ -215,10 +215,11 @@ class Outcome:
 def run_pytest(root: Path, files: list[str], *, timeout: int, extra_path: list[Path],
                results: Path, select: list[str] | None = None) -> dict[str, Outcome]:
     """Run ``files`` (or node ids) under ``root`` with ``python -m pytest``; outcome per node id."""
+    results = results.resolve()  # pytest runs in ``root``: a relative path would point there
     results.unlink(missing_ok=True)
     env = dict(os.environ, **{RESULTS_ENV: str(results)})
     env.pop("OVERLAY_VLLM_TREE", None)
-    paths = [str(p) for p in extra_path]
+    paths = [str(p.resolve()) for p in extra_path]
     repo = str(Path(__file__).resolve().parent.parent)  # the plugin module, wherever pytest runs
     env["PYTHONPATH"] = os.pathsep.join([*paths, repo, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     standins = str(root / "_standins")

@@ -112,6 +112,20 @@ def test_shipped_expectations_load() -> None:
     assert exp.expected and all(e.reason for e in exp.expected)
 
 
+def test_relative_results_and_tree_paths_work_from_the_repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``make upstream-tests`` passes ``--out upstream-tests`` (relative); pytest runs in the cache."""
+    sdist = _sdist(tmp_path, FAKE_TESTS)
+    root = make_tests_tree(sdist, "cd" * 32, "9.9.9", tmp_path / "cache")
+    (tmp_path / "site" / "vllm" / "ops").mkdir(parents=True)
+    for rel, text in (("__init__.py", ""), ("ops/__init__.py", ""), ("ops/dcp.py", "X = 1\n")):
+        (tmp_path / "site" / "vllm" / rel).write_text(text)
+    (tmp_path / "out").mkdir()
+    monkeypatch.chdir(tmp_path)
+    got = run_pytest(root, ["tests/ops/test_dcp.py"], timeout=60, extra_path=[Path("site")],
+                     results=Path("out") / "r.jsonl")
+    assert got["tests/ops/test_dcp.py::test_ok"].outcome == "passed"
+
+
 def test_run_and_judge_fresh_and_stale(tmp_path: Path) -> None:
     """The fake upstream tests really run under pytest with the plugin: a fresh expected failure is
     fine, a stale one (passes) and an unlisted failure are reported, a base failure is set apart."""

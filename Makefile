@@ -59,11 +59,11 @@ bench-merge: $(TOOL_STAMP) ## GPUs: DCP merge + W_UV projection, baseline vs pro
 image: $(TOOL_STAMP) ## Docker image over vllm/vllm-openai (kernels rebuilt only for kernel patches) [DRY_RUN=1 IMAGE= TAGS= ARCH=9.0a BASE_DIGEST= PUSH=1]
 	$(OVERLAY) image --vllm $(VLLM)$(if $(DRY_RUN), --dry-run)$(if $(IMAGE), --image $(IMAGE))$(foreach t,$(TAGS), --tag $(t))$(if $(ARCH), --arch '$(ARCH)')$(if $(MAX_JOBS), --max-jobs $(MAX_JOBS))$(if $(NVCC_THREADS), --nvcc-threads $(NVCC_THREADS))$(if $(BASE_DIGEST), --base-digest $(BASE_DIGEST))$(if $(PUSH), --push)
 
-rebase: $(TOOL_STAMP) ## carry the series onto release TO into patches/<TO>/ with REBASE.md; stops at a conflict [TO=x.y.z NO_TESTS=1]
+rebase: $(TOOL_STAMP) ## carry the series onto release TO: every patch classified in one run; patches/<TO>/ with REBASE.md, or exit 2 with the report in .work/rebase-<TO>/ [TO=x.y.z NO_TESTS=1]
 	@test -n "$(TO)" || { echo "usage: make rebase TO=x.y.z" >&2; exit 1; }
 	$(OVERLAY) rebase --vllm $(VLLM) --to $(TO)$(if $(NO_TESTS), --no-tests)
 
-rebase-continue: $(TOOL_STAMP) ## finish a rebase stopped at a conflict, once resolved with git in .work/rebase-<TO>/
+rebase-continue: $(TOOL_STAMP) ## go on with a rebase that set patches aside, once the current one is resolved with git in .work/rebase-<TO>/
 	$(OVERLAY) rebase-continue$(if $(TO), --to $(TO))$(if $(NO_TESTS), --no-tests)
 
 cherry-pick: $(TOOL_STAMP) ## add an upstream change to the series [REF=<PR number|commit|patch file> AFTER= BEFORE= NAME= ORIGIN= VLLM_REMOTE=]

@@ -255,7 +255,8 @@ COMMANDS: dict[str, tuple[str, Handler]] = {
               cmd_image),
     "regress": ("GSM8K, long context, acceptance and latency of a served build against a profile's "
                 "baselines; exit 0 pass, 1 regression, 2 harness failure", cmd_regress),
-    "rebase": ("carry the series onto release --to into patches/<to>/ with REBASE.md; exit 2 at a conflict",
+    "rebase": ("carry the series onto release --to: every patch classified in one run; patches/<to>/ with "
+               "REBASE.md, or exit 2 with the report in .work/rebase-<to>/ when some need a person",
                cmd_rebase),
     "rebase-continue": ("take up a rebase stopped at a conflict after it was resolved with git",
                         cmd_rebase_continue),

@@ -41,15 +41,15 @@ from pathlib import Path
 from overlay.errors import KernelPatchError, OverlayError
 from overlay.git import git, git_text
 from overlay.pins import Pin, load_pin, pin_dir
+from overlay.rebase_resolve import abort, pick, try_candidates
+from overlay.rebase_stale import later_pin_notes, sha256_of
 from overlay.replay import (
-    FIND_RENAMES,
     ConflictHunk,
     TreeSource,
     absorbed_hunks,
     am,
     applies,
     conflict_report,
-    follow_deleted,
     in_progress,
     init_base,
     unmerged,
@@ -58,8 +58,6 @@ from overlay.series import Patch, Series
 from overlay.workspace import extract_text_tree, format_patch
 
 STATE = "overlay-rebase.json"  # inside the scratch repository's .git: survives git commands
-# What git does while it replays: 3-way merge, renames followed down to FIND_RENAMES.
-_PICK = ["cherry-pick", "--keep-redundant-commits", "-X", f"find-renames={FIND_RENAMES}"]
 
 
 class RebaseError(OverlayError):
@@ -180,6 +178,8 @@ class Result:
     behaviour: dict[str, dict] = field(default_factory=dict)  # "old-base" / "target" -> TestRun
     conflicts: list[dict] = field(default_factory=list)
     carried: bool = False  # the patch is in the new series
+    candidates: list[dict] = field(default_factory=list)  # resolution attempts (rebase_resolve.Attempt)
+    source_sha256: str = ""  # the source patch file this result was classified from
 
 
 @dataclass
@@ -307,6 +307,8 @@ def resume(work: Path, *, runner: TestRunner | None = None) -> Outcome:
                      + (f"; hunks no longer needed: {', '.join(gone)}" if gone else ""),
                      still_needed=kept, absorbed=gone, behaviour=behaviour, conflicts=conflicts, carried=True)
         state.exported[patch.name] = head
+    res.source_sha256 = sha256_of(patch.raw)
+    res.candidates = state.pending.get("candidates", [])
     state.results.append(asdict(res))
     state.index += 1
     state.pending = {}
@@ -419,27 +421,112 @@ def _differently(old: TestRun, new: TestRun) -> str:
 
 
 def _run(work: Path, state: State, series: Series, runner: TestRunner | None) -> Outcome:
-    """Classify patches from ``state.index`` on; stop at a conflict; finish by writing the folder."""
+    """Classify every patch from ``state.index`` on; a conflict is set aside and the run goes on.
+
+    A conflicting patch first gets its mechanical candidates (:mod:`overlay.rebase_resolve`);
+    when none passes its tests it is set aside (``conflict``) and the later patches are
+    classified on the target plus what was carried so far. With nothing set aside the release
+    folder is written. Otherwise the report goes into ``work`` and the worktree is put back on
+    the first set-aside patch's conflict: ``make rebase-continue`` takes up from there.
+    """
     results = [Result(**r) for r in state.results]
-    while state.index < len(series.patches):
-        i = state.index
+    aside: list[tuple[int, str]] = []  # (index, the head it was tried on)
+    for i in range(state.index, len(series.patches)):
         patch = series.patches[i]
         old_commit = state.old_commits[i]
         old_parent = state.old_commits[i - 1] if i else "base"
         head = _rev(work, "HEAD")
         print(f"rebase {state.to_version}: {patch.name} ...", file=sys.stderr, flush=True)
         res, stop = _classify(work, state, patch, old_commit, old_parent, head, runner)
+        res.source_sha256 = sha256_of(patch.raw)
         if stop is not None:
-            state.pending = {"head": head, "behaviour": res.behaviour, "conflicts": [c.to_dict() for c in stop]}
-            state.save(work)
-            return Outcome(False, None, results, stop, work, _conflict_message(work, patch, stop))
+            later = list(zip([p.name for p in series.patches[i + 1:]], state.old_commits[i + 1:], strict=True))
+            if _resolve(work, state, patch, res, stop, head, old_commit, later, runner) is None:
+                aside.append((i, head))
+        depends = _rests_on(work, state, series, i, [j for j, _ in aside if j < i], res.outcome)
+        if depends:
+            res.evidence += "; " + depends
         results.append(res)
-        state.results.append(asdict(res))
-        state.index += 1
-        state.save(work)
-    out = _finish(work, state, series, results)
-    shutil.rmtree(work)
-    return Outcome(True, out, results, [], work, f"wrote {out}")
+    if not aside:
+        out = _finish(work, state, series, results)
+        shutil.rmtree(work)
+        return Outcome(True, out, results, [], work, f"wrote {out}")
+    return _stop_at_first(work, state, series, results, aside)
+
+
+def _resolve(work: Path, state: State, patch: Patch, res: Result, stop: list[ConflictHunk], head: str,
+             old_commit: str, later: list[tuple[str, str]], runner: TestRunner | None) -> str | None:
+    """Try the candidates for a conflicting ``patch``; fill ``res``; the accepted commit or None."""
+    res.conflicts = [c.to_dict() for c in stop]
+    where = ", ".join(sorted({c.path for c in stop}))
+    accepted, attempts, note = try_candidates(work, patch, head, old_commit, later, runner,
+                                              res.behaviour.get("target"), _tree_at)
+    res.candidates = [a.to_dict() for a in attempts]
+    if accepted is None:
+        tried = "; ".join(f"{a.name}: {a.why}" for a in attempts) or note
+        res.evidence = (f"the 3-way merge conflicted in {where} ({len(stop)} hunk(s)); set aside for a person "
+                        f"(candidates: {tried})")
+        return None
+    kept, gone = absorbed_hunks(patch.raw, format_patch(work, accepted.commit))
+    res.outcome, res.carried, res.still_needed, res.absorbed = "auto-resolved", True, kept, gone
+    res.evidence = (f"the 3-way merge conflicted in {where}; candidate {accepted.name} ({accepted.description}) "
+                    f"accepted: {accepted.why}" + (f"; hunks dropped with it: {', '.join(gone)}" if gone else ""))
+    state.exported[patch.name] = accepted.commit
+    return accepted.commit
+
+
+_BLAME_COMMIT = re.compile(r"^([0-9a-f]{40}) \d+ \d+")
+
+
+def _rests_on(work: Path, state: State, series: Series, i: int, aside: list[int], outcome: str) -> str:
+    """Evidence that patch ``i`` depends on a set-aside patch: lines it changes or keeps as
+    context were written by that patch (``git blame`` on the old series)."""
+    if not aside:
+        return ""
+    writers = {state.old_commits[j]: series.patches[j].name for j in aside}
+    hits: dict[str, list[str]] = {}
+    for fd in series.patches[i].files:
+        if fd.old_path is None:
+            continue
+        for h in fd.hunks:
+            if not h.old_start:
+                continue
+            span = f"{h.old_start},+{max(h.old_len, 1)}"
+            proc = git(["blame", "--porcelain", "-L", span, state.old_commits[i - 1], "--", fd.old_path], work,
+                       check=False)
+            found = {m[1] for ln in proc.stdout.decode(errors="replace").splitlines()
+                     if (m := _BLAME_COMMIT.match(ln))}
+            for commit in found & writers.keys():
+                hits.setdefault(writers[commit], []).append(f"{fd.old_path} @@ -{h.old_start},{h.old_len}")
+    if not hits:
+        return ""
+    parts = [f"{name} ({', '.join(where)})" for name, where in hits.items()]
+    if outcome == "conflict":
+        return ("depends on set-aside " + "; ".join(parts) + ": its hunks rest on lines that patch wrote, so it "
+                "may conflict only because that patch is missing; resolve that one first")
+    return ("rests on lines written by set-aside " + "; ".join(parts)
+            + ": check it again once that patch is resolved")
+
+
+def _stop_at_first(work: Path, state: State, series: Series, results: list[Result],
+                   aside: list[tuple[int, str]]) -> Outcome:
+    """Report every patch into ``work``, then leave the first set-aside conflict for a person."""
+    _write_report(work, state, results, work, pending=[series.patches[j].name for j, _ in aside])
+    first, head = aside[0]
+    git(["reset", "-q", "--hard", head], work)
+    git(["clean", "-fdq"], work)  # the report stays: it is excluded there
+    pick(work, state.old_commits[first])
+    hunks = conflict_report(work)
+    names = [p.name for p in series.patches]
+    state.index = first
+    state.results = [asdict(r) for r in results[:first]]
+    state.exported = {n: v for n, v in state.exported.items() if n in names[:first]}
+    res = results[first]
+    state.pending = {"head": head, "behaviour": res.behaviour, "conflicts": [c.to_dict() for c in hunks],
+                     "candidates": res.candidates}
+    state.save(work)
+    return Outcome(False, None, results, hunks, work,
+                   _conflict_message(work, series.patches[first], hunks, results, [j for j, _ in aside]))
 
 
 def _classify(work: Path, state: State, patch: Patch, old_commit: str, old_parent: str, head: str,
@@ -460,23 +547,18 @@ def _classify(work: Path, state: State, patch: Patch, old_commit: str, old_paren
                           still_needed=still, absorbed=fixed, behaviour=runs, carried=True), None
         return Result(patch.name, "applied", f"applies to vllm {to} exactly; carried verbatim"
                       + (f" ({note})" if runs else ""), behaviour=runs, carried=True), None
-    proc = git([*_PICK, old_commit], work, check=False)
-    followed = []
-    if proc.returncode != 0 and unmerged(work):
-        followed = follow_deleted(work, old_commit)
-        if followed and not unmerged(work):
-            git(["cherry-pick", "--continue"], work, env={"GIT_EDITOR": "true"})
+    _, stderr, followed = pick(work, old_commit)
     moved = "; ".join(f"followed {f.old} into {f.new} ({f.containment:.0%} of its lines are there)"
                       for f in followed)
     if in_progress(work):
         if unmerged(work):
             return Result(patch.name, "conflict", "", behaviour=runs), conflict_report(work)
         if git(["diff", "--cached", "--quiet", "HEAD"], work, check=False).returncode == 0:
-            git(["cherry-pick", "--abort"], work)
+            abort(work)
             return Result(patch.name, "upstream", f"the 3-way merge onto vllm {to} leaves nothing to commit"
                           + (f" ({moved})" if moved else ""), behaviour=runs), None
         raise RebaseError(f"{patch.name}: git cherry-pick stopped: "
-                          + proc.stderr.decode(errors="replace").strip().splitlines()[-1])
+                          + stderr.decode(errors="replace").strip().splitlines()[-1])
     new = _rev(work, "HEAD")
     if new == head or git(["diff", "--quiet", head, new], work, check=False).returncode == 0:
         if new != head:
@@ -519,8 +601,15 @@ def _files_with_markers(work: Path) -> list[str]:
     return bad
 
 
-def _conflict_message(work: Path, patch: Patch, hunks: list[ConflictHunk]) -> str:
-    lines = [f"conflict: {patch.name} does not merge onto the target; {len(hunks)} hunk(s) to resolve in {work}:"]
+def _conflict_message(work: Path, patch: Patch, hunks: list[ConflictHunk], results: list[Result],
+                      aside: list[int]) -> str:
+    names = [results[j].name for j in aside]
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r.outcome] = counts.get(r.outcome, 0) + 1
+    lines = [f"classified {len(results)} patch(es): " + ", ".join(f"{n} {o}" for o, n in counts.items())
+             + f"; {len(names)} need(s) a person: {', '.join(names)}; the report is {work / 'REBASE.md'}",
+             f"conflict: {patch.name} does not merge onto the target; {len(hunks)} hunk(s) to resolve in {work}:"]
     lines += [f"  {h.describe()}" for h in hunks]
     lines += [
         "resolve there with plain git (edit, `git add <file>`; `git cherry-pick --continue` is optional),",
@@ -552,23 +641,37 @@ def _finish(work: Path, state: State, series: Series, results: list[Result]) -> 
             f"# Patch series for vLLM {state.to_version}, applied in this order by `make build`.\n"
             f"# Rebased from {state.from_version} by `make rebase` (see REBASE.md).\n")))
         (tmp / "pin.toml").write_text(pin.to_toml())
-        doc = {
-            "from": state.from_version,
-            "to": state.to_version,
-            "target": state.pin,
-            "trust": _TRUST,
-            "patches": [{"name": r.name, "outcome": r.outcome, "evidence": r.evidence, "carried": r.carried,
-                         "still_needed": r.still_needed, "absorbed": r.absorbed, "behaviour": r.behaviour,
-                         "conflicts": r.conflicts} for r in results],
-        }
-        (tmp / "rebase.json").write_text(json.dumps(doc, indent=2) + "\n")
-        (tmp / "REBASE.md").write_text(report_markdown(state, results))
+        _write_report(tmp, state, results, work)
         os.chmod(tmp, 0o755)
         os.replace(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
     return out
+
+
+def _write_report(dest: Path, state: State, results: list[Result], work: Path, *,
+                  pending: list[str] | None = None) -> None:
+    """``rebase.json`` and ``REBASE.md`` into ``dest`` (the release folder, or the worktree)."""
+    doc = {
+        "from": state.from_version,
+        "to": state.to_version,
+        "target": state.pin,
+        "trust": _TRUST,
+        "pending": pending or [],
+        "patches": [{"name": r.name, "outcome": r.outcome, "evidence": r.evidence, "carried": r.carried,
+                     "still_needed": r.still_needed, "absorbed": r.absorbed, "behaviour": r.behaviour,
+                     "conflicts": r.conflicts, "candidates": r.candidates, "source_sha256": r.source_sha256}
+                    for r in results],
+    }
+    (dest / "rebase.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (dest / "REBASE.md").write_text(report_markdown(state, results, work=work, pending=pending))
+    if dest == work:  # keep the report out of `git status` / `git add -A` there
+        exclude = work / ".git" / "info" / "exclude"
+        exclude.parent.mkdir(parents=True, exist_ok=True)
+        have = exclude.read_text() if exclude.is_file() else ""
+        if "/REBASE.md" not in have.split():
+            exclude.write_text(have + "/REBASE.md\n/rebase.json\n")
 
 
 _TRUST = ("the target wheel's sha256 is the digest PyPI publishes for it (read through pip's "
@@ -580,13 +683,17 @@ _MEANING = {
     "upstream": "upstream has the same change; dropped",
     "upstream-by-behaviour": "upstream fixed it its own way (its tests pass without it); dropped",
     "partly-upstream": "part of it is upstream; the rest is carried",
-    "conflict": "stopped: needs a person",
+    "conflict": "set aside: needs a person",
     "conflict-resolved": "conflicted; resolved by a person",
+    "auto-resolved": ("conflicted; a mechanical candidate was accepted because the patch's own tests pass on "
+                      "the target with it and the later patches still merge"),
 }
 
 
-def report_markdown(state: State, results: list[Result]) -> str:
-    """``REBASE.md``: a table, then the reasoning per patch."""
+def report_markdown(state: State, results: list[Result], *, work: Path | None = None,
+                    pending: list[str] | None = None) -> str:
+    """``REBASE.md``: a table, the resolution steps when patches need a person, the reasoning per
+    patch, and what other pins rebased from the same base carry."""
     lines = [
         f"# Rebase of the series from vLLM {state.from_version} to {state.to_version}",
         "",
@@ -596,8 +703,23 @@ def report_markdown(state: State, results: list[Result]) -> str:
         "| --- | --- | --- | --- |",
     ]
     for r in results:
-        short = r.evidence.split("; ")[0].replace("|", "\\|")
+        short = r.evidence.split("; ")[0]
+        depends = re.search(r"(?:depends on|rests on lines written by) set-aside ([\w.-]+)", r.evidence)
+        if depends:
+            short += f" (depends on set-aside `{depends[1]}`)"
+        short = short.replace("|", "\\|")
         lines.append(f"| `{r.name}` | {r.outcome} | {'yes' if r.carried else 'no'} | {short} |")
+    if pending:
+        lines += ["", f"## To resolve: {len(pending)} patch(es) need a person", "",
+                  f"`{pending[0]}` waits in `{work}` mid-cherry-pick, its conflicts staged as in any git merge.",
+                  "",
+                  "1. Resolve there with plain git (edit, `git add <file>`), or make the patch empty "
+                  "(`git checkout HEAD -- .`) to drop it.",
+                  f"2. `make rebase-continue TO={state.to_version}`: it records the patch as conflict-resolved and "
+                  "classifies the later patches again on top of it (candidates included), stopping at the next "
+                  "patch that still needs a person.",
+                  f"3. When nothing is left, `patches/{state.to_version}/` is written with the final report.",
+                  "", "Set aside in this run: " + ", ".join(f"`{n}`" for n in pending) + "."]
     lines += ["", "## Reasoning", ""]
     for r in results:
         lines += [f"### `{r.name}`: {r.outcome}", "", f"{_MEANING[r.outcome]}. {r.evidence}.", ""]
@@ -612,9 +734,29 @@ def report_markdown(state: State, results: list[Result]) -> str:
                     lines.append(f"  - still failing there: `{test}`: {why}")
         for c in r.conflicts:
             lines.append(f"- conflict: {ConflictHunk(**c).describe()}")
-        if r.behaviour or r.conflicts:
+        for a in r.candidates:
+            verdict = "accepted" if a["accepted"] else "rejected"
+            lines.append(f"- candidate {a['name']} ({a['description']}): {verdict}: {a['why']}"
+                         + (f" [commit {a['commit'][:12]}; files {', '.join(a['files'])}]" if a["commit"] else ""))
+        if r.source_sha256:
+            lines.append(f"- rebased from the source patch with sha256 `{r.source_sha256}`")
+        if r.behaviour or r.conflicts or r.candidates or r.source_sha256:
             lines.append("")
+    lines += _other_pins(state)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _other_pins(state: State) -> list[str]:
+    """Other pins rebased from the same base that carry an older version of a patch, or lack one."""
+    try:
+        notes = later_pin_notes(Path(state.patches_root), state.from_version)
+    except OverlayError:
+        return []
+    rows = [f"- `{name}`: {n.describe()}" for name, found in notes.items() for n in found
+            if n.pin != state.to_version]
+    if not rows:
+        return []
+    return ["## Other pins rebased from " + state.from_version, "", *rows, ""]
 
 
 # --- the CLI entry points -------------------------------------------------------------------

@@ -3,7 +3,9 @@
 The release that absorbed a patch comes from its ``Applied-Upstream:`` trailer, or else from
 the ``rebase.json`` files that ``make rebase`` wrote for later releases (the first release
 where the patch was found ``upstream`` or ``upstream-by-behaviour``; ``partly <release>`` when
-only part of it was).
+only part of it was). Each row also says when a later pin (one whose ``rebase.json`` says it
+was rebased from this one) carries an older version of the patch, or lacks it
+(:mod:`overlay.rebase_stale`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from overlay.apply import apply_series, wheel_reader
 from overlay.errors import ApplyError
 from overlay.fetch import fetch_wheel
 from overlay.pins import load_pin, pin_dir
+from overlay.rebase_stale import later_pin_notes
 from overlay.series import Series
 
 
@@ -32,10 +35,12 @@ class PatchStatus:
     applies: bool
     detail: str
     applied_upstream: str
+    later: tuple[str, ...] = ()  # "<pin>: stale: ..." / "<pin>: missing: ..."
 
     def to_dict(self) -> dict[str, object]:
         d = asdict(self)
         d["files"] = list(self.files)
+        d["later"] = list(self.later)
         return d
 
 
@@ -80,6 +85,7 @@ def series_status(patches_root: Path, version: str, *, base_wheel: Path | None =
     wheel = base_wheel or fetch_wheel(pin)
     rows: list[PatchStatus] = []
     absorbed = absorbed_in(patches_root, version)
+    later = later_pin_notes(patches_root, version)
     with zipfile.ZipFile(wheel) as zf:
         read_base = wheel_reader(zf)
         # The files as the patches that applied so far left them (None: deleted). Each patch is
@@ -103,7 +109,8 @@ def series_status(patches_root: Path, version: str, *, base_wheel: Path | None =
                     ok, detail = False, str(exc)
             rows.append(PatchStatus(patch.name, patch.subject, patch.origin, patch.kind,
                                     patch.touched, ok, detail,
-                                    patch.applied_upstream or absorbed.get(patch.name, "")))
+                                    patch.applied_upstream or absorbed.get(patch.name, ""),
+                                    tuple(n.describe() for n in later.get(patch.name, ()))))
     return rows
 
 
@@ -125,4 +132,6 @@ def format_table(rows: list[PatchStatus], version: str) -> str:
         lines.append(f"  {r.name}: {', '.join(r.files)}")
         if r.detail and not r.applies:
             lines.append(f"    {r.detail}")
+        for note in r.later:
+            lines.append(f"    later pin {note}")
     return "\n".join(lines) + "\n"

@@ -20,8 +20,10 @@ from types import SimpleNamespace
 def reference(xs, lses, w_uv, rank: int, world: int):
     """Rank ``rank``'s merged heads [B, H/N, V] in float64: vLLM's reference LSE merge of the
     latent partials (``_lse_weighted_combine``), then the projection."""
+    import compat
     import torch
-    from vllm.v1.attention.ops.dcp_alltoall import _lse_weighted_combine
+
+    _lse_weighted_combine = compat.symbol("dcp_alltoall", "_lse_weighted_combine")
 
     merged = _lse_weighted_combine(torch.stack([x.double() for x in xs]),
                                    torch.stack([lv.double() for lv in lses]))  # [B, H, L]
@@ -52,8 +54,10 @@ def main() -> None:
         import vllm.triton_utils as tu
 
         tu.triton, tu.tl = triton, tl
+    import compat
     from vllm.v1.attention.ops import dcp_project as dp
-    from vllm.v1.attention.ops.common import mask_dcp_empty_shards_
+
+    mask_dcp_empty_shards_ = compat.symbol("ops_common", "mask_dcp_empty_shards_")  # moved in 0.29.0
 
     # Triton's interpreter mishandles bf16 tiles (tl.dot of bf16 gives garbage); the kernels
     # are dtype-generic, so on CPU they run in fp16.

@@ -1,4 +1,4 @@
-"""Write a folder atomically: fill a temporary sibling, then swap it into place."""
+"""Write a folder or a file atomically: fill a temporary sibling, then swap it into place."""
 
 from __future__ import annotations
 
@@ -27,4 +27,18 @@ def replacing_dir(dest: Path) -> Iterator[Path]:
         os.replace(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_file(dest: Path, data: bytes | str) -> None:
+    """Write ``data`` to ``dest`` through a temporary sibling and ``os.replace``: readers see the old
+    file or the new one, never a part; on any error the sibling is removed and ``dest`` left as it was."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
         raise

@@ -54,7 +54,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from overlay.archive import tar_bytes
-from overlay.atomic import replacing_dir
+from overlay.atomic import replacing_dir, write_file
 from overlay.errors import OverlayError
 from overlay.fetch import cache_dir, sha256_file
 from overlay.wheel import dist_info_name, record_hash
@@ -574,19 +574,11 @@ def load_resolution(path: Path, key: str) -> Resolution | None:
 
 
 def save_resolution(path: Path, key: str, resolution: Resolution) -> None:
-    """Write ``resolution`` as JSON, atomically (a temporary sibling, then os.replace)."""
+    """Write ``resolution`` as JSON, atomically."""
     data = {"format": RESOLUTION_CACHE_FORMAT, "key": key,
             "wheels": [asdict(w) for w in resolution.wheels], "dropped": [asdict(d) for d in resolution.dropped],
             "rounds": resolution.rounds, "restored": resolution.restored, "required_by": resolution.required_by}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_file(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 # --- fetching -------------------------------------------------------------------------------

@@ -3,22 +3,22 @@
 Run against the reference server (for the tiny checkpoint: the DCP 1 server), the run's GSM8K
 scores, acceptance per position and TTFT/TPOT (with the tool that measured them) replace the
 ``baseline`` section of a profile (the run's own, or ``--baseline-for``), and the result is
-written as a new profile YAML: validated by loading it before it is moved into place. Checks the
+written as a new profile YAML: validated before it is written. Checks the
 run did not measure keep the target profile's values, and the new ``baseline.source`` says which
 were recorded, from where and when.
 """
 
 from __future__ import annotations
 
-import os
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from overlay.atomic import write_file
 from overlay.regress.errors import ProfileError
-from overlay.regress.profiles import GSM8K_METRICS, load_profile
+from overlay.regress.profiles import GSM8K_METRICS, load_profile, parse_profile
 
 
 def recorded_values(steps: list[Any]) -> dict[str, Any]:
@@ -53,13 +53,6 @@ def write_recorded_profile(target: str, values: dict[str, Any], out: Path, sourc
     data["baseline"] = base
     text = (f"# Written by make regress --record-baseline from {source} at {when}: the profile {path.name}\n"
             f"# with the measured baseline ({', '.join(sorted(values))}).\n") + yaml.safe_dump(data, sort_keys=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    try:
-        load_profile(str(tmp))  # the recorded profile must load as it is
-    except ProfileError:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, out)
+    parse_profile(text, str(out))  # the recorded profile must load as it is, before it is written
+    write_file(out, text)
     return out

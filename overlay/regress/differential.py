@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from overlay.atomic import write_file
 from overlay.engine.compare import compare, derive_tolerance
 from overlay.regress.client import Client
 from overlay.regress.errors import RegressError
@@ -154,10 +154,7 @@ def run_differential(profile: Profile, server: Server, progress: Callable[[str],
                "spec": {"prompt_tokens": list(spec.prompt_tokens), "seed": spec.seed,
                         "token_range": list(spec.token_range), "max_tokens": spec.max_tokens}, "runs": runs}
         out = Path(record)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, out)
+        write_file(out, json.dumps(doc))
         return {"recorded": str(out), "requests": len(ids)}, []
     ref, spreads, source = reference(spec, ids, ref_url, ref_file, progress)
     tol, spread = derive_tolerance(ref, spreads, spec.index_topk, safety=profile.threshold("differential_safety"),

@@ -17,9 +17,7 @@ Two tools write the same ``latency.json`` keys:
 from __future__ import annotations
 
 import json
-import os
 import random
-import shlex
 import statistics
 import subprocess
 import time
@@ -42,10 +40,8 @@ RESULT = "latency.json"
 
 def bench_command(profile: Profile, server: Server, out_dir: Path) -> list[str]:
     la = profile.latency
-    tokenizer = os.path.expanduser(profile.server.model)  # a local checkpoint may be given as ~/...
-    return [*shlex.split(profile.server.vllm_bin), "bench", "serve", "--backend", "openai",
-            "--base-url", server.base_url,
-            "--endpoint", "/v1/completions", "--model", server.model, "--tokenizer", tokenizer,
+    return [*profile.server.vllm_argv, "bench", "serve", "--backend", "openai", "--base-url", server.base_url,
+            "--endpoint", "/v1/completions", "--model", server.model, "--tokenizer", profile.server.model_path,
             "--dataset-name", "random", "--random-input-len", str(la.input_len),
             "--random-output-len", str(la.output_len), "--random-range-ratio", "0",
             "--num-prompts", str(la.num_prompts), "--save-result", "--result-dir", str(out_dir),

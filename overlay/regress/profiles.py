@@ -53,10 +53,19 @@ class ServerSpec:
     vllm_bin: str
     attach_timeout_s: float = 30.0  # attached (BASE_URL): how long connections may be refused
 
+    @property
+    def vllm_argv(self) -> list[str]:
+        """``vllm_bin`` as argv: it may be a command line ("python3 -m vllm.entrypoints.cli.main"
+        where vLLM is only on PYTHONPATH)."""
+        return shlex.split(self.vllm_bin)
+
+    @property
+    def model_path(self) -> str:
+        """``model`` with a leading ``~`` expanded (a local checkpoint); hub names unchanged."""
+        return os.path.expanduser(self.model) if self.model.startswith("~") else self.model
+
     def command(self) -> list[str]:
-        model = os.path.expanduser(self.model) if self.model.startswith("~") else self.model  # a local checkpoint
-        # vllm_bin may be a command line: "python3 -m vllm.entrypoints.cli.main" where vLLM is on PYTHONPATH
-        cmd = [*shlex.split(self.vllm_bin), "serve", model, "--host", self.host, "--port", str(self.port)]
+        cmd = [*self.vllm_argv, "serve", self.model_path, "--host", self.host, "--port", str(self.port)]
         if self.served_model_name != self.model:
             cmd += ["--served-model-name", self.served_model_name]
         return cmd + list(self.args)

@@ -77,7 +77,7 @@ cherry-pick-continue: $(TOOL_STAMP) ## finish a cherry-pick stopped at a conflic
 # make exits 2 whenever a recipe fails, so its status says only pass (0) or not (2); OUT/verdict
 # (one word: pass, regression, harness) and OUT/verdict.json say which. scripts/regress.sh returns 0/1/2.
 REGRESS_OUT = $(or $(OUT),regress-report)
-regress: $(TOOL_STAMP) ## GSM8K, long context, acceptance, latency vs baselines; exit 0 pass, 2 not; OUT/verdict: pass/regression/harness [PROFILE= BASE_URL= REF_URL= OUT= ARGS= ATTACH_TIMEOUT=]
+regress: $(TOOL_STAMP) ## differential vs a reference, long context, GSM8K, acceptance, latency vs baselines; exit 0 pass, 2 not; OUT/verdict: pass/regression/harness [PROFILE= BASE_URL= REF_URL= OUT= ARGS= ATTACH_TIMEOUT=]
 	@rm -f $(REGRESS_OUT)/verdict $(REGRESS_OUT)/verdict.json
 	@$(if $(ATTACH_TIMEOUT),REGRESS_ATTACH_TIMEOUT=$(ATTACH_TIMEOUT) )$(OVERLAY) regress --profile $(or $(PROFILE),glm5.2-fp8-tp8-dcp8) --out $(REGRESS_OUT)$(if $(BASE_URL), --base-url $(BASE_URL))$(if $(REF_URL), --ref-url $(REF_URL)) $(ARGS) || { rc=$$?; echo "make regress: verdict $$(cat $(REGRESS_OUT)/verdict 2>/dev/null || echo harness) (overlay regress exit $$rc); details in $(REGRESS_OUT)/verdict.json" >&2; exit $$rc; }
 

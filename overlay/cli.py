@@ -134,7 +134,7 @@ def cmd_regress(ns: argparse.Namespace) -> int:
         profile = load_profile(ns.profile).with_overrides(
             gsm8k_data=ns.gsm8k_data, gsm8k_limit=ns.gsm8k_limit, latency_tool=ns.latency_tool,
             ready_timeout_s=ns.ready_timeout, attach_timeout_s=attach_timeout_s,
-            skip=tuple(c for c in (ns.skip or "").split(",") if c))
+            skip=tuple(c for c in (ns.skip or "").split(",") if c), port=ns.port, vllm_bin=ns.vllm_bin)
         report = run(profile, out, base_url=ns.base_url or None,
                      ref_url=ns.ref_url or os.environ.get("REF_URL") or None, ref_file=ns.ref_file,
                      record_differential=ns.record_differential, record_baseline=ns.record_baseline,
@@ -218,7 +218,7 @@ def cmd_device_stage(ns: argparse.Namespace) -> int:
     dest = Path(ns.dest) / ns.name
     result = stage(wheel, dest, device_packages=Path(ns.device_packages), name=ns.name,
                    limit=int(ns.limit_mib * MIB), resolver_python=ns.resolver_python, full=ns.full,
-                   resolution_cache=not ns.no_resolution_cache)
+                   resolution_cache=not ns.no_resolution_cache, extras=ns.extra)
     print(format_summary(result.manifest), file=sys.stderr)
     print(device_calls(result.manifest, dest, ns.command))
     return 0
@@ -347,7 +347,12 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--record-baseline", metavar="FILE",
                             help="write a profile (--baseline-for, default this one) with this run's GSM8K, "
                                  "acceptance and latency as its baseline")
-            sp.add_argument("--baseline-for", metavar="PROFILE", help="with --record-baseline: the profile to copy")
+            sp.add_argument("--baseline-for", metavar="PROFILE", action="append",
+                            help="with --record-baseline: the profile to copy (repeat it for several: "
+                                 "--record-baseline is then a folder that gets <profile>.yaml of each)")
+            sp.add_argument("--port", type=int, help="start the server on this port (overrides server.port)")
+            sp.add_argument("--vllm-bin", help="the vllm command (overrides server.vllm_bin), e.g. "
+                                               "'python3 -m vllm.entrypoints.cli.main'")
         elif name in ("rebase", "rebase-continue"):
             sp.add_argument("--to", required=name == "rebase", help="target release x.y.z")
             sp.add_argument("--tests", default="tests/patches", help="the patches' own tests (default %(default)s)")
@@ -377,6 +382,11 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--no-resolution-cache", action="store_true",
                             help="resolve again with pip even if the same requirements, device packages and "
                                  "target were resolved before (the new resolution replaces the cached one)")
+            sp.add_argument("--extra", action="append", default=[], metavar="REQ",
+                            help="a requirement to stage besides vLLM's (repeatable), e.g. 'lm-eval[api]==0.4.13' "
+                                 "for the regression harness: resolved with vLLM's requirements into one set, "
+                                 "never older than a device package; a pure-Python sdist-only package is built "
+                                 "into a wheel")
             sp.add_argument("--command", default="python3 -m pytest -m gpu tests/patches",
                             help="the command shown for the last device call")
         elif name == "upstream-tests":

@@ -171,7 +171,8 @@ class Profile:
 
     def with_overrides(self, *, gsm8k_data: str | None = None, gsm8k_limit: int | None = None,
                        latency_tool: str | None = None, ready_timeout_s: float | None = None,
-                       attach_timeout_s: float | None = None, skip: tuple[str, ...] = ()) -> Profile:
+                       attach_timeout_s: float | None = None, skip: tuple[str, ...] = (),
+                       port: int | None = None, vllm_bin: str | None = None) -> Profile:
         """A copy with the run-time options of the CLI applied (each validated like the YAML)."""
         unknown = [c for c in skip if c not in CHECKS]
         if unknown:
@@ -185,13 +186,18 @@ class Profile:
                                f"the same thing; use a baseline measured with {latency_tool}, or --skip latency")
         if attach_timeout_s is not None and attach_timeout_s <= 0:
             raise ProfileError(f"attach timeout: must be > 0, got {attach_timeout_s:g}")
+        if port is not None and not 0 < port < 65536:
+            raise ProfileError(f"--port: expected 1-65535, got {port}")
+        if vllm_bin is not None and not vllm_bin.split():
+            raise ProfileError("--vllm-bin: empty command")
         if gsm8k_data is not None:
             check_gsm8k_data(Path(gsm8k_data), "--gsm8k-data")
         gsm8k = replace(self.gsm8k, data=gsm8k_data or self.gsm8k.data,
                         limit=gsm8k_limit if gsm8k_limit is not None else self.gsm8k.limit)
         latency = replace(self.latency, tool=latency_tool or self.latency.tool)
         server = replace(self.server, ready_timeout_s=ready_timeout_s or self.server.ready_timeout_s,
-                         attach_timeout_s=attach_timeout_s or self.server.attach_timeout_s)
+                         attach_timeout_s=attach_timeout_s or self.server.attach_timeout_s,
+                         port=port or self.server.port, vllm_bin=vllm_bin or self.server.vllm_bin)
         return replace(self, gsm8k=gsm8k, latency=latency, server=server, checks=checks)
 
 

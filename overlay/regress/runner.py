@@ -77,12 +77,14 @@ def _summary(name: str, data: dict[str, Any], findings: list[Finding]) -> str:
 def run(profile: Profile, out_dir: Path, base_url: str | None = None,
         progress: Callable[[str], None] | None = None, *, ref_url: str | None = None,
         ref_file: str | None = None, record_differential: str | None = None,
-        record_baseline: str | None = None, baseline_for: str | None = None) -> RunReport:
+        record_baseline: str | None = None,
+        baseline_for: str | list[str] | None = None) -> RunReport:
     """Run every check of ``profile`` and write the report folder; never raises for a check.
 
     ``ref_url`` / ``ref_file``: the differential check's reference (a server, or outputs recorded
     with ``record_differential`` on a run against the reference server). ``record_baseline``: write
-    ``baseline_for`` (default this profile) with this run's measurements as its baseline.
+    ``baseline_for`` (default this profile; a list for several, ``record_baseline`` then a folder that
+    gets ``<profile>.yaml`` of each) with this run's measurements as its baseline.
     """
     say = progress or Progress()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -153,14 +155,19 @@ def run(profile: Profile, out_dir: Path, base_url: str | None = None,
     if record_baseline:
         from overlay.regress.baseline_record import recorded_values, write_recorded_profile
 
-        try:
-            path = write_recorded_profile(baseline_for or profile.path, recorded_values(report.steps),
-                                          Path(record_baseline), f"{profile.name} at {report.base_url}")
-            report.steps.append(StepResult("record-baseline", "pass", f"wrote {path}"))
-            say(f"record-baseline: wrote {path}")
-        except RegressError as exc:
-            _record(report, say, StepResult("record-baseline", "error", str(exc),
-                                            findings=[Finding("record-baseline", "harness", str(exc))]))
+        targets = ([baseline_for] if isinstance(baseline_for, str) else list(baseline_for or [])) or [profile.path]
+        for target in targets:
+            dest = Path(record_baseline)
+            if len(targets) > 1:  # a folder of <profile>.yaml
+                dest = dest / f"{Path(target).name.removesuffix('.yaml')}.yaml"
+            try:
+                path = write_recorded_profile(target, recorded_values(report.steps), dest,
+                                              f"{profile.name} at {report.base_url}")
+                report.steps.append(StepResult("record-baseline", "pass", f"wrote {path}"))
+                say(f"record-baseline: wrote {path}")
+            except RegressError as exc:
+                _record(report, say, StepResult("record-baseline", "error", str(exc),
+                                                findings=[Finding("record-baseline", "harness", str(exc))]))
     report.verdict, report.exit_code = verdict(report.steps)
     report.seconds = time.monotonic() - start
     from overlay.regress.report import write_report

@@ -53,8 +53,8 @@ export: $(TOOL_STAMP) ## write .work/<VLLM>'s commits back to patches/<VLLM>/ (d
 bench-build: $(TOOL_STAMP) ## rebuild time from the cached wheel vs cp of that wheel; edit -> installed vs pip, as ratios
 	$(OVERLAY) bench-build --vllm $(VLLM)
 
-bench-merge: $(TOOL_STAMP) ## GPUs: DCP merge + W_UV projection, baseline vs project-first, per transport [OUT=bench-merge PLOT=merge.json RANKS=2]
-	$(OVERLAY) bench-merge --vllm $(VLLM)$(if $(OUT), --out $(OUT))$(if $(PLOT), --plot $(PLOT))$(if $(RANKS), --ranks $(RANKS))
+bench-merge: $(TOOL_STAMP) ## GPUs: DCP merge + W_UV projection, baseline vs project-first, per transport [OUT=bench-merge PLOT=merge.json RANKS=2 BOUNDS=decode PROFILE_EAGER="16 768"]
+	$(OVERLAY) bench-merge --vllm $(VLLM)$(if $(OUT), --out $(OUT))$(if $(PLOT), --plot $(PLOT))$(if $(RANKS), --ranks $(RANKS))$(if $(BOUNDS), --bounds $(BOUNDS))$(if $(PROFILE_EAGER), --profile-eager $(PROFILE_EAGER))
 
 image: $(TOOL_STAMP) ## Docker image over vllm/vllm-openai (kernels rebuilt only for kernel patches) [DRY_RUN=1 IMAGE= TAGS= ARCH=9.0a BASE_DIGEST= PUSH=1]
 	$(OVERLAY) image --vllm $(VLLM)$(if $(DRY_RUN), --dry-run)$(if $(IMAGE), --image $(IMAGE))$(foreach t,$(TAGS), --tag $(t))$(if $(ARCH), --arch '$(ARCH)')$(if $(MAX_JOBS), --max-jobs $(MAX_JOBS))$(if $(NVCC_THREADS), --nvcc-threads $(NVCC_THREADS))$(if $(BASE_DIGEST), --base-digest $(BASE_DIGEST))$(if $(PUSH), --push)
@@ -93,5 +93,5 @@ workspace-plan: $(TOOL_STAMP) ## direct DCP q-gather/A2A workspace capacity and 
 	$(OVERLAY) workspace-plan$(if $(PROFILE), --profile $(PROFILE)) $(ARGS)
 
 .PHONY: device-stage
-device-stage: $(BUILD_STAMP) ## GPU device machine: built wheel's tree, kernels, missing wheels in .device/<NAME>/carry-NN (<= 60 MiB each) [NAME=engine]
-	$(OVERLAY) device-stage --vllm $(VLLM) --name $(or $(NAME),engine)
+device-stage: $(BUILD_STAMP) ## GPU device machine: built wheel's tree, kernels, missing wheels in .device/<NAME>/carry-NN (<= 60 MiB each) [NAME=engine EXTRA='lm-eval[api]==0.4.13 ...']
+	$(OVERLAY) device-stage --vllm $(VLLM) --name $(or $(NAME),engine)$(foreach e,$(EXTRA), --extra '$(e)')

@@ -90,7 +90,8 @@ def cmd_bench_merge(ns: argparse.Namespace) -> int:
     from overlay.bench.merge import run
 
     return run(Path(ns.out), tokens=ns.tokens, replays=ns.replays,
-               plot_from=Path(ns.plot) if ns.plot else None, ranks=ns.ranks)
+               plot_from=Path(ns.plot) if ns.plot else None, ranks=ns.ranks, bounds=ns.bounds,
+               profile_tokens=tuple(ns.profile_eager))
 
 
 def cmd_image(ns: argparse.Namespace) -> int:
@@ -402,6 +403,12 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--plot", help="only draw the table and plot from this merge.json")
             sp.add_argument("--ranks", type=int, default=2,
                             help="DCP ranks, one GPU each, 8 heads per rank (2; 4 and 8 need as many GPUs)")
+            sp.add_argument("--bounds", choices=["decode", "none"], default="decode",
+                            help="sequence bounds handed to the merge: decode (as the engine passes them: one "
+                                 "row per sequence, local KV lengths) or none (nothing to mask)")
+            sp.add_argument("--profile-eager", type=int, nargs="*", default=[], metavar="T",
+                            help="also profile 20 eager calls of each order at these token counts "
+                                 "(torch.profiler tables in OUT/profile/, host us per call in merge.json)")
     return p
 
 

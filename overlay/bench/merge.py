@@ -17,10 +17,14 @@ Transports: ``ag_rs`` (``cp_lse_ag_out_rs``), ``nccl_a2a`` (``dcp_a2a_lse_reduce
 ``direct_a2a`` (vLLM's symmetric-memory kernel, when it loads). Each is timed under CUDA-graph
 replay (median of ``--replays`` replays after warm-up, each replay fenced by a barrier and
 holding 10 back-to-back merges, reported per merge; the slower rank's median counts) and
-eagerly the same way. Payload: the bytes of the partial outputs handed to
-the merge, per rank. Outputs ``merge.json``, a text table (``merge.txt``) and ``merge.png``
-(matplotlib, Agg; with ``--plot JSON`` the plot is drawn from an earlier run's JSON, e.g. on a
-machine without matplotlib next to the GPUs).
+eagerly the same way. Both orders get the sequence bounds the layer hands the combine
+(``--bounds decode``: one query row per sequence and each sequence's local KV length, int32, as
+in a decode step; ``none``: no bounds, nothing to mask). ``--profile-eager T ...`` adds, at those
+token counts, torch.profiler tables of 20 eager calls of each order (``profile/*.txt``: where
+the host time goes) and their host microseconds per call (``*_host_us`` in the JSON).
+Payload: the bytes of the partial outputs handed to the merge, per rank. Outputs ``merge.json``, a
+text table (``merge.txt``) and ``merge.png`` (matplotlib, Agg; with ``--plot JSON`` the plot is
+drawn from an earlier run's JSON, e.g. on a machine without matplotlib next to the GPUs).
 """
 
 from __future__ import annotations
@@ -66,9 +70,11 @@ def _transport_fns(transport: str, group: Any, device: Any, heads: int, kv_lora_
         for dim in (kv_lora_rank, v_head_dim))
     if latent_ws is None or projected_ws is None:
         return None
-    return (lambda out, lse, **_: latent_ws.lse_reduce(out, lse, True),
+    manager = SimpleNamespace(group=group)
+    return (functools.partial(dcp_utils.MLADCPManager._combine_direct_a2a, manager, latent_ws,
+                              is_lse_base_on_e=True),
             functools.partial(dcp_utils.MLADCPManager._project_combine_direct_a2a,
-                              SimpleNamespace(group=group), projected_ws, is_lse_base_on_e=True))
+                              manager, projected_ws, is_lse_base_on_e=True))
 
 
 def _stepper(fn: Any, group: Any, graph: bool, inner: int = 10) -> Any:
@@ -126,7 +132,23 @@ def _time_pair(base: Any, opt: Any, replays: int, group: Any, graph: bool, round
     return float(med[0].item()), float(med[1].item())
 
 
-def _steps(layer: Any, base_combine: Any, partial: Any, lse: Any) -> tuple[Any, Any, Any, Any]:
+def _bounds(n: int, world: int, rank: int, device: Any, kind: str) -> tuple[Any, Any]:
+    """(seq_lens, query_start_loc) the layer hands the combine for a batch of ``n`` rows.
+
+    ``decode``: what the engine passes for a decode batch: one query row per sequence, each
+    sequence's local KV length on this rank (a few thousand tokens, none empty), as int32 tensors.
+    ``none``: no bounds (the merge masks nothing; what the first benchmark runs measured).
+    """
+    import torch
+
+    if kind == "none":
+        return None, None
+    seq_lens = (torch.arange(n, device=device, dtype=torch.int32) * 7 + 2048 + rank) // world
+    return seq_lens, torch.arange(n + 1, device=device, dtype=torch.int32)
+
+
+def _steps(layer: Any, base_combine: Any, partial: Any, lse: Any, seq_lens: Any = None,
+           query_start_loc: Any = None) -> tuple[Any, Any, Any, Any]:
     """(baseline step, optimized step, baseline output, optimized output) for one batch."""
     import torch
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
@@ -139,17 +161,51 @@ def _steps(layer: Any, base_combine: Any, partial: Any, lse: Any) -> tuple[Any, 
     partial_b = partial.clone()
 
     def baseline() -> None:  # vLLM 0.28.0's order: merge the latent partials, then project
-        merged = base_combine(partial_b, lse_b, seq_lens=None, query_start_loc=None)
+        merged = base_combine(partial_b, lse_b, seq_lens=seq_lens, query_start_loc=query_start_loc)
         MLAAttention._v_up_proj(layer, merged, out=out_base)
 
     def optimized() -> None:  # the patch: project every gathered head, then merge
-        MLAAttention._dcp_project_and_merge(layer, partial, lse_o, seq_lens=None,
-                                            query_start_loc=None, out=out_opt)
+        MLAAttention._dcp_project_and_merge(layer, partial, lse_o, seq_lens=seq_lens,
+                                            query_start_loc=query_start_loc, out=out_opt)
 
     return baseline, optimized, out_base, out_opt
 
 
-def _worker(rank: int, world: int, port: int, tokens: list[int], replays: int, out_file: str) -> None:
+def _profile_eager(base: Any, opt: Any, group: Any, path: Path, rank: int, calls: int = 20) -> dict[str, float]:
+    """Host time of ``calls`` eager calls of each order under torch.profiler; rank 0 writes the tables.
+
+    Every rank runs the calls (they are collectives). Returns the host microseconds per call of
+    each order (wall time of the calls on the host, the GPU drained before and after).
+    """
+    import time
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    host: dict[str, float] = {}
+    tables = []
+    for name, fn in (("baseline", base), ("optimized", opt)):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        group.barrier()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            host[name] = (time.perf_counter() - t0) * 1e6 / calls
+            torch.cuda.synchronize()
+        group.barrier()
+        tables.append(f"== {name}: {host[name]:.1f} us of host time per call ({calls} calls) ==\n"
+                      + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n\n".join(tables) + "\n")
+    return host
+
+
+def _worker(rank: int, world: int, port: int, tokens: list[int], replays: int, out_file: str,
+            bounds: str = "decode", profile_tokens: tuple[int, ...] = ()) -> None:
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     import torch
 
@@ -205,7 +261,9 @@ def _worker(rank: int, world: int, port: int, tokens: list[int], replays: int, o
                     g2 = torch.Generator(device=device).manual_seed(1000 * rank + n)
                     partial = torch.randn(n, world * heads, lora, generator=g2, device=device).bfloat16()
                     lse = torch.randn(n, world * heads, generator=g2, device=device) * 3
-                    baseline, optimized, out_base, out_opt = _steps(layer, base_combine, partial, lse)
+                    seq_lens, query_start_loc = _bounds(n, world, rank, device, bounds)
+                    baseline, optimized, out_base, out_opt = _steps(layer, base_combine, partial, lse,
+                                                                    seq_lens, query_start_loc)
                     row: dict[str, Any] = {
                         "model": model, "transport": transport, "tokens": n,
                         "payload_baseline_bytes": n * world * heads * lora * 2,
@@ -230,6 +288,16 @@ def _worker(rank: int, world: int, port: int, tokens: list[int], replays: int, o
                                              f"{traceback.format_exc(limit=4)}")
                                 torch.cuda.synchronize()
                                 group.barrier()
+                        if n in profile_tokens:
+                            try:
+                                host = _profile_eager(baseline, optimized, group, Path(out_file).parent
+                                                      / "profile" / f"{model}-{transport}-T{n}.txt", rank)
+                                row["baseline_host_us"], row["optimized_host_us"] = (host["baseline"],
+                                                                                     host["optimized"])
+                            except Exception as exc:
+                                notes.append(f"{model} {transport} T={n} profile: {type(exc).__name__}: {exc}")
+                                torch.cuda.synchronize()
+                                group.barrier()
                     except Exception as exc:
                         row["error"] = f"{type(exc).__name__}: {exc}"
                         notes.append(f"{model} {transport} T={n}: {traceback.format_exc(limit=3)}")
@@ -237,7 +305,7 @@ def _worker(rank: int, world: int, port: int, tokens: list[int], replays: int, o
                     group.barrier()
     if rank == 0:
         Path(out_file).write_text(json.dumps({
-            "world": world, "replays": replays, "models": MODELS, "tokens": tokens, "rows": rows,
+            "world": world, "replays": replays, "models": MODELS, "tokens": tokens, "bounds": bounds, "rows": rows,
             "notes": notes, "gpu": torch.cuda.get_device_name(0),
             "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")},
         }, indent=1))
@@ -315,7 +383,8 @@ def write_outputs(result: dict[str, Any], out_dir: Path) -> None:
 
 
 def run(out_dir: Path, *, tokens: list[int] | None = None, replays: int = 50,
-        plot_from: Path | None = None, ranks: int = 2) -> int:
+        plot_from: Path | None = None, ranks: int = 2, bounds: str = "decode",
+        profile_tokens: tuple[int, ...] = ()) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     replays = max(replays, 50)  # the median of at least 50 replays
     if plot_from is not None:
@@ -336,7 +405,8 @@ def run(out_dir: Path, *, tokens: list[int] | None = None, replays: int = 50,
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     json_path = out_dir / "merge.json"
-    mp.spawn(_worker, args=(ranks, port, tokens or TOKENS, replays, str(json_path)), nprocs=ranks)
+    mp.spawn(_worker, args=(ranks, port, tokens or TOKENS, replays, str(json_path), bounds, tuple(profile_tokens)),
+             nprocs=ranks)
     write_outputs(json.loads(json_path.read_text()), out_dir)
     return 0
 
@@ -349,8 +419,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, default=None, help="only draw table + plot from this JSON")
     ap.add_argument("--ranks", type=int, default=2,
                     help="DCP = TP ranks, one GPU each, 8 heads per rank (2; 4 and 8 as in production)")
+    ap.add_argument("--bounds", choices=["decode", "none"], default="decode",
+                    help="sequence bounds handed to the merge: decode (as the engine does: one row per "
+                         "sequence, local KV lengths) or none (nothing to mask)")
+    ap.add_argument("--profile-eager", type=int, nargs="*", default=[], metavar="T",
+                    help="at these token counts also profile 20 eager calls of each order (torch.profiler "
+                         "tables in OUT/profile/, host us per call in the JSON)")
     ns = ap.parse_args(argv)
-    return run(ns.out, tokens=ns.tokens, replays=ns.replays, plot_from=ns.plot, ranks=ns.ranks)
+    return run(ns.out, tokens=ns.tokens, replays=ns.replays, plot_from=ns.plot, ranks=ns.ranks,
+               bounds=ns.bounds, profile_tokens=tuple(ns.profile_eager))
 
 
 if __name__ == "__main__":

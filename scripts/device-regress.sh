@@ -103,15 +103,20 @@ case $STAGE in
     done
     trees=$ROOT/trees
     python3 - "$VARIANTS" "$trees" <<'PYEOF' || { say "laying the variant trees failed"; exit 2; }
+import json
 import sys
 from pathlib import Path
 
 from overlay.engine.check import lay_variant
 
 variants, trees = map(Path, sys.argv[1:3])
-for name, patch in (("minus-forced-mqa", "dcp-forced-mqa-prefill-rows.patch"),
-                    ("minus-a2a-fallback", "dcp-direct-a2a-fallback.patch")):
-    print(f"[device-regress] {name}: {lay_variant(variants / f'{patch}.tar.gz', trees / name)}", file=sys.stderr)
+manifest = json.loads((variants / "variants.json").read_text())["variants"]
+for name, variant in (("minus-forced-mqa", "minus-dcp-forced-mqa-prefill-rows"),
+                      ("minus-a2a-fallback", "minus-dcp-direct-a2a-fallback")):
+    if variant not in manifest:
+        sys.exit(f"error: {variants / 'variants.json'}: no variant {variant} (make engine-variants)")
+    tree = lay_variant(variants / f"{variant}.tar.gz", trees / name)
+    print(f"[device-regress] {name}: {manifest[variant]['what']} -> {tree}", file=sys.stderr)
 PYEOF
     ref=(--ref-file "$ROOT/ref-differential.json")
     regress series 1 "$ROOT/profiles/tiny-glm5-tp2-dcp2-mtp5.yaml" "${ref[@]}" &

@@ -61,8 +61,11 @@ def test_device_regress_reaches_the_three_verdicts_with_the_standin(tmp_path: Pa
     model.mkdir(parents=True)  # present: the script does not generate it
     variants = tmp_path / "variants"
     variants.mkdir()
-    for patch in ("dcp-forced-mqa-prefill-rows.patch", "dcp-direct-a2a-fallback.patch"):
-        _variant_tar(variants / f"{patch}.tar.gz")
+    manifest = {}
+    for variant in ("minus-dcp-forced-mqa-prefill-rows", "minus-dcp-direct-a2a-fallback"):
+        _variant_tar(variants / f"{variant}.tar.gz")
+        manifest[variant] = {"what": f"the series without {variant[len('minus-'):]}.patch"}
+    (variants / "variants.json").write_text(json.dumps({"variants": manifest}))
     fake = tmp_path / "fake_vllm.py"
     fake.write_text(FAKE_VLLM)
     bindir = tmp_path / "bin"

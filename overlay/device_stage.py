@@ -50,7 +50,7 @@ from email.parser import BytesParser
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
-from packaging.utils import canonicalize_name
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
 from overlay.archive import tar_bytes
@@ -297,6 +297,7 @@ class Resolution:
     rounds: int
     restored: list[str] = field(default_factory=list)
     required_by: dict[str, list[str]] = field(default_factory=dict)
+    built: dict[str, str] = field(default_factory=dict)  # name -> wheel built from its sdist (pure Python)
 
 
 def stub_version(version: str) -> str:
@@ -329,14 +330,17 @@ def wheels_from_report(report: dict) -> list[ResolvedWheel]:
     return sorted(wheels, key=lambda w: w.name)
 
 
-def required_by(report: dict, requirements: Sequence[str], env: Mapping[str, str] = DEVICE_ENV) -> dict[str, list[str]]:
-    """Who asks for each package of a resolution: ``vllm`` (its own requirements) or resolved packages."""
+def required_by(report: dict, requirements: Sequence[str], env: Mapping[str, str] = DEVICE_ENV,
+                extra_requirements: Sequence[str] = ()) -> dict[str, list[str]]:
+    """Who asks for each package of a resolution: ``vllm`` (its own requirements), ``extra`` (the
+    ``--extra`` requirements) or resolved packages."""
     who: dict[str, set[str]] = {}
     extras: dict[str, set[str]] = {}  # the extras asked of each package, anywhere in the graph
-    for line in requirements:
-        req = Requirement(line)
-        who.setdefault(canonicalize_name(req.name), set()).add("vllm")
-        extras.setdefault(canonicalize_name(req.name), set()).update(req.extras)
+    for label, lines in (("vllm", requirements), ("extra", extra_requirements)):
+        for line in lines:
+            req = Requirement(line)
+            who.setdefault(canonicalize_name(req.name), set()).add(label)
+            extras.setdefault(canonicalize_name(req.name), set()).update(req.extras)
     items = [(canonicalize_name(i["metadata"]["name"]), _parse_all(i["metadata"].get("requires_dist") or []))
              for i in report.get("install", [])]
     for name, _ in items:
@@ -371,9 +375,23 @@ def _parse_all(lines: Iterable[str]) -> list[Requirement]:
 
 RESOLVE_MAX_ROUNDS = 30
 
+_NO_DISTRIBUTION = re.compile(r"^ERROR: No matching distribution found for (\S+)", re.MULTILINE)
+
+
+def missing_distribution(output: str) -> str | None:
+    """The requirement pip found no distribution for (``rouge-score>=0.0.4``), or None."""
+    found = _NO_DISTRIBUTION.search(output)
+    return found[1] if found else None
+
+
+SdistBuild = Callable[[str], str]
+"""``build(requirement)``: a wheel for ``requirement`` built from its sdist where pip finds it (see
+:func:`sdist_builder`); returns the wheel's file name, or raises :class:`DeviceStageError`."""
+
 
 def resolve(requirements: Sequence[str], device: Mapping[str, str], run: PipRun, *,
-            max_rounds: int = RESOLVE_MAX_ROUNDS, restore: bool = True) -> Resolution:
+            max_rounds: int = RESOLVE_MAX_ROUNDS, restore: bool = True, build: SdistBuild | None = None,
+            extra_requirements: Sequence[str] = ()) -> Resolution:
     """Resolve with every device package pinned; drop the pins pip names in a conflict, retry.
 
     A conflict that names no droppable pin (none, or only the torch family, which stays the
@@ -381,19 +399,35 @@ def resolve(requirements: Sequence[str], device: Mapping[str, str], run: PipRun,
     success each of those is tried back alone, in name order (``restore``), since one of them
     may have been enough. A pin that was alone in its conflict is not tried again (each try is
     a full resolution, 30-70 s).
+
+    A package with no wheel for the device stops with pip's error, unless ``build`` is given: it
+    builds a pure-Python wheel from the package's sdist (where pip finds it next round) or says
+    in one line why it cannot; a package is built at most once. ``extra_requirements`` are
+    resolved together with ``requirements`` (one set), and reported as asked by ``extra``.
     """
     pins = {canonicalize_name(k): v for k, v in device.items()}
     dropped: dict[str, DroppedPin] = {}
     together: set[str] = set()
+    built: dict[str, str] = {}
+    asked = [*requirements, *extra_requirements]
+    what = "vLLM's requirements" + (" and the extra ones" if extra_requirements else "")
     for rounds in range(1, max_rounds + 1):
-        log(f"resolve round {rounds}: {len(requirements)} requirement(s), {len(pins)} device pin(s)")
-        outcome = run(requirements, pins)
+        log(f"resolve round {rounds}: {len(asked)} requirement(s), {len(pins)} device pin(s)")
+        outcome = run(asked, pins)
         if outcome.ok:
             break
         conflict = parse_conflict(outcome.output) or Conflict((), ())
         names = [n for n in conflict.constraints if n in pins and n not in TORCH_FAMILY]
+        missing = missing_distribution(outcome.output) if not names else None
+        if missing is not None and build is not None:
+            name = _requirement_name(missing)
+            if name in built:
+                raise DeviceStageError(f"{name}: pip finds no wheel for the device even after building "
+                                       f"{built[name]} from its sdist: {pip_error_tail(outcome.output)}")
+            built[name] = build(missing)
+            continue
         if not names:
-            raise DeviceStageError(f"pip cannot resolve vLLM's requirements for the device: "
+            raise DeviceStageError(f"pip cannot resolve {what} for the device: "
                                    f"{pip_error_tail(outcome.output)}")
         if len(names) > 1:
             together.update(names)
@@ -407,14 +441,23 @@ def resolve(requirements: Sequence[str], device: Mapping[str, str], run: PipRun,
         for name in sorted(together):
             trial = {**pins, name: dropped[name].device_version}
             log(f"restore: does the device's {name}=={trial[name]} fit after all?")
-            again = run(requirements, trial)
+            again = run(asked, trial)
             if again.ok:
                 pins, outcome = trial, again
                 restored.append(name)
                 del dropped[name]
     assert outcome.report is not None
     return Resolution(wheels_from_report(outcome.report), sorted(dropped.values(), key=lambda d: d.name),
-                      rounds, restored, required_by(outcome.report, requirements))
+                      rounds, restored, required_by(outcome.report, requirements,
+                                                    extra_requirements=extra_requirements),
+                      dict(sorted(built.items())))
+
+
+def _requirement_name(text: str) -> str:
+    try:
+        return canonicalize_name(Requirement(text).name)
+    except InvalidRequirement:
+        return canonicalize_name(re.split(r"[<>=!~;\[ ]", text, maxsplit=1)[0])
 
 
 def write_stub_wheel(folder: Path, name: str, version: str) -> Path:
@@ -477,8 +520,10 @@ def find_resolver(explicit: str | None = None) -> Resolver:
     raise DeviceStageError("no Python with pip >= 22.2 found to resolve for the device (--resolver-python)")
 
 
-def pip_runner(resolver: Resolver, work: Path, platforms: Sequence[str] = PLATFORMS) -> PipRun:
-    """A :data:`PipRun` that calls ``pip install --dry-run --report`` with stub wheels for the pins."""
+def pip_runner(resolver: Resolver, work: Path, platforms: Sequence[str] = PLATFORMS,
+               wheelhouse: Path | None = None) -> PipRun:
+    """A :data:`PipRun` that calls ``pip install --dry-run --report`` with stub wheels for the pins
+    (and the wheels :func:`sdist_builder` built, in ``wheelhouse``, when given)."""
 
     def run(requirements: Sequence[str], pins: Mapping[str, str]) -> PipOutcome:
         with tempfile.TemporaryDirectory(dir=work, prefix="resolve-") as tmp:
@@ -494,6 +539,7 @@ def pip_runner(resolver: Resolver, work: Path, platforms: Sequence[str] = PLATFO
                    "--disable-pip-version-check", "--progress-bar", "off",
                    "--report", str(root / "report.json"), "--target", str(root / "target"),
                    *target_args(platforms), "--find-links", str(stubs),
+                   *(["--find-links", str(wheelhouse)] if wheelhouse is not None else []),
                    "-c", str(root / "constraints.txt"), "-r", str(root / "requirements.txt")]
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
             if proc.returncode != 0:
@@ -503,9 +549,60 @@ def pip_runner(resolver: Resolver, work: Path, platforms: Sequence[str] = PLATFO
     return run
 
 
+SDIST_EPOCH = "315532800"  # SOURCE_DATE_EPOCH of wheels built from sdists (1980-01-01): same sdist, same wheel
+
+
+def is_pure_wheel(filename: str) -> bool:
+    """Whether a wheel file name's tags are all pure Python (``py3-none-any``, ``py2.py3-none-any``)."""
+    try:
+        tags = parse_wheel_filename(filename)[3]
+    except InvalidWheelFilename:
+        return False
+    return bool(tags) and all(t.interpreter.startswith("py") and t.abi == "none" and t.platform == "any"
+                              for t in tags)
+
+
+def sdist_builder(resolver: Resolver, wheelhouse: Path) -> SdistBuild:
+    """A :data:`SdistBuild`: ``pip wheel --no-deps --no-binary NAME`` into ``wheelhouse`` (which the
+    resolver searches, :func:`pip_runner`), keeping the wheel only if it is pure Python: a wheel built
+    here for a compiled package would be for this machine's Python, not the device's CPython 3.12."""
+
+    def build(requirement: str) -> str:
+        name = _requirement_name(requirement)
+        wheelhouse.mkdir(parents=True, exist_ok=True)
+        log(f"{name}: no wheel for the device; building one from its sdist ({requirement})")
+        with tempfile.TemporaryDirectory(dir=wheelhouse, prefix=".build-") as tmp:
+            cmd = [resolver.python, "-m", "pip", "wheel", "--no-deps", "--no-binary", name,
+                   "--disable-pip-version-check", "--progress-bar", "off", "-w", tmp, requirement]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                                  env={**os.environ, "SOURCE_DATE_EPOCH": SDIST_EPOCH})
+            out = proc.stdout + proc.stderr
+            got = sorted(Path(tmp).glob("*.whl"))
+            if proc.returncode != 0 or len(got) != 1:
+                if missing_distribution(out) is not None:
+                    raise DeviceStageError(f"{name}: no wheel for CPython 3.12 manylinux x86_64 and no sdist "
+                                           f"to build one from ({requirement}): {pip_error_tail(out, 1)}")
+                raise DeviceStageError(f"{name}: no wheel for the device, and building its sdist failed "
+                                       f"({requirement}): {pip_error_tail(out, 1)}")
+            wheel = got[0]
+            if canonicalize_name(parse_wheel_filename(wheel.name)[0]) != name:
+                raise DeviceStageError(f"{name}: pip wheel built {wheel.name}, another package")
+            if not is_pure_wheel(wheel.name):
+                raise DeviceStageError(f"{name}: no wheel for the device, and its sdist builds {wheel.name}, "
+                                       "not pure Python: it cannot be built here for the device's CPython 3.12")
+            os.replace(wheel, wheelhouse / wheel.name)
+        log(f"  built {wheel.name} (pure Python) into {wheelhouse}")
+        return wheel.name
+
+    return build
+
+
 # --- the resolution cache -------------------------------------------------------------------
 
 RESOLUTION_CACHE_FORMAT = 1
+# how extra requirements are resolved (in the key of such resolutions): on top of vLLM's own resolution,
+# its dropped pins stay dropped, a device package is never staged older than the device's
+EXTRA_POLICY = "over-vllm-resolution; no-downgrade; pure-sdist-builds"
 # pip settings from the environment that change what it resolves (hashed into the key, never stored)
 PIP_ENV_KEYS: tuple[str, ...] = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_NO_INDEX",
                                  "PIP_CONSTRAINT", "PIP_PRE")
@@ -513,9 +610,10 @@ PIP_ENV_KEYS: tuple[str, ...] = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FI
 
 def resolution_key(requirements: Sequence[str], device: Mapping[str, str], resolver: Resolver, *,
                    platforms: Sequence[str] = PLATFORMS, max_rounds: int = RESOLVE_MAX_ROUNDS,
-                   restore: bool = True) -> str:
+                   restore: bool = True, extra_requirements: Sequence[str] = ()) -> str:
     """sha256 of everything :func:`resolve` depends on, not of the wheel: a patch edit changes the
-    wheel's version and sha256 but not its ``Requires-Dist``, and so keeps the key."""
+    wheel's version and sha256 but not its ``Requires-Dist``, and so keeps the key. The
+    ``--extra`` requirements enter only when there are some (without, the key is what it was)."""
     inputs = {
         "format": RESOLUTION_CACHE_FORMAT,
         "requirements": list(requirements),
@@ -529,6 +627,9 @@ def resolution_key(requirements: Sequence[str], device: Mapping[str, str], resol
         "restore": restore,
         "pip_env": [os.environ.get(k, "") for k in PIP_ENV_KEYS],
     }
+    if extra_requirements:
+        inputs["extra_requirements"] = list(extra_requirements)
+        inputs["extra_policy"] = EXTRA_POLICY
     text = json.dumps(inputs, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -553,13 +654,15 @@ def resolution_from_json(data: object, key: str) -> Resolution:
     if not isinstance(data, dict) or data.get("format") != RESOLUTION_CACHE_FORMAT or data.get("key") != key:
         raise ValueError("not a resolution of this format and key")
     rounds, restored, who = data["rounds"], data["restored"], data["required_by"]
+    built = data.get("built", {})
     if (not isinstance(rounds, int) or not isinstance(restored, list) or not isinstance(who, dict)
             or not all(isinstance(r, str) for r in restored)
-            or not all(isinstance(v, list) and all(isinstance(x, str) for x in v) for v in who.values())):
-        raise ValueError("rounds, restored or required_by malformed")
+            or not all(isinstance(v, list) and all(isinstance(x, str) for x in v) for v in who.values())
+            or not isinstance(built, dict) or not all(isinstance(v, str) for v in built.values())):
+        raise ValueError("rounds, restored, required_by or built malformed")
     return Resolution([ResolvedWheel(**_record(w, ResolvedWheel, frozenset({"sha256"}))) for w in data["wheels"]],
                       [DroppedPin(**_record(d, DroppedPin)) for d in data["dropped"]],
-                      rounds, list(restored), {k: list(v) for k, v in who.items()})
+                      rounds, list(restored), {k: list(v) for k, v in who.items()}, dict(built))
 
 
 def load_resolution(path: Path, key: str) -> Resolution | None:
@@ -577,7 +680,8 @@ def save_resolution(path: Path, key: str, resolution: Resolution) -> None:
     """Write ``resolution`` as JSON, atomically."""
     data = {"format": RESOLUTION_CACHE_FORMAT, "key": key,
             "wheels": [asdict(w) for w in resolution.wheels], "dropped": [asdict(d) for d in resolution.dropped],
-            "rounds": resolution.rounds, "restored": resolution.restored, "required_by": resolution.required_by}
+            "rounds": resolution.rounds, "restored": resolution.restored, "required_by": resolution.required_by,
+            **({"built": resolution.built} if resolution.built else {})}
     write_file(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
@@ -617,7 +721,11 @@ def _download_one(wheel: ResolvedWheel, target: Path, resolver: Resolver) -> Non
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
         got = Path(tmp) / wheel.filename
         if wheel.url.startswith("file://"):
-            shutil.copyfile(wheel.url.removeprefix("file://"), got)
+            source = Path(wheel.url.removeprefix("file://"))
+            if not source.is_file():
+                raise DeviceStageError(f"{wheel.filename}: {source} (built from its sdist) is gone; "
+                                       "stage with --no-resolution-cache to build it again")
+            shutil.copyfile(source, got)
         else:
             cmd = [resolver.python, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
                    "--progress-bar", "off", *target_args(), "-d", tmp, f"{wheel.name} @ {wheel.url}"]
@@ -882,13 +990,78 @@ class StageResult:
     seconds: float
 
 
+def extra_device_requirements(extras: Iterable[str],
+                              env: Mapping[str, str] = DEVICE_ENV) -> tuple[list[str], list[str]]:
+    """``--extra`` requirements as resolved for the device (marker-free, extras kept), and those left
+    out with why (a marker false for the device); the torch family is refused (the device's is used)."""
+    kept: list[str] = []
+    skipped: list[str] = []
+    for line in extras:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement as exc:
+            raise DeviceStageError(f"--extra {line!r}: not a requirement ({exc})") from None
+        if canonicalize_name(req.name) in TORCH_FAMILY:
+            raise DeviceStageError(f"--extra {line!r}: the device's own {req.name} is used, it is never staged")
+        if req.marker is not None and not req.marker.evaluate({**env, "extra": ""}):
+            skipped.append(f"{line}: marker false for the device (--extra)")
+            continue
+        req.marker = None
+        if str(req) not in kept:
+            kept.append(str(req))
+    return kept, skipped
+
+
+def _cached_resolve(cache: Path, key: str, use_cache: bool, what: str,
+                    run: Callable[[], Resolution]) -> tuple[Resolution, bool]:
+    """The resolution cached under ``key``, or ``run()``'s (then cached); whether it was cached."""
+    cached_file = resolution_cache_file(cache, key)
+    resolution = load_resolution(cached_file, key) if use_cache else None
+    if resolution is not None:
+        log(f"{what}resolution reused from the cache (key {key[:16]}): {cached_file}; "
+            "--no-resolution-cache resolves again")
+        return resolution, True
+    if not use_cache:
+        log(f"{what}resolution cache not used (--no-resolution-cache): resolving")
+    resolution = run()
+    try:
+        save_resolution(cached_file, key, resolution)
+    except OSError as exc:
+        log(f"  warning: resolution not cached ({exc})")
+    return resolution, False
+
+
+def check_no_downgrade(resolution: Resolution, base: Resolution, device: Mapping[str, str]) -> None:
+    """Refuse a resolution with extra requirements that stages a device package older than the
+    device's, where vLLM's own resolution (``base``) does not already."""
+    versions = {w.name: w.version for w in resolution.wheels}
+    already = {d.name for d in base.dropped}
+    for pin in resolution.dropped:
+        staged = versions.get(pin.name)
+        if pin.name in already or staged is None:
+            continue
+        try:
+            older = Version(staged) < Version(pin.device_version)
+        except InvalidVersion:
+            older = staged != pin.device_version
+        if older:
+            raise DeviceStageError(f"the extra requirements need {pin.name}=={staged}, older than the device's "
+                                   f"{pin.device_version} ({pin.reason}); it is not staged over the device's")
+
+
 def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: int = CARRY_LIMIT,
           cache: Path | None = None, resolver_python: str | None = None, jobs: int = 2,
-          full: bool = False, resolution_cache: bool = True) -> StageResult:
+          full: bool = False, resolution_cache: bool = True, extras: Sequence[str] = ()) -> StageResult:
     """Resolve, fetch and compress everything, then write the carries and manifest under ``dest``.
 
     The resolution is cached under ``cache/device-resolutions/<key>.json`` (:func:`resolution_key`);
     ``resolution_cache=False`` resolves again (and refreshes the cached one).
+
+    ``extras`` (``lm-eval[api]==0.4.13``) are resolved with vLLM's requirements into one set, on top
+    of vLLM's own resolution (cached as without extras): the device pins that one dropped stay
+    dropped, and a device package is never staged in a version older than the device's because of
+    them. A package with no wheel for the device gets one built from its sdist, pure Python only
+    (:func:`sdist_builder`); otherwise the staging stops naming it.
     """
     start = _CLOCK["start"] = time.monotonic()
     cache = cache or cache_dir()
@@ -897,28 +1070,51 @@ def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: i
     version, requires = wheel_requires_dist(wheel)
     not_needed = {} if full else NOT_NEEDED
     requirements, skipped = device_requirements(requires, not_needed=not_needed)
+    extra_reqs, extra_skipped = extra_device_requirements(extras)
+    skipped += extra_skipped
     device = read_device_packages(device_packages)
     resolver = find_resolver(resolver_python)
     log(f"{wheel.name}: {len(requirements)} requirement(s) for the device, {len(skipped)} left out; "
         f"{len(device)} device package(s); resolver {resolver.description}")
+    if extra_reqs:
+        log(f"extra requirement(s): {', '.join(extra_reqs)}")
     if not resolver.exact:
         log("  warning: the resolver is not CPython 3.12: dependencies' markers are evaluated for it")
-    key = resolution_key(requirements, device, resolver)
-    cached_file = resolution_cache_file(cache, key)
-    resolution = load_resolution(cached_file, key) if resolution_cache else None
+    wheelhouse = cache / "device-wheels" / "from-sdist"
+
+    def resolve_with(extra: Sequence[str], pins: Mapping[str, str]) -> Callable[[], Resolution]:
+        def run() -> Resolution:
+            with tempfile.TemporaryDirectory(prefix="device-stage-") as work:
+                wheelhouse.mkdir(parents=True, exist_ok=True)
+                return resolve(requirements, pins, pip_runner(resolver, Path(work), wheelhouse=wheelhouse),
+                               build=sdist_builder(resolver, wheelhouse), extra_requirements=extra)
+        return run
+
+    base_key = resolution_key(requirements, device, resolver)
+    key = resolution_key(requirements, device, resolver, extra_requirements=extra_reqs) if extra_reqs else base_key
+    resolution = load_resolution(resolution_cache_file(cache, key), key) if extra_reqs and resolution_cache else None
     cached = resolution is not None
     if resolution is not None:
-        log(f"resolution reused from the cache (key {key[:16]}): {cached_file}; "
+        log(f"resolution with the extras reused from the cache (key {key[:16]}): {resolution_cache_file(cache, key)}; "
             "--no-resolution-cache resolves again")
     else:
-        if not resolution_cache:
-            log("resolution cache not used (--no-resolution-cache): resolving")
-        with tempfile.TemporaryDirectory(prefix="device-stage-") as work:
-            resolution = resolve(requirements, device, pip_runner(resolver, Path(work)))
-        try:
-            save_resolution(cached_file, key, resolution)
-        except OSError as exc:
-            log(f"  warning: resolution not cached ({exc})")
+        base, cached = _cached_resolve(cache, base_key, resolution_cache, "", resolve_with((), device))
+        if extra_reqs:
+            pins = {n: v for n, v in device.items() if canonicalize_name(n) not in {d.name for d in base.dropped}}
+            log(f"resolving the extra requirement(s) with vLLM's: {len(base.dropped)} device pin(s) stay dropped")
+            resolution, cached = resolve_with(extra_reqs, pins)(), False
+            resolution.dropped = sorted([*base.dropped, *resolution.dropped], key=lambda d: d.name)
+            resolution.restored = sorted({*base.restored, *resolution.restored})
+            resolution.rounds += base.rounds
+            check_no_downgrade(resolution, base, device)
+            try:
+                save_resolution(resolution_cache_file(cache, key), key, resolution)
+            except OSError as exc:
+                log(f"  warning: resolution not cached ({exc})")
+        else:
+            resolution = base
+    explicit = {_requirement_name(r) for r in extra_reqs}
+    not_needed = {k: v for k, v in not_needed.items() if k not in explicit}
     unneeded = [w for w in resolution.wheels if w.name in not_needed]
     resolution.wheels = [w for w in resolution.wheels if w.name not in not_needed]
     skipped += [f"{w.name}=={w.version}: not needed on the device: {not_needed[w.name]}" for w in unneeded]
@@ -935,6 +1131,7 @@ def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: i
             "target": {"python": "3.12", "implementation": "cp", "platforms": list(PLATFORMS)},
             "resolver": resolver.description,
             "requirements": requirements,
+            **({"extra_requirements": extra_reqs} if extra_reqs else {}),
             "not_requested": skipped,
             "device_packages": device_packages.name,
             "dropped_device_pins": [asdict(d) for d in resolution.dropped],
@@ -942,6 +1139,7 @@ def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: i
             "rounds": resolution.rounds,
             "cached": cached,
             "cache_key": key,
+            **({"built_from_sdist": resolution.built} if resolution.built else {}),
         },
         "wheels": [{"name": w.name, "version": w.version, "file": w.filename, "url": w.url,
                     "sha256": w.sha256, "size": sizes[f"wheels/{w.filename}"],
@@ -966,4 +1164,6 @@ def format_summary(manifest: Mapping) -> str:
               + (f"  <- {', '.join(w['required_by'])}" if w.get("required_by") else "") for w in wheels]
     for d in manifest.get("resolution", {}).get("dropped_device_pins", []):
         lines.append(f"dropped device pin {d['name']}=={d['device_version']}: {d['reason']}")
+    for pkg, built in sorted(manifest.get("resolution", {}).get("built_from_sdist", {}).items()):
+        lines.append(f"built from its sdist (pure Python): {pkg}: {built}")
     return "\n".join(lines)

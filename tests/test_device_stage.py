@@ -208,9 +208,11 @@ class ScriptedPip:
 
     def __init__(self) -> None:
         self.calls: list[dict[str, str]] = []
+        self.asked: list[list[str]] = []
 
     def __call__(self, requirements: Sequence[str], pins: Mapping[str, str]) -> ds.PipOutcome:
         self.calls.append(dict(pins))
+        self.asked.append(list(requirements))
         if "setuptools" in pins:
             return ds.PipOutcome(False, SETUPTOOLS)
         if "llvmlite" in pins:
@@ -225,6 +227,10 @@ class ScriptedPip:
         ]}
         if "cuda-bindings" not in pins:
             report["install"].append(_item("cuda-bindings", "13.4.4"))
+        if any(r.startswith("lm-eval") for r in requirements):  # an --extra: lm-eval and what it brings
+            report["install"] += [_item("lm-eval", "0.4.13", requires=["sacrebleu>=1.5", 'tenacity; extra == "api"'],
+                                        extras=["api"]),
+                                  _item("sacrebleu", "2.5.1"), _item("tenacity", "9.1.2")]
         return ds.PipOutcome(True, "ok", report)
 
 
@@ -492,7 +498,7 @@ class StageRig:
         monkeypatch.setattr(ds, "resolve", counted)
         monkeypatch.setattr(ds, "wheel_requires_dist", lambda wheel: (real_requires(wheel)[0], list(self.requires)))
         monkeypatch.setattr(ds, "find_resolver", lambda explicit=None: ds.Resolver(sys.executable, "scripted", True))
-        monkeypatch.setattr(ds, "pip_runner", lambda resolver, work, platforms=ds.PLATFORMS: self.pip)
+        monkeypatch.setattr(ds, "pip_runner", lambda resolver, work, platforms=ds.PLATFORMS, wheelhouse=None: self.pip)
         monkeypatch.setattr(ds, "download_wheels", fake_download)
         for key in ds.PIP_ENV_KEYS:
             monkeypatch.delenv(key, raising=False)
@@ -609,6 +615,156 @@ def test_no_resolution_cache_forces_a_resolve(rig: StageRig, capsys: pytest.Capt
     assert "resolution cache not used (--no-resolution-cache)" in capsys.readouterr().err
     manifest = json.loads((rig.tmp / "cli" / "engine" / "manifest.json").read_text())
     assert manifest["resolution"]["cached"] is False
+
+
+# --- extra requirements (--extra / EXTRA) ----------------------------------------------------------
+
+LM_EVAL = "lm-eval[api]==0.4.13"
+
+
+def test_extra_requirement_joins_vllms_resolution_and_changes_the_key(rig: StageRig) -> None:
+    plain = rig.stage()
+    assert "extra_requirements" not in plain["resolution"] and all(len(a) == 2 for a in rig.pip.asked)
+    calls = len(rig.pip.calls)
+    extra = rig.stage(extras=[LM_EVAL, 'pywin32; sys_platform == "win32"'])
+    # vLLM's own resolution came from the cache; one more pip round, with both sets of requirements
+    assert rig.resolves == 2 and len(rig.pip.calls) == calls + 1
+    assert rig.pip.asked[-1] == [*rig.requires, LM_EVAL]
+    # vLLM's dropped pins stay dropped, the other device pins stay
+    assert sorted(rig.pip.calls[-1]) == ["cuda-bindings", "numpy", "torch"]
+    res = extra["resolution"]
+    assert res["extra_requirements"] == [LM_EVAL] and res["requirements"] == plain["resolution"]["requirements"]
+    assert any(s.startswith("pywin32") and "(--extra)" in s for s in res["not_requested"])
+    assert res["cache_key"] != plain["resolution"]["cache_key"] and res["cached"] is False
+    assert res["dropped_device_pins"] == plain["resolution"]["dropped_device_pins"]
+    who = {w["name"]: w["required_by"] for w in extra["wheels"]}
+    assert who["lm-eval"] == ["extra"] and who["tenacity"] == ["lm-eval"] and who["numba"] == ["vllm"]
+    assert [w["name"] for w in extra["wheels"]] == sorted([*(w["name"] for w in plain["wheels"]),
+                                                           "lm-eval", "sacrebleu", "tenacity"])
+    # the key covers the extras: the same extras hit the cache, other extras (or none) do not mix
+    assert rig.stage(extras=[LM_EVAL])["resolution"]["cached"] is True and rig.resolves == 2
+    assert rig.stage()["resolution"] == {**plain["resolution"], "cached": True}
+    assert len(rig.cache_files()) == 2
+    resolver = ds.Resolver("python3.12", "CPython 3.12.3, pip 24.0", True)
+    keys = {ds.resolution_key(["a"], {}, resolver, extra_requirements=e) for e in ([], ["b"], ["b[x]"], ["c"])}
+    assert len(keys) == 4 and ds.resolution_key(["a"], {}, resolver) in keys
+
+
+def test_extra_requirement_never_stages_an_older_device_package(rig: StageRig) -> None:
+    base = rig.pip
+
+    def pip(requirements: Sequence[str], pins: Mapping[str, str]) -> ds.PipOutcome:
+        if "old-numpy-user" in requirements and "numpy" in pins:
+            return ds.PipOutcome(False, "The conflict is caused by:\n    old-numpy-user 1.0 depends on numpy<2.5\n"
+                                        "    The user requested (constraint) numpy==2.5.2+device\n\n")
+        outcome = base(requirements, pins)
+        if outcome.ok and "numpy" not in pins:
+            outcome.report["install"].append(_item("numpy", "2.4.4"))
+        return outcome
+
+    rig.pip = pip
+    with pytest.raises(ds.DeviceStageError, match=r"need numpy==2.4.4, older than the device's 2.5.2 "
+                                                  r"\(old-numpy-user 1.0 depends on numpy<2.5\)"):
+        rig.stage(extras=["old-numpy-user"])
+    with pytest.raises(ds.DeviceStageError, match=r"the device's own torch is used"):
+        rig.stage(extras=["torch==2.13.0"])
+
+
+def test_extra_with_a_missing_wheel_and_no_sdist_is_one_line(rig: StageRig, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    base = rig.pip
+    no_wheel = ("Collecting rouge-score (from lm-eval[api]==0.4.13)\n"
+                "ERROR: Could not find a version that satisfies the requirement rouge-score (from versions: none)\n"
+                "ERROR: No matching distribution found for rouge-score\n")
+    rig.pip = lambda reqs, pins: ds.PipOutcome(False, no_wheel) if LM_EVAL in reqs else base(reqs, pins)
+    (tmp_path / "empty-index").mkdir()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # the real pip wheel, offline: it finds no sdist
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "empty-index"))
+    monkeypatch.setenv("VLLM_OVERLAY_CACHE", str(rig.cache))
+    args = ["device-stage", "--wheel", str(rig.wheel("0.28.0+c")), "--dest", str(tmp_path / "cli"),
+            "--device-packages", str(rig.packages), "--extra", LM_EVAL]
+    capsys.readouterr()
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert errors == [err.splitlines()[-1]] and errors[0].startswith(
+        "error: rouge-score: no wheel for CPython 3.12 manylinux x86_64 and no sdist to build one from (rouge-score): ")
+    assert "No matching distribution found for rouge-score" in errors[0]
+    assert not (tmp_path / "cli" / "engine").exists()  # nothing staged, no resolution with the extra cached
+    assert len(rig.cache_files()) == 1
+
+
+def _sdist(index: Path, name: str, version: str, tag: str) -> Path:
+    """An sdist whose in-tree PEP 517 backend (no build requirements) writes a wheel tagged ``tag``."""
+    base = f"{name}-{version}"
+    dist = name.replace("-", "_")
+    di = f"{dist}-{version}.dist-info"
+    backend = f"""
+import zipfile
+NAME = {base!r}
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    fn = "{dist}-{version}-{tag}.whl"
+    files = {{"{dist}.py": "X = 1\\n", "{di}/METADATA": "Metadata-Version: 2.1\\nName: {name}\\nVersion: {version}\\n",
+             "{di}/WHEEL": "Wheel-Version: 1.0\\nGenerator: t\\nRoot-Is-Purelib: true\\nTag: {tag}\\n"}}
+    with zipfile.ZipFile(wheel_directory + "/" + fn, "w") as zf:
+        for k, v in files.items():
+            zf.writestr(k, v)
+        zf.writestr("{di}/RECORD", "".join(k + ",,\\n" for k in files) + "{di}/RECORD,,\\n")
+    return fn
+"""
+    members = {"pyproject.toml": '[build-system]\nrequires = []\nbuild-backend = "backend"\nbackend-path = ["."]\n',
+               "backend.py": backend,
+               "PKG-INFO": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"}
+    path = index / f"{dist}-{version}.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for member, text in members.items():
+            data = text.encode()
+            info = tarfile.TarInfo(f"{base}/{member}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_sdist_builder_builds_pure_python_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    index = tmp_path / "index"
+    index.mkdir()
+    _sdist(index, "rouge-score", "0.1.2", "py3-none-any")
+    _sdist(index, "fastext", "1.0", "cp312-cp312-linux_x86_64")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    wheelhouse = tmp_path / "from-sdist"
+    build = ds.sdist_builder(ds.Resolver(sys.executable, "this python", False), wheelhouse)
+    assert build("rouge-score>=0.0.4") == "rouge_score-0.1.2-py3-none-any.whl"
+    assert [p.name for p in wheelhouse.iterdir()] == ["rouge_score-0.1.2-py3-none-any.whl"]
+    with pytest.raises(ds.DeviceStageError, match=r"^fastext: no wheel for the device, and its sdist builds "
+                                                  r"fastext-1.0-cp312-cp312-linux_x86_64.whl, not pure Python"):
+        build("fastext")
+    with pytest.raises(ds.DeviceStageError, match=r"^nothere: no wheel for CPython 3.12 manylinux x86_64 and "
+                                                  r"no sdist to build one from \(nothere==1\): .*No matching"):
+        build("nothere==1")
+    assert [p.name for p in wheelhouse.iterdir()] == ["rouge_score-0.1.2-py3-none-any.whl"]
+    assert ds.is_pure_wheel("a-1-py2.py3-none-any.whl") and not ds.is_pure_wheel("a-1-cp312-abi3-any.whl")
+
+
+def test_summary_names_wheels_built_from_sdists() -> None:
+    manifest = {"carries": [], "wheels": [], "resolution": {"dropped_device_pins": []}}
+    assert "sdist" not in ds.format_summary(manifest)
+    manifest["resolution"]["built_from_sdist"] = {"word2number": "word2number-1.1-py3-none-any.whl"}
+    assert ds.format_summary(manifest).endswith(
+        "built from its sdist (pure Python): word2number: word2number-1.1-py3-none-any.whl")
+
+
+def test_resolve_builds_a_missing_wheel_once_then_finds_it() -> None:
+    built: list[str] = []
+    outputs = iter([ds.PipOutcome(False, NO_WHEEL), ds.PipOutcome(True, "ok", {"install": [_item("x", "1")]})])
+    res = ds.resolve(["outlines_core==0.2.14"], DEVICE, lambda r, p: next(outputs),
+                     build=lambda req: built.append(req) or "outlines_core-0.2.14-py3-none-any.whl")
+    assert built == ["outlines_core==0.2.14"]
+    assert res.built == {"outlines-core": "outlines_core-0.2.14-py3-none-any.whl"}
+    with pytest.raises(ds.DeviceStageError, match=r"^outlines-core: pip finds no wheel for the device even after"):
+        ds.resolve(["outlines_core==0.2.14"], DEVICE, lambda r, p: ds.PipOutcome(False, NO_WHEEL),
+                   build=lambda req: "outlines_core-0.2.14-py3-none-any.whl")
 
 
 # --- the device side, for real --------------------------------------------------------------------

@@ -18,7 +18,9 @@ Modes, each the symptom of one reported failure (``../shared/seeds/000_81f8ab4c6
 
 Token-id prompts (``"prompt": [ids]``) are answered like vLLM's completions API with
 ``logprobs``, ``prompt_logprobs``, ``return_tokens_as_token_ids`` and ``return_token_ids``: a
-deterministic toy model, so that two healthy stand-ins agree exactly.
+deterministic toy model, so that two healthy stand-ins agree exactly. Streamed (``"stream": true``)
+they come one token per chunk, with ``stream_options`` ``include_usage`` / ``continuous_usage_stats``
+honoured (``make bench-engine``'s tests).
 
 ``--start-delay`` makes any mode start slowly: the port is bound only after that many seconds,
 as vLLM binds only once the engine is loaded.
@@ -294,9 +296,48 @@ class Handler(BaseHTTPRequestHandler):
                                "token_logprobs": [r[f"token_id:{t}"] for r, t in zip(top, tokens, strict=True)],
                                "top_logprobs": top, "text_offset": [0] * len(tokens)} if k else None}
         st.on_output(len(tokens))
+        if req.get("stream"):
+            self._stream_tokens(tokens, len(ids), req)
+            return
         self._json(200, {"id": "cmpl-standin", "object": "text_completion", "model": st.args.model_name,
                          "choices": [choice], "usage": {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
                                                         "total_tokens": len(ids) + len(tokens)}})
+
+    def _stream_tokens(self, tokens: list[int], prompt_tokens: int, req: dict[str, object]) -> None:
+        """A token-id prompt streamed as vLLM streams it: one chunk per token (``--ttft-ms``, then
+        ``--tpot-ms`` apart), ``token_ids`` with ``return_token_ids``, the cumulative usage on every
+        chunk with ``stream_options.continuous_usage_stats``, a final usage chunk with ``include_usage``."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        options = req.get("stream_options")
+        options = options if isinstance(options, dict) else {}
+        include_usage = bool(options.get("include_usage"))
+        continuous = include_usage and bool(options.get("continuous_usage_stats"))
+        time.sleep(self.state.args.ttft_ms / 1000)
+        for i, tok in enumerate(tokens):
+            if i:
+                time.sleep(self.state.args.tpot_ms / 1000)
+            choice: dict[str, object] = {"index": 0, "text": bytes([tok]).decode("latin-1"),
+                                         "finish_reason": "length" if i == len(tokens) - 1 else None}
+            if req.get("return_token_ids"):
+                choice["token_ids"] = [tok]
+            chunk: dict[str, object] = {"id": "cmpl-standin", "object": "text_completion",
+                                        "model": self.state.args.model_name, "choices": [choice]}
+            if continuous:
+                chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": i + 1,
+                                  "total_tokens": prompt_tokens + i + 1}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+        if include_usage:
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
+                     "total_tokens": prompt_tokens + len(tokens)}
+            tail = {"id": "cmpl-standin", "object": "text_completion", "choices": [], "usage": usage}
+            self.wfile.write(f"data: {json.dumps(tail)}\n\n".encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
 
     def _stream(self, text: str, usage: dict[str, int], req: dict[str, object]) -> None:
         self.send_response(200)

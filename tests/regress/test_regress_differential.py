@@ -124,7 +124,7 @@ def test_tiny_checkpoint_profiles_point_at_the_generated_checkpoint() -> None:
     for p in (dcp2, dcp1):
         assert Path(p.server.command()[2]).name == checkpoint_id(TinyGlm5Spec(), 0)
         assert not p.server.command()[2].startswith("~") and p.server.speculative_tokens == 5
-        assert {"long_context", "gsm8k"} <= set(p.checks_off)
+        assert "long_context" in p.checks_off and "gsm8k" in p.checks  # GSM8K for the harness, not the verdict
     assert dcp2.server.arg_value("--decode-context-parallel-size") == "2" and "differential" in dcp2.checks
     assert dcp1.server.arg_value("--decode-context-parallel-size") == "1" and "differential" in dcp1.checks_off
     # the same engine otherwise: only DCP and its backend differ

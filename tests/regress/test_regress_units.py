@@ -33,7 +33,8 @@ def test_shipped_profiles_load_with_the_seed_baselines(name: str) -> None:
 
 
 def test_profile_details_match_the_seed_commands() -> None:
-    assert shipped_profiles() == ["glm5.2-fp8-tp8-dcp8", NVFP4, "tiny-glm5-tp2-dcp1-mtp5", "tiny-glm5-tp2-dcp2-mtp5"]
+    assert shipped_profiles() == ["glm5.2-fp8-tp8-dcp8", NVFP4, "tiny-glm5-tp2-dcp1-mtp5",
+                                 "tiny-glm5-tp2-dcp2-agrs-mtp5", "tiny-glm5-tp2-dcp2-mtp5"]
     fp8 = load_profile("glm5.2-fp8-tp8-dcp8").server
     assert fp8.command()[:3] == ["vllm", "serve", "zai-org/GLM-5.2-FP8"]
     assert fp8.arg_value("--decode-context-parallel-size") == "8" and fp8.speculative_tokens == 0

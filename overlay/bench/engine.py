@@ -1,0 +1,873 @@
+"""``make bench-engine``: engine-level A/B of ``VLLM_DCP_PROJECT_BEFORE_MERGE`` on real ``vllm serve`` servers.
+
+Two servers of the generated tiny GLM-5 checkpoint (``overlay.engine.checkpoint``) run at once on the
+same GPUs, identical but for one variable: A with ``VLLM_DCP_PROJECT_BEFORE_MERGE=1`` (our
+dcp-project-before-merge), B with ``=0`` (vLLM 0.28.0's merge-then-project order). Both serve at
+TP ``--tp`` x DCP ``--dcp`` over ``--transport`` (``direct``: ``--dcp-comm-backend a2a`` with
+``VLLM_USE_DIRECT_DCP_A2A=1``; ``a2a``: the same on NCCL; ``ag_rs``), ``fp8_ds_mla`` KV cache,
+CUDA graphs (``max_cudagraph_capture_size`` ``--max-cudagraph-capture-size``), prefix caching, no
+speculative decoding, a fixed KV cache (``--kv-cache-memory-bytes``; default: the largest cell's
+tokens / DCP x layers x (656 B fp8_ds_mla + 132 B indexer) per token and layer, plus a margin), NVLink
+multicast off, each its own port, ``VLLM_PORT`` range and ``VLLM_CACHE_ROOT``. The DSA indexer's
+logits come from the test-only ``deep_gemm`` stand-in (``tests/engine/standin``, as ``make
+engine-check``) unless ``--no-deep-gemm-standin``.
+
+Cells: every ``batch`` of ``--batches`` x ``context`` of ``--contexts`` (or ``--cells 1x4096,mixed``).
+A cell's ``batch`` requests are streamed ``/v1/completions`` sent at once, each a token-id prompt of
+``context`` tokens (seeded random byte tokens 0..255) that shares its first ``context - 32`` tokens
+with the others and differs in the last 32, ``max_tokens`` ``--decode-tokens``, ``ignore_eos``,
+temperature 0. Before a cell's measured runs each server gets one unmeasured warm-up of the cell (a
+single request first, so the shared prefix is computed once and cached): with prefix caching the
+measured runs prefill only the last block or two of each prompt, and the time is decode's (the
+servers run with ``--enable-prompt-tokens-details``: a cell whose measured runs got less than 90% of
+their prompt tokens from the cache is flagged). The
+``mixed`` cell: ``--mixed-batch`` decode requests at ``--mixed-context`` (shared prefix, as above)
+while a fresh ``--mixed-context``-token prompt (never seen by that server, ``max_tokens`` 1) arrives
+every ``--mixed-interval`` seconds until the decodes finish: chunked prefill beside decode, which runs
+attention outside the full CUDA graphs.
+
+Measured per request: the arrival time of every streamed chunk and how many tokens it brought
+(``stream_options`` ``include_usage`` + ``continuous_usage_stats``: each chunk carries the cumulative
+``completion_tokens``). Definitions, per run:
+
+- TPOT of a request = (arrival of its last token - arrival of its first token) / (tokens - 1);
+  the run's TPOT is the mean over its (decode) requests.
+- decode throughput = the tokens that arrive in the window where every request is decoding,
+  (latest first-token arrival, earliest last-token arrival], summed over the requests, divided by
+  the window's length: the steady full-batch rate, prefill and the stragglers' ends left out. Where
+  that window is empty (one token per request) it falls back to sum(tokens - 1) / (latest last-token
+  arrival - earliest first-token arrival).
+- mixed cell: decode throughput of the decode requests as above; total throughput = (those
+  tokens + the prompt tokens of the prefills answered inside the window) / the window.
+
+Order: per cell, warm-up A, warm-up B, then ``--repeats`` measured runs per server in ABBA order
+(A B B A A B ...), one server at a time while the other idles. Per cell: median of the runs of each
+server; TPOT ratio = B median / A median, throughput ratio = A median / B median (> 1: the
+optimization is faster). The issue's target: no cell below 0.98 (flagged).
+
+Writes ``engine.json`` (settings, versions, every run's raw numbers, per-cell medians and ratios;
+rewritten after every cell, ``partial`` until the end), ``engine.md`` (the table) and ``engine.png``
+(matplotlib Agg; ``--plot engine.json`` redraws the table and plot of an earlier run, e.g. where the
+GPU machine lacks matplotlib); the servers' logs are ``server-A.log`` and ``server-B.log``.
+``--budget S`` starts no cell that would not end within S seconds of the start (estimated from the
+cells so far) and marks the result partial. A server that dies stops the run with one line naming
+it and its log's telling line (exit 1); what was measured is written first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from overlay.atomic import write_file
+from overlay.engine.check import PORT_BASE, PORT_STRIDE, REPO, SAFE_ENV, STANDIN, error_line
+from overlay.regress.server import Server
+
+PREFIX = "[bench-engine]"
+TARGET = 0.98
+TAIL_TOKENS = 32  # the part of a prompt that differs between a cell's requests
+FP8_DS_MLA_BYTES = 656  # per token and layer: 512 fp8 latent + 4 x fp32 scales + 64 bf16 rope
+INDEXER_BYTES = 132  # per token and layer: 128 fp8 indexer key + its fp32 scale
+MODEL_LEN_MARGIN = 64
+CACHED_MIN = 0.9  # a measured run whose prompts the prefix cache served less than this is flagged
+SERVED_NAME = "tiny-glm5"
+SIDES = {"A": "1", "B": "0"}  # VLLM_DCP_PROJECT_BEFORE_MERGE per server
+TRANSPORTS = ("direct", "a2a", "ag_rs")
+DEFAULT_VLLM = "python3 -m vllm.entrypoints.cli.main"
+
+
+class BenchError(Exception):
+    """The run cannot go on (a server died, a request failed); the message is one line."""
+
+
+# ---------------------------------------------------------------------------------------------- cells
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One measured configuration: ``batch`` requests of ``context`` tokens, or the mixed load."""
+
+    batch: int
+    context: int
+    mixed: bool = False
+
+    @property
+    def name(self) -> str:
+        return "mixed" if self.mixed else f"{self.batch}x{self.context}"
+
+
+def parse_cells(spec: str | None, batches: list[int], contexts: list[int], *, mixed_batch: int,
+                mixed_context: int, mixed: bool = True) -> list[Cell]:
+    """The cells to run, smallest context first (mixed after the cells of its context).
+
+    ``spec`` (``--cells``: ``1x4096,8x16384,mixed``) overrides ``batches`` x ``contexts`` (+ mixed).
+    """
+    cells: list[Cell] = []
+    if spec:
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            if item == "mixed":
+                cells.append(Cell(mixed_batch, mixed_context, mixed=True))
+                continue
+            m = re.fullmatch(r"(\d+)x(\d+)", item)
+            if not m or int(m.group(1)) < 1 or int(m.group(2)) <= TAIL_TOKENS:
+                raise ValueError(f"--cells: {item!r} is not BATCHxCONTEXT (context > {TAIL_TOKENS}) or 'mixed'")
+            cells.append(Cell(int(m.group(1)), int(m.group(2))))
+    else:
+        for b in batches:
+            for c in contexts:
+                if b < 1 or c <= TAIL_TOKENS:
+                    raise ValueError(f"batch {b} x context {c}: want batch >= 1 and context > {TAIL_TOKENS}")
+        cells = [Cell(b, c) for c in contexts for b in batches]
+        if mixed:
+            cells.append(Cell(mixed_batch, mixed_context, mixed=True))
+    if len({c.name for c in cells}) != len(cells):
+        raise ValueError("--cells: a cell is named twice")
+    return sorted(cells, key=lambda c: (c.context, c.mixed, c.batch))
+
+
+def abba(repeats: int) -> list[str]:
+    """The measured runs' order: pairs AB, BA, AB, ... (``repeats`` runs per server)."""
+    order: list[str] = []
+    for k in range(repeats):
+        order += ["A", "B"] if k % 2 == 0 else ["B", "A"]
+    return order
+
+
+def cell_prompts(cell: Cell, seed: int) -> list[list[int]]:
+    """``cell.batch`` prompts of ``cell.context`` byte tokens: one shared prefix, 32 own tokens each."""
+    rng = random.Random(f"bench-engine:{seed}:{cell.context}:{cell.batch}:{cell.mixed}")
+    prefix = [rng.randrange(256) for _ in range(cell.context - TAIL_TOKENS)]
+    return [prefix + [rng.randrange(256) for _ in range(TAIL_TOKENS)] for _ in range(cell.batch)]
+
+
+def fresh_prompt(context: int, seed: int, tag: str) -> list[int]:
+    """A prompt no other request shares (the mixed cell's arriving prefills)."""
+    rng = random.Random(f"bench-engine:fresh:{seed}:{tag}")
+    return [rng.randrange(256) for _ in range(context)]
+
+
+# -------------------------------------------------------------------------------------------- metrics
+
+
+@dataclass
+class Request:
+    """One streamed request: chunk arrivals (seconds since the run's start) and tokens per chunk."""
+
+    sent: float
+    arrivals: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    kind: str = "decode"  # decode | prefill (mixed cell)
+    cached_tokens: int | None = None  # prompt tokens the prefix cache served (usage.prompt_tokens_details)
+
+    @property
+    def total(self) -> int:
+        return sum(self.tokens)
+
+    @property
+    def first(self) -> float:
+        return self.arrivals[0]
+
+    @property
+    def last(self) -> float:
+        return self.arrivals[-1]
+
+    def tpot(self) -> float | None:
+        return (self.last - self.first) / (self.total - 1) if self.arrivals and self.total > 1 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "sent": round(self.sent, 6), "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "arrivals": [round(t, 6) for t in self.arrivals],
+                "tokens": self.tokens}
+
+
+def summarize(requests: list[Request]) -> dict[str, Any]:
+    """A run's numbers from its requests (definitions in the module docstring)."""
+    dec = [r for r in requests if r.kind == "decode" and r.arrivals]
+    tpots = [t for t in (r.tpot() for r in dec) if t is not None]
+    out: dict[str, Any] = {"requests": len(dec), "tokens": sum(r.total for r in dec)}
+    if dec and all(r.cached_tokens is not None for r in dec):
+        out["cached_fraction"] = sum(r.cached_tokens or 0 for r in dec) / max(1, sum(r.prompt_tokens for r in dec))
+    if not dec or not tpots:
+        return out | {"tpot_ms": None, "decode_tok_s": None}
+    t0, t1 = max(r.first for r in dec), min(r.last for r in dec)
+    in_window = sum(n for r in dec for t, n in zip(r.arrivals, r.tokens, strict=True) if t0 < t <= t1)
+    if t1 > t0 and in_window:
+        window, tokens, how = t1 - t0, in_window, "full-batch window"
+    else:
+        t0, t1 = min(r.first for r in dec), max(r.last for r in dec)
+        window, tokens, how = t1 - t0, sum(r.total - 1 for r in dec), "first-to-last fallback"
+    out |= {
+        "tpot_ms": 1000.0 * statistics.fmean(tpots),
+        "tpot_ms_max": 1000.0 * max(tpots),
+        "ttft_ms_mean": 1000.0 * statistics.fmean(r.first - r.sent for r in dec),
+        "first_token_spread_ms": 1000.0 * (max(r.first for r in dec) - min(r.first for r in dec)),
+        "decode_tok_s": tokens / window if window > 0 else None,
+        "window_s": window, "window_tokens": tokens, "throughput_window": how,
+        "wall_s": max(r.last for r in dec) - min(r.sent for r in dec),
+    }
+    pre = [r for r in requests if r.kind == "prefill"]
+    if pre:
+        done = [r for r in pre if r.arrivals and t0 < r.first <= t1]
+        out |= {"prefills_sent": len(pre), "prefills_in_window": len(done),
+                "total_tok_s": (tokens + sum(r.prompt_tokens for r in done)) / window if window > 0 else None}
+    return out
+
+
+def median_or_none(values: list[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def cell_summary(runs: list[dict[str, Any]], expect_cached: bool = True) -> dict[str, Any]:
+    """Per-server medians of a cell's measured runs and the ratios (> 1: A, the optimization, is faster)."""
+    out: dict[str, Any] = {}
+    for side in SIDES:
+        mine = [r["summary"] for r in runs if r["server"] == side and not r.get("warmup")]
+        out[side] = {key: median_or_none([s.get(key) for s in mine])
+                     for key in ("tpot_ms", "decode_tok_s", "total_tok_s")}
+        out[side]["runs"] = len(mine)
+        out[side]["tpot_ms_runs"] = [s.get("tpot_ms") for s in mine]
+    a, b = out["A"], out["B"]
+    out["tpot_ratio"] = b["tpot_ms"] / a["tpot_ms"] if a["tpot_ms"] and b["tpot_ms"] else None
+    out["tok_s_ratio"] = (a["decode_tok_s"] / b["decode_tok_s"]
+                          if a["decode_tok_s"] and b["decode_tok_s"] else None)
+    out["total_tok_s_ratio"] = (a["total_tok_s"] / b["total_tok_s"]
+                                if a["total_tok_s"] and b["total_tok_s"] else None)
+    cached = [r["summary"].get("cached_fraction") for r in runs if not r.get("warmup")]
+    out["cached_fraction_min"] = min((c for c in cached if c is not None), default=None)
+    out["flags"] = flags(out, expect_cached=expect_cached)
+    return out
+
+
+def flags(summary: dict[str, Any], target: float = TARGET, expect_cached: bool = True) -> list[str]:
+    """What falls short: a ratio below ``target``, a ratio that could not be computed, and (prefix caching
+    on) measured runs whose prompts came less than ``CACHED_MIN`` from the prefix cache (prefill in the time)."""
+    found = []
+    for key, label in (("tpot_ratio", "TPOT"), ("tok_s_ratio", "tok/s")):
+        ratio = summary.get(key)
+        if ratio is None:
+            found.append(f"no {label} ratio")
+        elif ratio < target:
+            found.append(f"{label} {ratio:.3f} < {target}")
+    cached = summary.get("cached_fraction_min")
+    if expect_cached and cached is not None and cached < CACHED_MIN:
+        found.append(f"prefix cache served only {cached:.0%} of a run's prompts")
+    return found
+
+
+# ------------------------------------------------------------------------------------------- requests
+
+
+def _body(model: str, prompt: list[int], max_tokens: int) -> bytes:
+    return json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                       "ignore_eos": True, "stream": True,
+                       "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).encode()
+
+
+async def _stream(client: httpx.AsyncClient, body: bytes, start: float, req: Request) -> Request:
+    """Send one pre-serialized streaming completion; record each token-bearing chunk's arrival."""
+    req.sent = time.perf_counter() - start
+    async with client.stream("POST", "/v1/completions", content=body,
+                             headers={"Content-Type": "application/json"}) as r:
+        if r.status_code != 200:
+            text = (await r.aread()).decode(errors="replace")
+            raise BenchError(f"/v1/completions answered {r.status_code}: {' '.join(text.split())[:300]}")
+        seen = 0
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                break
+            now = time.perf_counter() - start
+            data = json.loads(payload)
+            choices = data.get("choices") or []
+            if not choices:  # the final usage chunk
+                details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+                if details.get("cached_tokens") is not None:
+                    req.cached_tokens = int(details["cached_tokens"])
+                continue
+            usage = data.get("usage") or {}
+            if usage.get("completion_tokens") is not None:
+                count = int(usage["completion_tokens"]) - seen
+            elif choices[0].get("token_ids") is not None:
+                count = len(choices[0]["token_ids"])
+            else:
+                count = 1
+            if count <= 0:
+                continue
+            seen += count
+            req.arrivals.append(now)
+            req.tokens.append(count)
+    if not req.arrivals:
+        raise BenchError("a stream carried no tokens")
+    return req
+
+
+async def _run_async(url: str, model: str, prompts: list[list[int]], max_tokens: int, timeout_s: float,
+                     mixed: tuple[int, float, int, str] | None) -> list[Request]:
+    """All ``prompts`` at once (+ the mixed cell's arriving prefills: context, interval, seed, tag)."""
+    bodies = [_body(model, p, max_tokens) for p in prompts]
+    limits = httpx.Limits(max_connections=len(prompts) + 64, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits) as cl:
+        start = time.perf_counter()
+        reqs = [Request(0.0, prompt_tokens=len(p)) for p in prompts]
+        tasks = [asyncio.create_task(_stream(cl, b, start, r)) for b, r in zip(bodies, reqs, strict=True)]
+        extra: list[asyncio.Task[Request]] = []
+        prefills: list[Request] = []
+        try:
+            if mixed is not None:
+                context, interval, seed, tag = mixed
+                decodes = asyncio.gather(*tasks)
+                k = 0
+                while not decodes.done():
+                    try:
+                        await asyncio.wait_for(asyncio.shield(decodes), timeout=interval)
+                    except TimeoutError:
+                        pass
+                    if decodes.done():
+                        break
+                    k += 1
+                    req = Request(0.0, prompt_tokens=context, kind="prefill")
+                    prefills.append(req)
+                    body = _body(model, fresh_prompt(context, seed, f"{tag}:{k}"), 1)
+                    extra.append(asyncio.create_task(_stream(cl, body, start, req)))
+                await decodes
+            await asyncio.gather(*tasks, *extra)
+        finally:
+            for t in [*tasks, *extra]:
+                t.cancel()
+            await asyncio.gather(*tasks, *extra, return_exceptions=True)
+    return reqs + prefills
+
+
+def run_once(server: Server, cell: Cell, prompts: list[list[int]], max_tokens: int, timeout_s: float,
+             mixed: tuple[int, float, int, str] | None = None) -> list[Request]:
+    """One run of a cell against ``server``; a transport error asks whether the server died."""
+    try:
+        return asyncio.run(_run_async(server.base_url, server.model, prompts, max_tokens, timeout_s, mixed))
+    except (httpx.HTTPError, json.JSONDecodeError, BenchError) as exc:
+        cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise BenchError(_death(server) or f"cell {cell.name}: server {_side(server)}: {cause}") from None
+
+
+# -------------------------------------------------------------------------------------------- servers
+
+
+@dataclass
+class Settings:
+    """Everything the two servers share (and the workload): recorded in ``engine.json``."""
+
+    model: str
+    tp: int = 2
+    dcp: int = 2
+    transport: str = "direct"
+    kv_cache_memory_bytes: int = 0
+    gpu_memory_utilization: float = 0.3
+    max_model_len: int = 0
+    max_position_embeddings: int | None = None
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int | None = None
+    prefix_caching: bool = True
+    max_cudagraph_capture_size: int = 64
+    decode_tokens: int = 128
+    repeats: int = 3
+    seed: int = 0
+    mixed_batch: int = 32
+    mixed_context: int = 4096
+    mixed_interval: float = 0.2
+    layers: int = 0
+    deep_gemm_standin: bool = True
+    extra_args: list[str] = field(default_factory=list)
+
+    def server_args(self) -> list[str]:
+        args = ["--tensor-parallel-size", str(self.tp), "--decode-context-parallel-size", str(self.dcp),
+                "--dcp-comm-backend", "ag_rs" if self.transport == "ag_rs" else "a2a",
+                "--kv-cache-dtype", "fp8_ds_mla", "--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes),
+                "--gpu-memory-utilization", str(self.gpu_memory_utilization),
+                "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
+                "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
+                "--compilation-config", json.dumps({"max_cudagraph_capture_size": self.max_cudagraph_capture_size}),
+                "--seed", str(self.seed), "--enable-prompt-tokens-details"]
+        if self.max_num_batched_tokens:
+            args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.max_position_embeddings and self.max_model_len > self.max_position_embeddings:
+            # the checkpoint's RoPE table ends at max_position_embeddings; a longer one covers the cells
+            args += ["--hf-overrides", json.dumps({"max_position_embeddings": self.max_model_len})]
+        return args + list(self.extra_args)
+
+    def env(self, side: str, out: Path) -> dict[str, str]:
+        """The environment of server ``side`` (A or B): only VLLM_DCP_PROJECT_BEFORE_MERGE differs,
+        besides its own port range and compile cache."""
+        env = dict(os.environ)
+        env.update(SAFE_ENV)
+        env["VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"] = "0"
+        env["VLLM_DCP_PROJECT_BEFORE_MERGE"] = SIDES[side]
+        if self.transport in ("direct", "a2a"):
+            env["VLLM_USE_DIRECT_DCP_A2A"] = "1" if self.transport == "direct" else "0"
+        paths = ([str(STANDIN)] if self.deep_gemm_standin else []) + [str(REPO)]
+        env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        slot = list(SIDES).index(side)
+        env["VLLM_PORT"] = str(PORT_BASE + slot * PORT_STRIDE)
+        env["VLLM_CACHE_ROOT"] = str(out.parent / f"{out.name}-cache" / f"server-{side}")
+        return env
+
+
+def kv_cache_bytes(tokens_per_gpu: int, layers: int) -> int:
+    """A KV cache per GPU for ``tokens_per_gpu`` tokens: fp8_ds_mla + indexer bytes, 25% + 256 MiB margin."""
+    return int(tokens_per_gpu * layers * (FP8_DS_MLA_BYTES + INDEXER_BYTES) * 1.25) + (256 << 20)
+
+
+def largest_tokens(cells: list[Cell], decode_tokens: int) -> int:
+    """The most tokens a cell keeps in the cache at once (prefix caching off; the mixed cell's
+    prefills counted at a few in flight)."""
+    per_cell = [(c.batch + (8 if c.mixed else 0)) * (c.context + decode_tokens + 256) for c in cells]
+    return max(per_cell, default=0)
+
+
+def command(template: str | None, vllm: str, settings: Settings, port: int, side: str) -> list[str]:
+    """The server's argv: ``vllm serve`` of the checkpoint, or ``--server-cmd`` with its placeholders
+    ({port}, {model}, {name}, {side}, {args}: the vLLM arguments, shell-quoted)."""
+    if template:
+        filled = template.format(port=port, model=shlex.quote(settings.model), name=SERVED_NAME, side=side,
+                                 args=shlex.join(settings.server_args()))
+        return shlex.split(filled)
+    return [*shlex.split(vllm), "serve", settings.model, "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", SERVED_NAME, *settings.server_args()]
+
+
+def launch(side: str, cmd: list[str], env: dict[str, str], log_path: Path, port: int) -> BenchServer:
+    """Start one server in its own process group (``Server.stop`` signals the group)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        log.write(("$ " + shlex.join(cmd) + "\n").encode())
+        log.flush()
+        try:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)
+        except FileNotFoundError:
+            raise BenchError(f"server {side}: {cmd[0]!r} not found (--vllm / --server-cmd)") from None
+    return BenchServer(side, f"http://127.0.0.1:{port}", proc, log_path)
+
+
+class BenchServer(Server):
+    """A launched server that knows which side (A or B) it is."""
+
+    def __init__(self, side: str, base_url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+        super().__init__(base_url, SERVED_NAME, proc, log_path)
+        self.side = side
+
+
+def _side(server: Server) -> str:
+    return getattr(server, "side", "?")
+
+
+def _death(server: Server) -> str | None:
+    """None while ``server`` lives; else the one-line error naming it and its log's telling line."""
+    if server.alive(attempts=2, pause_s=0.5):
+        return None
+    side = _side(server)
+    if server.proc is not None:
+        try:
+            server.proc.wait(timeout=5.0)  # a crashing server is usually gone within moments
+        except subprocess.TimeoutExpired:
+            pass
+    rc = server.exited()
+    how = f"exited with status {rc}" if rc is not None else "stopped answering /health"
+    log = server.log_path.read_text(encoding="utf-8", errors="replace") if server.log_path else ""
+    return (f"server {side} (VLLM_DCP_PROJECT_BEFORE_MERGE={SIDES.get(side, '?')}) {how}; "
+            f"{server.log_path}: {error_line(log)}")
+
+
+def stop_all(servers: list[Server], grace_s: float = 15.0) -> None:
+    """Stop the servers side by side (SIGTERM to each group, SIGKILL after ``grace_s``)."""
+    import threading
+
+    threads = [threading.Thread(target=s.stop, kwargs={"grace_s": grace_s}) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def wait_ready(servers: list[Server], timeout_s: float) -> None:
+    """Until every server answers /health and lists the model; a server that exits ends it at once."""
+    start = time.monotonic()
+    pending = list(servers)
+    next_note = start + 30.0
+    while pending:
+        for server in list(pending):
+            if server.exited() is not None:
+                raise BenchError(_death(server) or f"server {_side(server)} exited")
+            try:
+                if server.client.health() and SERVED_NAME in server.client.models():
+                    progress(f"server {_side(server)} ready after {time.monotonic() - start:.0f} s")
+                    pending.remove(server)
+            except httpx.HTTPError:
+                pass
+        now = time.monotonic()
+        if pending and now - start > timeout_s:
+            names = ", ".join(_side(s) for s in pending)
+            raise BenchError(f"server {names} not ready after {timeout_s:.0f} s (--ready-timeout); "
+                             f"{pending[0].log_path}: {error_line(pending[0].log_tail(40))}")
+        if pending and now >= next_note:
+            progress(f"waiting for server {', '.join(_side(s) for s in pending)} ({now - start:.0f} s)")
+            next_note = now + 30.0
+        if pending:
+            time.sleep(1.0)
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def progress(msg: str) -> None:
+    print(f"{PREFIX} {msg}", flush=True)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return format(value, spec) if value is not None else "-"
+
+
+def table(result: dict[str, Any]) -> str:
+    """``engine.md``: one row per cell."""
+    s = result.get("settings", {})
+    lines = [f"# bench-engine: VLLM_DCP_PROJECT_BEFORE_MERGE A=1 vs B=0{' (partial)' if result.get('partial') else ''}",
+             "",
+             f"TP {s.get('tp')} x DCP {s.get('dcp')}, transport {s.get('transport')}, fp8_ds_mla, "
+             f"prefix caching {'on' if s.get('prefix_caching') else 'off'}, CUDA graphs up to "
+             f"{s.get('max_cudagraph_capture_size')}, {s.get('decode_tokens')} decode tokens, "
+             f"{s.get('repeats')} runs per server (ABBA), medians; {result.get('gpu') or ''}",
+             "",
+             "TPOT ratio = B / A, tok/s ratio = A / B: > 1 means the optimization (A) is faster; "
+             f"flagged below {TARGET}.",
+             "",
+             "| cell | A TPOT ms | B TPOT ms | ratio | A tok/s | B tok/s | ratio | flags |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for name, c in result.get("cells", {}).items():
+        a, b = c["A"], c["B"]
+        lines.append(f"| {name} | {_fmt(a['tpot_ms'], '.3f')} | {_fmt(b['tpot_ms'], '.3f')} | "
+                     f"{_fmt(c['tpot_ratio'], '.3f')} | {_fmt(a['decode_tok_s'], '.0f')} | "
+                     f"{_fmt(b['decode_tok_s'], '.0f')} | {_fmt(c['tok_s_ratio'], '.3f')} | "
+                     f"{'; '.join(c['flags']) or 'ok'} |")
+    mixed = result.get("cells", {}).get("mixed")
+    if mixed and mixed.get("total_tok_s_ratio") is not None:
+        lines += ["", f"mixed: total throughput (decode + prefill prompt tokens) A "
+                      f"{_fmt(mixed['A']['total_tok_s'], '.0f')} tok/s, B {_fmt(mixed['B']['total_tok_s'], '.0f')} "
+                      f"tok/s, ratio {mixed['total_tok_s_ratio']:.3f}"]
+    if result.get("skipped"):
+        lines += ["", f"not run (budget): {', '.join(result['skipped'])}"]
+    if result.get("error"):
+        lines += ["", f"stopped: {result['error']}"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], png: Path) -> None:
+    """Ratio per cell (TPOT B/A and tok/s A/B as bars) with the 0.98 target line, to ``png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result.get("cells", {}))
+    tpot = [result["cells"][n]["tpot_ratio"] or 0.0 for n in names]
+    tok = [result["cells"][n]["tok_s_ratio"] or 0.0 for n in names]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(names) + 2), 4.5))
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], tpot, width=0.4, label="TPOT ratio (B / A)")
+    ax.bar([x + 0.2 for x in xs], tok, width=0.4, label="decode tok/s ratio (A / B)")
+    ax.axhline(TARGET, color="red", linestyle="--", linewidth=1, label=f"target {TARGET}")
+    ax.axhline(1.0, color="black", linewidth=0.6)
+    ax.set_xticks(list(xs), names, rotation=30, ha="right")
+    vals = [v for v in tpot + tok if v]
+    lo = min([*vals, TARGET]) - 0.03
+    hi = max([*vals, 1.0]) + 0.03
+    ax.set_ylim(lo, hi)
+    ax.set(ylabel="ratio (> 1: project-before-merge faster)", xlabel="cell (batch x context)")
+    s = result.get("settings", {})
+    ax.set_title(f"VLLM_DCP_PROJECT_BEFORE_MERGE 1 vs 0: TP{s.get('tp')} x DCP{s.get('dcp')} "
+                 f"{s.get('transport')}{' (partial)' if result.get('partial') else ''}", fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(result: dict[str, Any], out: Path, *, draw: bool = True, json_too: bool = True) -> None:
+    if json_too:
+        write_file(out / "engine.json", json.dumps(result, indent=1) + "\n")
+    write_file(out / "engine.md", table(result))
+    if not draw:
+        return
+    try:
+        plot(result, out / "engine.png")
+    except ImportError:
+        progress("matplotlib missing here: draw the plot later with --plot engine.json")
+
+
+def versions() -> dict[str, Any]:
+    """vLLM, torch, Python, host and GPUs, as far as this machine tells without importing vLLM."""
+    from importlib import metadata
+
+    info: dict[str, Any] = {"python": platform.python_version(), "host": platform.node()}
+    for dist in ("vllm", "torch", "httpx"):
+        try:
+            info[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            info[dist] = None
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, check=False)
+        info["gpus"] = [ln.strip() for ln in smi.stdout.splitlines() if ln.strip()]
+    except (OSError, subprocess.TimeoutExpired):
+        info["gpus"] = []
+    return info
+
+
+# ------------------------------------------------------------------------------------------------- run
+
+
+def _model_config(model: Path, generate: bool) -> dict[str, Any]:
+    cfg = model / "config.json"
+    if not cfg.exists() and generate:
+        from overlay.engine.checkpoint import TinyGlm5Spec
+        from overlay.engine.checkpoint import generate as gen
+
+        progress(f"generating the checkpoint into {model}")
+        gen(model, TinyGlm5Spec(), 0)
+    try:
+        return json.loads(cfg.read_text())
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"{cfg}: cannot read the checkpoint's config ({exc})") from None
+
+
+def run_cell(cell: Cell, servers: dict[str, Server], st: Settings, timeout_s: float) -> list[dict[str, Any]]:
+    """Warm-ups then the ABBA runs of one cell; every run's record."""
+    prompts = cell_prompts(cell, st.seed)
+    records: list[dict[str, Any]] = []
+    count = {side: 0 for side in SIDES}
+
+    def one(side: str, warmup: bool) -> None:
+        server = servers[side]
+        if (dead := _death(server)) is not None:
+            raise BenchError(dead)
+        idx = count[side]
+        mixed = None
+        if cell.mixed:
+            mixed = (cell.context, st.mixed_interval, st.seed, f"{'warm' if warmup else idx}")
+        t = time.monotonic()
+        reqs = run_once(server, cell, prompts, st.decode_tokens, timeout_s, mixed)
+        summary = summarize(reqs)
+        if not warmup:
+            count[side] += 1
+        records.append({"cell": cell.name, "server": side, "warmup": warmup, "seq": len(records),
+                        "repeat": None if warmup else idx, "summary": summary,
+                        "requests": [r.to_dict() for r in reqs], "seconds": time.monotonic() - t})
+        progress(f"{cell.name} {'warm-up' if warmup else f'run {idx + 1}/{st.repeats}'} {side}: "
+                 f"TPOT {_fmt(summary.get('tpot_ms'), '.3f')} ms, {_fmt(summary.get('decode_tok_s'), '.0f')} tok/s"
+                 + (f", {summary.get('prefills_in_window')} prefills in window" if cell.mixed else ""))
+
+    for side in SIDES:  # one request first: the shared prefix is computed once, then cached
+        run_once(servers[side], cell, prompts[:1], 1, timeout_s)
+        one(side, warmup=True)
+    for side in abba(st.repeats):
+        one(side, warmup=False)
+    return records
+
+
+def run(ns: argparse.Namespace) -> int:
+    out: Path = ns.out
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    try:
+        cells = parse_cells(ns.cells, ns.batches, ns.contexts, mixed_batch=ns.mixed_batch,
+                            mixed_context=ns.mixed_context, mixed=not ns.no_mixed)
+    except ValueError as exc:
+        print(f"bench-engine: {exc}", file=sys.stderr)
+        return 2
+    model = Path(os.path.expanduser(ns.model)) if ns.model else None
+    if model is None:
+        from overlay.engine.checkpoint import TinyGlm5Spec, checkpoint_id, default_cache
+
+        model = default_cache() / checkpoint_id(TinyGlm5Spec(), 0)
+    try:
+        config = _model_config(model, generate=not ns.model or ns.server_cmd is None)
+    except BenchError as exc:
+        print(f"bench-engine: {exc}", file=sys.stderr)
+        return 2
+    layers = int(config.get("num_hidden_layers") or 0)  # the MTP layer is not loaded without spec decode
+    biggest = max(c.context for c in cells) + ns.decode_tokens + MODEL_LEN_MARGIN
+    st = Settings(
+        model=str(model), tp=ns.tp, dcp=ns.dcp, transport=ns.transport,
+        gpu_memory_utilization=ns.gpu_memory_utilization,
+        max_model_len=ns.max_model_len or biggest,
+        max_position_embeddings=config.get("max_position_embeddings"),
+        max_num_seqs=ns.max_num_seqs or max(max(c.batch for c in cells), ns.mixed_batch + 16),
+        max_num_batched_tokens=ns.max_num_batched_tokens, prefix_caching=not ns.no_prefix_caching,
+        max_cudagraph_capture_size=ns.max_cudagraph_capture_size, decode_tokens=ns.decode_tokens,
+        repeats=ns.repeats, seed=ns.seed, mixed_batch=ns.mixed_batch, mixed_context=ns.mixed_context,
+        mixed_interval=ns.mixed_interval, layers=layers, deep_gemm_standin=not ns.no_deep_gemm_standin,
+        extra_args=shlex.split(ns.server_args or ""))
+    st.kv_cache_memory_bytes = ns.kv_cache_memory_bytes or kv_cache_bytes(
+        -(-largest_tokens(cells, ns.decode_tokens) // ns.dcp), max(layers, 1))
+    result: dict[str, Any] = {
+        "format": 1, "partial": True, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "settings": asdict(st), "cells_planned": [c.name for c in cells], "versions": versions(),
+        "definitions": {
+            "tpot": "per request (last token arrival - first token arrival) / (tokens - 1), mean over requests",
+            "decode_tok_s": "tokens arriving in (latest first-token arrival, earliest last-token arrival] "
+                            "over all requests / that window",
+            "total_tok_s": "mixed: (decode tokens in the window + prompt tokens of prefills answered in it) / window",
+            "tpot_ratio": "median TPOT B / median TPOT A (>1: A faster)",
+            "tok_s_ratio": "median decode tok/s A / B (>1: A faster)",
+        },
+        "cells": {}, "runs": [], "skipped": [], "target": TARGET,
+    }
+    gpus = result["versions"].get("gpus") or []
+    result["gpu"] = f"{len(gpus)}x {gpus[0].split(',')[0]}" if gpus else ""
+    ports = {"A": ns.ports[0], "B": ns.ports[1]}
+    servers: dict[str, Server] = {}
+    signal.signal(signal.SIGTERM, _interrupt)  # `timeout`, a job scheduler: write what was measured, stop both
+    rc = 0
+    try:
+        for side in SIDES:
+            cmd = command(ns.server_cmd, ns.vllm, st, ports[side], side)
+            result.setdefault("commands", {})[side] = shlex.join(cmd)
+            servers[side] = launch(side, cmd, st.env(side, out), out / f"server-{side}.log", ports[side])
+        progress(f"started servers A (pid {servers['A'].proc.pid}) and B (pid {servers['B'].proc.pid}); "
+                 f"logs {out}/server-A.log, server-B.log; KV cache {st.kv_cache_memory_bytes / 2**30:.2f} GiB, "
+                 f"max-model-len {st.max_model_len}, {len(cells)} cell(s)")
+        wait_ready(list(servers.values()), ns.ready_timeout)
+        result["ready_s"] = time.monotonic() - t_start
+        durations: list[float] = []
+        for i, cell in enumerate(cells):
+            elapsed = time.monotonic() - t_start
+            estimate = max(durations) * 1.5 + 10.0 if durations else 0.0
+            if ns.budget and elapsed + estimate > ns.budget:
+                result["skipped"] = [c.name for c in cells[i:]]
+                progress(f"budget: {ns.budget - elapsed:.0f} s left, a cell takes ~{estimate:.0f} s: "
+                         f"not starting {', '.join(result['skipped'])}")
+                break
+            progress(f"cell {cell.name} ({i + 1}/{len(cells)})")
+            t = time.monotonic()
+            records = run_cell(cell, servers, st, ns.request_timeout)
+            durations.append(time.monotonic() - t)
+            result["runs"] += records
+            summary = cell_summary(records, expect_cached=st.prefix_caching)
+            summary["seconds"] = durations[-1]
+            result["cells"][cell.name] = summary
+            progress(f"{cell.name}: TPOT A {_fmt(summary['A']['tpot_ms'], '.3f')} ms, B "
+                     f"{_fmt(summary['B']['tpot_ms'], '.3f')} ms, ratio {_fmt(summary['tpot_ratio'], '.3f')}; "
+                     f"tok/s ratio {_fmt(summary['tok_s_ratio'], '.3f')}"
+                     + (f"  FLAG: {'; '.join(summary['flags'])}" if summary["flags"] else ""))
+            write_outputs(result, out, draw=False)
+        result["partial"] = bool(result["skipped"])
+    except BenchError as exc:
+        result["error"] = str(exc)
+        print(f"bench-engine: {exc}", file=sys.stderr, flush=True)
+        rc = 1
+    except KeyboardInterrupt:
+        result["error"] = "interrupted"
+        print("bench-engine: interrupted; writing what was measured", file=sys.stderr, flush=True)
+        rc = 130
+    finally:
+        stop_all(list(servers.values()))
+    result["seconds"] = time.monotonic() - t_start
+    write_outputs(result, out)
+    print(table(result), flush=True)
+    flagged = [n for n, c in result["cells"].items() if c["flags"]]
+    progress(f"wrote {out}/engine.json, engine.md, engine.png; {len(result['cells'])} cell(s)"
+             + (f", flagged: {', '.join(flagged)}" if flagged else ", none below target")
+             + (" (partial)" if result["partial"] else ""))
+    return rc
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _ports(text: str) -> tuple[int, int]:
+    values = _ints(text)
+    if len(values) != 2 or values[0] == values[1]:
+        raise argparse.ArgumentTypeError("want two ports, A,B")
+    return values[0], values[1]
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m overlay.bench.engine", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("bench-engine"))
+    ap.add_argument("--plot", type=Path, help="only redraw engine.md and engine.png from this engine.json")
+    ap.add_argument("--model", help="checkpoint folder (default: the generated tiny GLM-5, made when missing)")
+    ap.add_argument("--batches", type=_ints, default=[1, 8, 64], help="comma-separated (1,8,64)")
+    ap.add_argument("--contexts", type=_ints, default=[4096, 16384, 65536], help="comma-separated prompt tokens")
+    ap.add_argument("--cells", help="a subset instead, e.g. 1x4096,8x16384,mixed")
+    ap.add_argument("--no-mixed", action="store_true", help="without --cells: leave the mixed cell out")
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3, help="measured runs per server and cell (ABBA)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mixed-batch", type=int, default=32)
+    ap.add_argument("--mixed-context", type=int, default=4096)
+    ap.add_argument("--mixed-interval", type=float, default=0.2, help="seconds between arriving prefills")
+    ap.add_argument("--transport", choices=TRANSPORTS, default="direct")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--dcp", type=int, default=2)
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=0, help="per GPU (default: sized from the cells)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--max-model-len", type=int, default=0, help="default: largest context + decode + 64")
+    ap.add_argument("--max-num-seqs", type=int, default=0, help="default: max(largest batch, mixed batch + 16)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's")
+    ap.add_argument("--max-cudagraph-capture-size", type=int, default=64)
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="if the engine refuses prefix caching: every run then prefills its whole prompts")
+    ap.add_argument("--no-deep-gemm-standin", action="store_true",
+                    help="do not put tests/engine/standin (plain-torch DSA indexer logits) on PYTHONPATH")
+    ap.add_argument("--server-args", help="more vllm serve arguments, for both servers")
+    ap.add_argument("--vllm", default=os.environ.get("OVERLAY_VLLM", DEFAULT_VLLM),
+                    help=f"the vLLM command line ({DEFAULT_VLLM!r}; env OVERLAY_VLLM)")
+    ap.add_argument("--server-cmd", help="a whole server command instead of vllm serve (tests): "
+                                         "{port} {model} {name} {side} {args} are filled in")
+    ap.add_argument("--ports", type=_ports, default=(8100, 8101), help="HTTP ports of A,B (8100,8101)")
+    ap.add_argument("--ready-timeout", type=float, default=900.0)
+    ap.add_argument("--request-timeout", type=float, default=1800.0)
+    ap.add_argument("--budget", type=float, default=0.0, help="seconds: start no cell that would end later")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
+    if ns.plot is not None:
+        ns.out.mkdir(parents=True, exist_ok=True)
+        result = json.loads(ns.plot.read_text())
+        write_outputs(result, ns.out, json_too=ns.plot.resolve() != (ns.out / "engine.json").resolve())
+        print(table(result), flush=True)
+        return 0
+    if ns.repeats < 1 or ns.decode_tokens < 2:
+        print("bench-engine: --repeats must be >= 1 and --decode-tokens >= 2", file=sys.stderr)
+        return 2
+    return run(ns)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,278 @@
+"""``overlay.bench.engine`` (``make bench-engine``) on CPU: the math, the ABBA schedule, and whole runs
+against two stand-in servers (``tests/regress/standin.py`` through ``standin_side.py``)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from overlay.bench import engine
+from overlay.bench.engine import Cell, Request
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+SIDE = HERE / "standin_side.py"
+
+
+def free_ports(n: int = 2) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+# ------------------------------------------------------------------------------------------ unit tests
+
+
+def test_abba_order() -> None:
+    assert engine.abba(1) == ["A", "B"]
+    assert engine.abba(2) == ["A", "B", "B", "A"]
+    assert engine.abba(3) == ["A", "B", "B", "A", "A", "B"]
+    for n in range(1, 7):
+        order = engine.abba(n)
+        assert order.count("A") == order.count("B") == n
+
+
+def test_parse_cells() -> None:
+    cells = engine.parse_cells(None, [1, 8, 64], [4096, 16384, 65536], mixed_batch=32, mixed_context=4096)
+    assert [c.name for c in cells] == ["1x4096", "8x4096", "64x4096", "mixed", "1x16384", "8x16384", "64x16384",
+                                       "1x65536", "8x65536", "64x65536"]
+    picked = engine.parse_cells("8x16384, mixed,1x4096", [], [], mixed_batch=4, mixed_context=512)
+    assert [c.name for c in picked] == ["mixed", "1x4096", "8x16384"]
+    assert picked[0] == Cell(4, 512, mixed=True)
+    for bad in ("8by16", "0x4096", "8x16", "1x4096,1x4096"):
+        with pytest.raises(ValueError):
+            engine.parse_cells(bad, [], [], mixed_batch=4, mixed_context=512)
+
+
+def test_prompts_share_a_prefix() -> None:
+    prompts = engine.cell_prompts(Cell(4, 200), seed=0)
+    assert len(prompts) == 4 and all(len(p) == 200 for p in prompts)
+    assert all(p[:168] == prompts[0][:168] for p in prompts)
+    assert len({tuple(p[168:]) for p in prompts}) == 4
+    assert all(0 <= t < 256 for p in prompts for t in p)
+    assert engine.cell_prompts(Cell(4, 200), seed=0) == prompts  # seeded
+    assert engine.fresh_prompt(100, 0, "a") != engine.fresh_prompt(100, 0, "b")
+
+
+def _req(sent: float, arrivals: list[float], tokens: list[int] | None = None, kind: str = "decode",
+         prompt: int = 0) -> Request:
+    return Request(sent, list(arrivals), tokens or [1] * len(arrivals), prompt_tokens=prompt, kind=kind)
+
+
+def test_summarize_tpot_and_window() -> None:
+    # request 1: first token at 1.0, then one every 0.1 s (11 tokens); request 2 starts later (1.2)
+    # and brings its last two tokens in one chunk.
+    r1 = _req(0.0, [1.0 + 0.1 * i for i in range(11)])
+    r2 = _req(0.1, [1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8, 1.9, 2.1], [1, 1, 1, 1, 1, 1, 1, 1, 2])
+    s = engine.summarize([r1, r2])
+    assert s["tpot_ms"] == pytest.approx(1000 * (0.1 + 0.9 / 9) / 2)
+    # window (1.2, 2.0]: r1 brings 8 tokens (1.3 .. 2.0), r2 7 (1.3 .. 1.9): 15 tokens / 0.8 s
+    assert s["throughput_window"] == "full-batch window"
+    assert s["decode_tok_s"] == pytest.approx(15 / 0.8)
+    assert s["ttft_ms_mean"] == pytest.approx(1000 * (1.0 + 1.1) / 2)
+    assert s["first_token_spread_ms"] == pytest.approx(200.0)
+    assert "cached_fraction" not in s  # the server did not say
+    r1.prompt_tokens = r2.prompt_tokens = 100
+    r1.cached_tokens, r2.cached_tokens = 96, 64
+    assert engine.summarize([r1, r2])["cached_fraction"] == pytest.approx(0.8)
+
+
+def test_summarize_single_request_is_one_over_tpot() -> None:
+    s = engine.summarize([_req(0.0, [0.5, 0.52, 0.54, 0.56])])
+    assert s["tpot_ms"] == pytest.approx(20.0)
+    assert s["decode_tok_s"] == pytest.approx(50.0)
+
+
+def test_summarize_fallback_and_mixed() -> None:
+    # no common decoding window: r1 ends before r2 begins
+    r1, r2 = _req(0.0, [0.1, 0.2]), _req(0.0, [0.3, 0.5])
+    s = engine.summarize([r1, r2])
+    assert s["throughput_window"] == "first-to-last fallback"
+    assert s["decode_tok_s"] == pytest.approx(2 / 0.4)
+    # mixed: prefills answered inside the window count their prompt tokens in the total
+    dec = [_req(0.0, [1.0, 1.5, 2.0]), _req(0.0, [1.0, 1.5, 2.0])]
+    pre = [_req(1.1, [1.2], kind="prefill", prompt=100), _req(1.9, [2.5], kind="prefill", prompt=100)]
+    s = engine.summarize(dec + pre)
+    assert s["requests"] == 2 and s["prefills_sent"] == 2 and s["prefills_in_window"] == 1
+    assert s["decode_tok_s"] == pytest.approx(4 / 1.0)
+    assert s["total_tok_s"] == pytest.approx((4 + 100) / 1.0)
+
+
+def _run(side: str, tpot: float, tok_s: float, warmup: bool = False) -> dict[str, object]:
+    return {"server": side, "warmup": warmup, "summary": {"tpot_ms": tpot, "decode_tok_s": tok_s}}
+
+
+def test_cell_summary_medians_ratios_flags() -> None:
+    runs = [_run("A", 99.0, 1.0, warmup=True), _run("B", 99.0, 1.0, warmup=True),
+            _run("A", 10.0, 100.0), _run("B", 11.0, 90.0), _run("B", 12.0, 80.0), _run("A", 9.0, 110.0),
+            _run("A", 30.0, 30.0), _run("B", 10.5, 95.0)]
+    s = engine.cell_summary(runs)
+    assert s["A"]["runs"] == s["B"]["runs"] == 3
+    assert s["A"]["tpot_ms"] == 10.0 and s["B"]["tpot_ms"] == 11.0  # medians, warm-ups left out
+    assert s["tpot_ratio"] == pytest.approx(1.1)
+    assert s["tok_s_ratio"] == pytest.approx(100.0 / 90.0)
+    assert s["flags"] == []
+    slow = engine.cell_summary([_run("A", 10.0, 100.0), _run("B", 9.7, 102.5)])
+    assert slow["tpot_ratio"] == pytest.approx(0.97)
+    assert slow["flags"] == [f"TPOT {0.97:.3f} < 0.98", f"tok/s {100 / 102.5:.3f} < 0.98"]
+    uncached = [_run("A", 10.0, 100.0), _run("B", 11.0, 90.0)]
+    uncached[1]["summary"]["cached_fraction"] = 0.5  # type: ignore[index]
+    assert engine.cell_summary(uncached)["flags"] == ["prefix cache served only 50% of a run's prompts"]
+    assert engine.cell_summary(uncached, expect_cached=False)["flags"] == []
+    none = engine.cell_summary([_run("A", 10.0, 100.0)])
+    assert none["tpot_ratio"] is None and "no TPOT ratio" in none["flags"]
+
+
+def test_kv_cache_and_server_args(tmp_path: Path) -> None:
+    cells = engine.parse_cells(None, [1, 8, 64], [4096, 16384, 65536], mixed_batch=32, mixed_context=4096)
+    tokens = engine.largest_tokens(cells, 128)
+    assert tokens == 64 * (65536 + 128 + 256)
+    kv = engine.kv_cache_bytes(tokens // 2, 3)
+    assert kv >= 64 * 65536 // 2 * 3 * (656 + 132)
+    st = engine.Settings(model="/m", kv_cache_memory_bytes=kv, max_model_len=65536 + 128 + 64,
+                         max_position_embeddings=65536, max_num_seqs=64, layers=3)
+    cmd = engine.command(None, engine.DEFAULT_VLLM, st, 8100, "A")
+    assert cmd[:6] == ["python3", "-m", "vllm.entrypoints.cli.main", "serve", "/m", "--host"]
+    joined = " ".join(cmd)
+    for part in ("--tensor-parallel-size 2", "--decode-context-parallel-size 2", "--dcp-comm-backend a2a",
+                 "--kv-cache-dtype fp8_ds_mla", "--gpu-memory-utilization 0.3", "--enable-prefix-caching",
+                 '--compilation-config {"max_cudagraph_capture_size": 64}', "--max-model-len 65728",
+                 '--hf-overrides {"max_position_embeddings": 65728}', f"--kv-cache-memory-bytes {kv}"):
+        assert part in joined, part
+    assert "--speculative-config" not in joined
+    env_a, env_b = st.env("A", tmp_path / "out"), st.env("B", tmp_path / "out")
+    assert env_a["VLLM_DCP_PROJECT_BEFORE_MERGE"] == "1" and env_b["VLLM_DCP_PROJECT_BEFORE_MERGE"] == "0"
+    assert env_a["VLLM_USE_DIRECT_DCP_A2A"] == "1"
+    for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"):
+        assert env_a[key] == env_b[key]
+    assert env_a["VLLM_PORT"] != env_b["VLLM_PORT"] and env_a["VLLM_CACHE_ROOT"] != env_b["VLLM_CACHE_ROOT"]
+    same = {k for k in env_a if env_a[k] == env_b.get(k)}
+    assert set(env_a) - same == {"VLLM_DCP_PROJECT_BEFORE_MERGE", "VLLM_PORT", "VLLM_CACHE_ROOT"}
+    agrs = engine.Settings(model="/m", transport="ag_rs", prefix_caching=False, max_model_len=100,
+                           max_position_embeddings=65536)
+    joined = " ".join(engine.command(None, "vllm", agrs, 1, "B"))
+    assert "--dcp-comm-backend ag_rs" in joined and "--no-enable-prefix-caching" in joined
+    assert "--hf-overrides" not in joined and "VLLM_USE_DIRECT_DCP_A2A" not in agrs.env("A", tmp_path)
+
+
+# ------------------------------------------------------------------------------- against the stand-ins
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"num_hidden_layers": 3, "max_position_embeddings": 65536}))
+    return d
+
+
+def bench(tmp_path: Path, model: Path, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    a, b = free_ports()
+    cmd = [sys.executable, "-m", "overlay.bench.engine", "--out", str(tmp_path / "out"), "--model", str(model),
+           "--server-cmd", f"{sys.executable} {SIDE} --port {{port}} --model-name {{name}}",
+           "--ports", f"{a},{b}", "--ready-timeout", "30", "--request-timeout", "30", *extra]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+SMALL = ("--batches", "1,2", "--contexts", "64,128", "--decode-tokens", "8", "--mixed-batch", "2",
+         "--mixed-context", "64", "--mixed-interval", "0.01")
+
+
+def test_whole_run_against_standins(tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # B decodes 3x slower than A: every ratio is well above 1.
+    monkeypatch.setenv("BENCH_STANDIN_A", "--mode healthy --ttft-ms 5 --tpot-ms 1")
+    monkeypatch.setenv("BENCH_STANDIN_B", "--mode healthy --ttft-ms 5 --tpot-ms 3")
+    proc = bench(tmp_path, model_dir, *SMALL, "--repeats", "2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "out"
+    result = json.loads((out / "engine.json").read_text())
+    names = ["1x64", "2x64", "mixed", "1x128", "2x128"]
+    assert list(result["cells"]) == names and result["partial"] is False and "error" not in result
+    for name in names:
+        cell = result["cells"][name]
+        assert cell["tpot_ratio"] > 1.5 and cell["tok_s_ratio"] > 1.5, (name, cell)
+        assert cell["flags"] == [] and cell["A"]["runs"] == cell["B"]["runs"] == 2
+        runs = [r for r in result["runs"] if r["cell"] == name]
+        assert [(r["server"], r["warmup"]) for r in runs] == [
+            ("A", True), ("B", True), ("A", False), ("B", False), ("B", False), ("A", False)]
+        assert [r["seq"] for r in runs] == list(range(6))
+        batch = 2 if name == "mixed" else int(name.split("x")[0])
+        for r in runs:
+            decodes = [q for q in r["requests"] if q["kind"] == "decode"]
+            assert len(decodes) == batch and all(sum(q["tokens"]) == 8 for q in decodes)
+            assert r["summary"]["tpot_ms"] > 0
+    mixed_runs = [r for r in result["runs"] if r["cell"] == "mixed"]
+    assert all(r["summary"]["prefills_sent"] >= 1 for r in mixed_runs)
+    st = result["settings"]
+    assert st["decode_tokens"] == 8 and st["repeats"] == 2 and st["layers"] == 3
+    assert st["max_model_len"] == 128 + 8 + 64 and st["max_num_seqs"] >= 2
+    assert result["versions"]["python"] and set(result["commands"]) == {"A", "B"}
+    md = (out / "engine.md").read_text()
+    assert "| cell | A TPOT ms | B TPOT ms | ratio | A tok/s | B tok/s | ratio | flags |" in md
+    for name in names:
+        assert f"| {name} |" in md
+    assert (out / "server-A.log").exists() and (out / "server-B.log").exists()
+    assert "[bench-engine] cell 1x64 (1/5)" in proc.stdout
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (out / "engine.png").stat().st_size > 0
+    redraw = tmp_path / "redraw"
+    rc = subprocess.run([sys.executable, "-m", "overlay.bench.engine", "--plot", str(out / "engine.json"),
+                         "--out", str(redraw)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert rc.returncode == 0, rc.stderr
+    assert (redraw / "engine.md").read_text() == md and (redraw / "engine.png").exists()
+
+
+def test_slower_optimization_is_flagged(tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BENCH_STANDIN_A", "--ttft-ms 5 --tpot-ms 4")
+    monkeypatch.setenv("BENCH_STANDIN_B", "--ttft-ms 5 --tpot-ms 1")
+    proc = bench(tmp_path, model_dir, "--cells", "2x64", "--decode-tokens", "8", "--repeats", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cell = json.loads((tmp_path / "out" / "engine.json").read_text())["cells"]["2x64"]
+    assert cell["tpot_ratio"] < 0.98 and any(f.startswith("TPOT") for f in cell["flags"])
+    assert "FLAG: TPOT" in proc.stdout
+
+
+def test_dead_server_stops_with_one_line(tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # B dies on the first prompt longer than 100 tokens: the 128-token cells.
+    monkeypatch.setenv("BENCH_STANDIN_A", "--ttft-ms 5 --tpot-ms 1")
+    monkeypatch.setenv("BENCH_STANDIN_B", "--ttft-ms 5 --tpot-ms 1 --mode dies --capacity 100")
+    proc = bench(tmp_path, model_dir, *SMALL, "--repeats", "1", "--no-mixed")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("bench-engine:")]
+    assert len(errors) == 1, proc.stderr
+    line = errors[0]
+    assert "server B (VLLM_DCP_PROJECT_BEFORE_MERGE=0) exited with status 1" in line
+    assert "server-B.log" in line and "token count exceeds symmetric buffer capacity" in line
+    result = json.loads((tmp_path / "out" / "engine.json").read_text())
+    assert list(result["cells"]) == ["1x64", "2x64"] and result["partial"] is True
+    assert "server B" in result["error"]
+    assert "stopped: server B" in (tmp_path / "out" / "engine.md").read_text()
+
+
+def test_server_dying_at_startup(tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BENCH_STANDIN_B", "--no-such-flag")
+    proc = bench(tmp_path, model_dir, "--cells", "1x64", "--decode-tokens", "8", "--repeats", "1")
+    assert proc.returncode == 1
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("bench-engine:")]
+    assert len(line) == 1 and "server B" in line[0] and "unrecognized arguments" in line[0], proc.stderr
+
+
+def test_budget_marks_partial(tmp_path: Path, model_dir: Path) -> None:
+    proc = bench(tmp_path, model_dir, "--cells", "1x64,mixed", "--decode-tokens", "8", "--budget", "0.01")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "out" / "engine.json").read_text())
+    assert result["partial"] is True and result["cells"] == {} and result["skipped"] == ["1x64", "mixed"]
+    assert "not run (budget): 1x64, mixed" in (tmp_path / "out" / "engine.md").read_text()

@@ -31,6 +31,9 @@ VLLM_CMD=${REGRESS_VLLM:-python3 -m vllm.entrypoints.cli.main}
 PORT_BASE=${REGRESS_PORT_BASE:-8100}
 GSM8K=tests/regress/fixtures/gsm8k
 mkdir -p "$ROOT"
+# The DSA indexer needs DeepGEMM, which vLLM's wheel does not ship: the test-only stand-in
+# (tests/engine/standin/deep_gemm, torch) goes on the servers' PYTHONPATH, as engine-check does.
+export PYTHONPATH=$PWD/tests/engine/standin${PYTHONPATH:+:$PYTHONPATH}
 
 say() { echo "[device-regress] $*" >&2; }
 

@@ -123,7 +123,7 @@ def run(profile: Profile, out_dir: Path, base_url: str | None = None,
         before = None
         scrape_errors: list[Finding] = []
         if not dead and server is not None and "acceptance" in profile.checks:
-            before = _snapshot(server, scrape_errors)
+            before = _snapshot(server, scrape_errors, out_dir / "metrics-before.txt")
         steps = dict(STEPS)
         steps["differential"] = lambda p, s, out, progress: differential.run_differential(
             p, s, progress, ref_url=ref_url, ref_file=ref_file, record=record_differential)
@@ -140,7 +140,7 @@ def run(profile: Profile, out_dir: Path, base_url: str | None = None,
             else:
                 t0 = time.monotonic()
                 say("acceptance: reading /metrics")
-                after = _snapshot(server, scrape_errors)
+                after = _snapshot(server, scrape_errors, out_dir / "metrics-after.txt")
                 data, findings = acceptance.judge(profile, before, after)
                 if scrape_errors:
                     findings = scrape_errors
@@ -178,9 +178,12 @@ def run(profile: Profile, out_dir: Path, base_url: str | None = None,
     return report
 
 
-def _snapshot(server: Server, errors: list[Finding]) -> acceptance.SpecCounters | None:
+def _snapshot(server: Server, errors: list[Finding], keep: Path) -> acceptance.SpecCounters | None:
+    """The spec-decode counters of ``/metrics`` now; the exposition as read is kept in ``keep``."""
     try:
-        return acceptance.parse_counters(server.client.metrics_text())
+        text = server.client.metrics_text()
+        keep.write_text(text)
+        return acceptance.parse_counters(text)
     except (httpx.HTTPError, RegressError) as exc:
         errors.append(Finding("acceptance", "harness", f"reading /metrics: {exc}"))
         return None

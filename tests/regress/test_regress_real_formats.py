@@ -1,0 +1,85 @@
+"""The regression's parsers against what the real vLLM 0.28.0 server and its tools wrote.
+
+The fixtures in ``fixtures/real-0.28.0/`` come from ``scripts/device-regress.sh`` on two H200s
+(2026-12-01): the patched 0.28.0 ``vllm serve`` of the tiny GLM-5 checkpoint (TP2, MTP 5),
+``vllm bench serve --save-result`` against it, lm-eval 0.4.13 ``local-completions`` on the
+local GSM8K fixture, the server's ``/metrics`` before and after a DCP 2 run, and the profile
+``--record-baseline`` wrote from the DCP 1 run. Every file is kept exactly as written there, so
+a parser that only knew our stand-in's version of a format fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from regress_helpers import REPO
+
+from overlay.regress import acceptance, gsm8k, latency
+from overlay.regress.profiles import load_profile
+
+REAL = REPO / "tests" / "regress" / "fixtures" / "real-0.28.0"
+RECORDED = REAL / "recorded-tiny-glm5-tp2-dcp2-mtp5.yaml"
+
+
+def _bench_json() -> dict[str, Any]:
+    return json.loads((REAL / "vllm-bench-serve.json").read_text())
+
+
+def _run_latency_on(saved: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[
+        dict[str, Any], list[Any]]:
+    """run_latency with ``vllm bench serve`` replaced by a process that saves ``saved`` where told."""
+    profile = load_profile(str(RECORDED))
+
+    def fake_run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[bytes]:
+        assert cmd[len(profile.server.vllm_argv):len(profile.server.vllm_argv) + 2] == ["bench", "serve"]
+        out = Path(cmd[cmd.index("--result-dir") + 1]) / cmd[cmd.index("--result-filename") + 1]
+        out.write_text(json.dumps(saved))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(latency.subprocess, "run", fake_run)
+    server = SimpleNamespace(base_url="http://127.0.0.1:8100", model="tiny-glm5",
+                             ensure_alive=lambda *a: None)
+    return latency.run_latency(profile, server, tmp_path, lambda _msg: None)  # type: ignore[arg-type]
+
+
+def test_real_vllm_bench_serve_json_is_read_and_judged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    saved = _bench_json()
+    summary, findings = _run_latency_on(saved, tmp_path, monkeypatch)
+    assert findings == []
+    for key in ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
+                "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
+                "p99_tpot_ms", "mean_itl_ms"):
+        assert summary[key] == saved[key], key
+    assert summary["tool"] == "vllm-bench" and summary["baseline"]["tool"] == "vllm-bench"
+    # the same file with a TPOT 3x the recorded baseline (limit 2.5x) is a regression, by name
+    _, [finding] = _run_latency_on({**saved, "mean_tpot_ms": saved["mean_tpot_ms"] * 3}, tmp_path, monkeypatch)
+    assert finding.check == "latency" and finding.kind == "regression"
+    assert finding.message.startswith("mean_tpot_ms 71.31 > 59.43 (baseline 23.77 x 2.5)")
+
+
+def test_recorded_baseline_is_a_valid_profile_holding_the_real_runs_figures() -> None:
+    profile = load_profile(str(RECORDED))
+    saved = _bench_json()
+    assert profile.baseline.mean_ttft_ms == pytest.approx(saved["mean_ttft_ms"], abs=0.01)
+    assert profile.baseline.mean_tpot_ms == pytest.approx(saved["mean_tpot_ms"], abs=0.001)
+    assert profile.baseline.latency_tool == "vllm-bench"
+    assert len(profile.baseline.acceptance_per_position or []) == 5  # MTP with 5 speculative tokens
+    assert "--decode-context-parallel-size" in profile.server.args
+
+
+def test_real_lm_eval_results_file_is_read(tmp_path: Path) -> None:
+    results_dir = tmp_path / "results" / "tiny-glm5"
+    results_dir.mkdir(parents=True)
+    shutil.copy(REAL / "lm-eval-results.json", results_dir / "results_2026-12-01T02-26-32.849460.json")
+    raw = json.loads((REAL / "lm-eval-results.json").read_text())["results"]["gsm8k_local"]
+    got = gsm8k.read_results(tmp_path / "results", "gsm8k_local")
+    assert got["samples"] == 10
+    for metric in ("strict-match", "flexible-extract"):
+        assert got[metric] == {"value": raw[f"exact_match,{metric}"], "stderr": raw[f"exact_match_stderr,{metric}"]}
+    assert gsm8k.judge(load_profile(str(RECORDED)), got) == []

@@ -90,8 +90,13 @@ def test_device_regress_reaches_the_three_verdicts_with_the_standin(tmp_path: Pa
         text = (root / "profiles" / f"{name}.yaml").read_text()
         assert f"name: {name}" in text and "recorded " in text and "mean_tpot_ms: 2.0" in text
     assert "--port" in (root / "ref" / "server.log").read_text()
+    assert "vllm:spec_decode_num_drafts" in (root / "ref" / "metrics-after.txt").read_text()
 
+    # The verdicts on a fresh machine: the reference comes from what the reference stage brought back.
+    env["REGRESS_ROOT"] = str(root := tmp_path / "fresh")
+    env["REGRESS_REFERENCE"] = str(tmp_path / "out" / "regress-reference.tar.gz")
     run = stage("verdicts", str(variants))
+    assert "reference and baselines from" in run.stderr
     summary = json.loads((root / "verdicts.json").read_text())
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     got = {o["name"]: (o["verdict"], o["met"]) for o in summary}

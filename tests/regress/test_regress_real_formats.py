@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from regress_helpers import REPO
 
-from overlay.regress import acceptance, gsm8k, latency
+from overlay.regress import gsm8k, latency
 from overlay.regress.profiles import load_profile
 
 REAL = REPO / "tests" / "regress" / "fixtures" / "real-0.28.0"

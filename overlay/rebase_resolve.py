@@ -7,8 +7,10 @@ the conflicted merge itself:
     every conflicting region takes the target's lines; the rest of the merge (the patch's
     hunks that merged cleanly) is kept, so the patch is rebuilt from its non-conflicting part;
 ``patch-side``
-    every conflicting region takes the patch's lines (the target's change there is dropped, which
-    the evidence says: a person should look at what upstream did there).
+    every conflicting region takes the patch's lines: the target's change there is dropped. It is
+    built and tested, never accepted: the patch's tests say the patch still works, not that what
+    upstream changed in those lines (a fix, a new argument) may go. When it passes, the evidence
+    says so and names the commit, for the person who decides.
 
 A candidate is accepted only when the patch's own tests pass on the target with it (and do
 not already pass there without it: tests that cannot tell the difference judge nothing) and
@@ -97,6 +99,11 @@ class Conflicted:
                 proc = git(["show", f":{stage}:{path}"], work, check=False)
                 into[path] = proc.stdout if proc.returncode == 0 else None
         return found
+
+    def regions(self) -> int:
+        """How many conflicting regions: marker regions, plus one per whole-file conflict."""
+        marked = sum(1 for text in self.marked.values() for ln in text.splitlines() if _START.match(ln))
+        return marked + len(self.stage2)
 
     def write(self, work: Path, side: str) -> None:
         """Resolve every unmerged path of the (redone) merge to ``side`` and stage it."""
@@ -213,9 +220,15 @@ def try_candidates(work: Path, patch: Patch, head: str, old_commit: str, later: 
         if attempt.later_lost:
             attempt.why = f"later patches no longer merge with it: {', '.join(attempt.later_lost)}"
             continue
+        passing = (f"its tests pass on the target with it ({attempt.tests['summary']})"
+                   + ("; the later patches still merge" if later else ""))
+        if side == "patch-side":
+            regions = conflicted.regions()
+            attempt.why = (f"{passing}, but it drops the target's lines in {regions} conflicting "
+                           f"region(s): not accepted, a person decides (candidate commit {attempt.commit[:12]})")
+            continue
         attempt.accepted = True
-        attempt.why = (f"its tests pass on the target with it ({attempt.tests['summary']})"
-                       + ("; the later patches still merge" if later else ""))
+        attempt.why = passing
         accepted = attempt
         break
     if accepted is not None:

@@ -147,6 +147,35 @@ def test_no_candidate_passes_so_the_conflict_stays(tmp_path: Path) -> None:
     assert porcelain(work) == "UU vllm/c.py\n"
 
 
+# Passes with the patch's side of the line-10 conflict only (upstream's change there dropped).
+PATCH_SIDE_TEST = """
+import vllm.c
+
+def test_c10_is_ours():
+    assert vllm.c.c_10 == 'ours'
+"""
+
+
+def test_patch_side_candidate_is_never_accepted_even_when_its_tests_pass(tmp_path: Path) -> None:
+    """Taking the patch's lines drops what upstream changed there: a person decides, with the evidence."""
+    root = tmp_path / "patches"
+    series_dir(root, {"clash.patch": make_patch(tmp_path, "clash", TWO_PART)})
+    tests = with_tests(tmp_path, "clash", PATCH_SIDE_TEST)
+    work = tmp_path / "w"
+    out = start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=work, tests_dir=tests,
+                runner=pytest_runner(tests))
+    assert not out.done and not (root / TO).exists()
+    entry = json.loads((work / "rebase.json").read_text())["patches"][0]
+    assert entry["outcome"] == "conflict" and entry["carried"] is False
+    tried = {c["name"]: c for c in entry["candidates"]}
+    assert tried["target-side"]["tests"]["status"] == "failed"
+    patch_side = tried["patch-side"]
+    assert patch_side["tests"]["status"] == "passed" and not patch_side["accepted"]
+    assert "drops the target's lines in 1 conflicting region(s): not accepted, a person decides" in patch_side["why"]
+    assert patch_side["commit"][:12] in patch_side["why"]
+    assert porcelain(work) == "UU vllm/c.py\n"
+
+
 def test_no_tests_no_acceptance(tmp_path: Path) -> None:
     """Without a test run (NO_TESTS=1) a candidate is never accepted."""
     root = tmp_path / "patches"

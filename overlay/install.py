@@ -166,7 +166,7 @@ def _install(wheel: Path, python: Path, site: Path, scripts: Path, *, with_deps:
                 shutil.rmtree(stage, ignore_errors=True)
                 raise
             if plan is None:
-                shutil.rmtree(stage)
+                swap.discard(stage)
                 return InstallResult(python, "unchanged")
             swap.seal(stage, plan)
             swap.commit(site, stage, plan, DIST)

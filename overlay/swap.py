@@ -10,6 +10,11 @@ instant either the whole old tree or the whole new one. Each step of :func:`comm
 (by inode) whether it already happened, so an interrupted commit is finished by running it again:
 :func:`recover` does that, or drops a stage without a plan. This guards against kills, not power
 loss (nothing is fsynced).
+
+The finished stage (then holding the old tree) is renamed to ``.trash-vllm-overlay-<n>/`` and
+removed by a detached ``rm -rf``, off the build's critical path (deleting ~7000 hard links and
+~800 folders took 1-2 s of a 5 s edit-to-installed budget); :func:`recover` starts the removal of
+any trash a killed removal left.
 """
 
 from __future__ import annotations
@@ -20,12 +25,15 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from overlay.errors import OverlayError
 
 STAGE_NAME = ".overlay-install"
+TRASH_PREFIX = ".trash-vllm-overlay-"
 PLAN_NAME = "plan.json"
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -102,11 +110,35 @@ def commit(site: Path, stage: Path, plan: Plan, dist_prefix: str) -> None:
     for dest in plan.delete:
         Path(dest).unlink(missing_ok=True)
     (stage / PLAN_NAME).unlink()
-    shutil.rmtree(stage)
+    discard(stage)
+
+
+def discard(folder: Path) -> None:
+    """Take ``folder`` (in site-packages) out of the way now and delete it in the background."""
+    site = folder.parent
+    n = 0
+    while os.path.lexists(trash := site / f"{TRASH_PREFIX}{os.getpid()}-{n}"):
+        n += 1
+    os.rename(folder, trash)
+    _remove_in_background(trash)
+
+
+def _remove_in_background(path: Path) -> None:
+    rm = shutil.which("rm")
+    argv = [rm, "-rf", "--", str(path)] if rm else [sys.executable, "-c",
+                                                   "import shutil, sys; shutil.rmtree(sys.argv[1], True)",
+                                                   str(path)]
+    try:
+        subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, start_new_session=True)
+    except OSError:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def recover(site: Path, dist_prefix: str) -> str | None:
     """Finish (plan present) or drop (no plan) a stage an interrupted install left; say which, or None."""
+    for trash in site.glob(f"{TRASH_PREFIX}*"):  # a removal that was killed: start it again
+        _remove_in_background(trash)
     stage = stage_dir(site)
     if not os.path.lexists(stage):
         return None

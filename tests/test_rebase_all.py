@@ -129,16 +129,22 @@ def test_candidate_that_passes_the_tests_is_auto_resolved(tmp_path: Path) -> Non
     assert "candidate target-side" in (root / TO / "REBASE.md").read_text()
 
 
-def test_no_candidate_passes_so_the_conflict_stays(tmp_path: Path) -> None:
+def _clash_stays_conflict(tmp_path: Path, test_text: str) -> tuple[Path, dict]:
+    """Rebase the one-patch series whose line 10 conflicts, judged by ``test_text``; it must stay a conflict."""
     root = tmp_path / "patches"
     series_dir(root, {"clash.patch": make_patch(tmp_path, "clash", TWO_PART)})
-    tests = with_tests(tmp_path, "clash", MERGED_TEST)
+    tests = with_tests(tmp_path, "clash", test_text)
     work = tmp_path / "w"
     out = start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=work, tests_dir=tests,
                 runner=pytest_runner(tests))
     assert not out.done and not (root / TO).exists()
     entry = json.loads((work / "rebase.json").read_text())["patches"][0]
     assert entry["outcome"] == "conflict" and entry["carried"] is False
+    return work, entry
+
+
+def test_no_candidate_passes_so_the_conflict_stays(tmp_path: Path) -> None:
+    work, entry = _clash_stays_conflict(tmp_path, MERGED_TEST)
     tried = {c["name"]: c for c in entry["candidates"]}
     assert set(tried) == {"target-side", "patch-side"}
     assert not any(c["accepted"] for c in tried.values())
@@ -158,15 +164,7 @@ def test_c10_is_ours():
 
 def test_patch_side_candidate_is_never_accepted_even_when_its_tests_pass(tmp_path: Path) -> None:
     """Taking the patch's lines drops what upstream changed there: a person decides, with the evidence."""
-    root = tmp_path / "patches"
-    series_dir(root, {"clash.patch": make_patch(tmp_path, "clash", TWO_PART)})
-    tests = with_tests(tmp_path, "clash", PATCH_SIDE_TEST)
-    work = tmp_path / "w"
-    out = start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=work, tests_dir=tests,
-                runner=pytest_runner(tests))
-    assert not out.done and not (root / TO).exists()
-    entry = json.loads((work / "rebase.json").read_text())["patches"][0]
-    assert entry["outcome"] == "conflict" and entry["carried"] is False
+    work, entry = _clash_stays_conflict(tmp_path, PATCH_SIDE_TEST)
     tried = {c["name"]: c for c in entry["candidates"]}
     assert tried["target-side"]["tests"]["status"] == "failed"
     patch_side = tried["patch-side"]

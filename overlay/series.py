@@ -18,7 +18,7 @@ from pathlib import Path
 
 from overlay.errors import SeriesError
 
-TRAILER_KEYS = ("Origin", "Bug", "Applied-Upstream", "Last-Update")
+TRAILER_KEYS = ("Origin", "Bug", "Applied-Upstream", "Last-Update", "Rebased-From")
 KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp", ".h")
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9._-]*\.patch$")
 _NUMBERED = re.compile(r"^\d{2,}-")

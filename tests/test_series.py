@@ -55,6 +55,14 @@ def test_patch_parsing(tmp_path: Path) -> None:
     assert raw.splitlines()[p.files[0].hunks[0].line - 1].startswith(b"@@ -1,2 +1,2 @@")
 
 
+def test_rebased_from_is_a_known_trailer(tmp_path: Path) -> None:
+    """make status tells a hand port to record ``Rebased-From:``; the convention check must not call it unknown."""
+    raw = format_patch(BEFORE, AFTER, "Fix y", "Origin: vendor\nLast-Update: 2026-11-30\nRebased-From: "
+                       + "ab" * 32 + "\nFlavour: x", work=tmp_path)
+    p = Patch.from_bytes("fix-y.patch", raw, tmp_path / "fix-y.patch")
+    assert p.check_trailers() == ["fix-y.patch: unknown trailer 'Flavour'"]
+
+
 def test_kernel_patch_kind(tmp_path: Path) -> None:
     raw = format_patch({"csrc/x.cu": b"a\n"}, {"csrc/x.cu": b"b\n"}, "Fix kernel", work=tmp_path)
     assert Patch.from_bytes("k.patch", raw, tmp_path / "k.patch").kind == "kernel"

@@ -263,10 +263,25 @@ def start(
                       str(patches_root), str(tests_dir), [p.name for p in series.patches], old_commits)
         state.save(work)
         return _run(work, state, series, runner)
-    except BaseException:
+    except BaseException as exc:
         if work.exists() and not in_progress(work):
+            _keep_partial_report(work, exc)
             shutil.rmtree(work)
         raise
+
+
+def _keep_partial_report(work: Path, exc: BaseException) -> None:
+    """Before a failed run's worktree goes: move what it classified to ``<work>-stopped/``."""
+    if not (work / "rebase.json").is_file():
+        return
+    kept = work.with_name(work.name + "-stopped")
+    shutil.rmtree(kept, ignore_errors=True)
+    kept.mkdir(parents=True)
+    for name in ("rebase.json", "REBASE.md"):
+        if (work / name).is_file():
+            shutil.move(work / name, kept / name)
+    print(f"rebase: stopped ({type(exc).__name__}); what it classified before: {kept / 'REBASE.md'}",
+          file=sys.stderr, flush=True)
 
 
 def resume(work: Path, *, runner: TestRunner | None = None) -> Outcome:
@@ -447,6 +462,10 @@ def _run(work: Path, state: State, series: Series, runner: TestRunner | None) ->
         if depends:
             res.evidence += "; " + depends
         results.append(res)
+        # What is known so far, in the worktree after every patch: a run killed mid-way (a test
+        # run can take minutes per patch) leaves the classification of the patches it got through.
+        _write_report(work, state, results, work, pending=[series.patches[j].name for j, _ in aside],
+                      unclassified=[p.name for p in series.patches[i + 1:]])
     if not aside:
         out = _finish(work, state, series, results)
         shutil.rmtree(work)
@@ -651,9 +670,10 @@ def _finish(work: Path, state: State, series: Series, results: list[Result]) -> 
 
 
 def _write_report(dest: Path, state: State, results: list[Result], work: Path, *,
-                  pending: list[str] | None = None) -> None:
-    """``rebase.json`` and ``REBASE.md`` into ``dest`` (the release folder, or the worktree)."""
-    doc = {
+                  pending: list[str] | None = None, unclassified: list[str] | None = None) -> None:
+    """``rebase.json`` and ``REBASE.md`` into ``dest`` (the release folder, or the worktree);
+    ``unclassified``: the run is still going and these patches are not classified yet."""
+    doc: dict[str, object] = {
         "from": state.from_version,
         "to": state.to_version,
         "target": state.pin,
@@ -664,8 +684,15 @@ def _write_report(dest: Path, state: State, results: list[Result], work: Path, *
                      "conflicts": r.conflicts, "candidates": r.candidates, "source_sha256": r.source_sha256}
                     for r in results],
     }
+    markdown = report_markdown(state, results, work=work, pending=pending)
+    if unclassified is not None:
+        doc["in_progress"] = {"classified": len(results), "unclassified": unclassified}
+        title, _, rest = markdown.partition("\n")
+        markdown = (f"{title}\n\n**In progress** (or stopped): {len(results)} of "
+                    f"{len(results) + len(unclassified)} patches classified; not yet: "
+                    f"{', '.join(unclassified) or 'none'}.\n{rest}")
     (dest / "rebase.json").write_text(json.dumps(doc, indent=2) + "\n")
-    (dest / "REBASE.md").write_text(report_markdown(state, results, work=work, pending=pending))
+    (dest / "REBASE.md").write_text(markdown)
     if dest == work:  # keep the report out of `git status` / `git add -A` there
         exclude = work / ".git" / "info" / "exclude"
         exclude.parent.mkdir(parents=True, exist_ok=True)

@@ -129,6 +129,33 @@ def test_candidate_that_passes_the_tests_is_auto_resolved(tmp_path: Path) -> Non
     assert "candidate target-side" in (root / TO / "REBASE.md").read_text()
 
 
+def test_a_run_killed_mid_way_leaves_what_it_classified(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report is in the worktree after every patch, not only at the end of the run."""
+    import overlay.rebase as rebase
+
+    root = four(tmp_path)
+    work = tmp_path / "work" / f"rebase-{TO}"
+    real = rebase._classify
+
+    def killed_at_four(work_: Path, state: object, patch: Series, *args: object, **kwargs: object) -> object:
+        if patch.name == "four.patch":
+            raise KeyboardInterrupt
+        return real(work_, state, patch, *args, **kwargs)
+
+    monkeypatch.setattr(rebase, "_classify", killed_at_four)
+    with pytest.raises(KeyboardInterrupt):
+        start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=work, tests_dir=tmp_path / "no-tests")
+    # The scratch worktree is gone (a new `make rebase` may start), the report is kept beside it.
+    assert not work.exists()
+    kept = work.with_name(work.name + "-stopped")
+    doc = json.loads((kept / "rebase.json").read_text())
+    assert [(p["name"], p["outcome"]) for p in doc["patches"]] == [
+        ("one.patch", "applied"), ("clash.patch", "conflict"), ("on-clash.patch", "conflict")]
+    assert doc["in_progress"] == {"classified": 3, "unclassified": ["four.patch"]}
+    assert "**In progress** (or stopped): 3 of 4 patches classified; not yet: four.patch." in (
+        kept / "REBASE.md").read_text()
+
+
 def _clash_stays_conflict(tmp_path: Path, test_text: str) -> tuple[Path, dict]:
     """Rebase the one-patch series whose line 10 conflicts, judged by ``test_text``; it must stay a conflict."""
     root = tmp_path / "patches"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 from regress_helpers import REPO
 
-from overlay.regress import gsm8k, latency
+from overlay.regress import acceptance, gsm8k, latency
 from overlay.regress.profiles import load_profile
 
 REAL = REPO / "tests" / "regress" / "fixtures" / "real-0.28.0"
@@ -83,3 +84,34 @@ def test_real_lm_eval_results_file_is_read(tmp_path: Path) -> None:
     for metric in ("strict-match", "flexible-extract"):
         assert got[metric] == {"value": raw[f"exact_match,{metric}"], "stderr": raw[f"exact_match_stderr,{metric}"]}
     assert gsm8k.judge(load_profile(str(RECORDED)), got) == []
+
+
+# vLLM 0.28.0's own spec-decode metric family (the class the server's /metrics exposes), fed two
+# observations, exposition taken after each: the names, the _total/_created samples and the labels
+# (model_name, engine, position) are vLLM's, not ours.
+_VLLM_EXPOSITION = """
+from types import SimpleNamespace
+import prometheus_client
+from vllm.v1.spec_decode.metrics import SpecDecodingProm, SpecDecodingStats
+prom = SpecDecodingProm(SimpleNamespace(num_speculative_tokens=5), ["model_name", "engine"],
+                        {0: ["tiny-glm5", "0"], 1: ["tiny-glm5", "1"]})
+prom.observe(SpecDecodingStats(5, 10, 50, 12, [6, 3, 2, 1, 0]), 0)
+before = prometheus_client.generate_latest().decode()
+prom.observe(SpecDecodingStats(5, 100, 500, 90, [50, 25, 10, 5, 0]), 0)
+prom.observe(SpecDecodingStats(5, 100, 500, 60, [40, 15, 5, 0, 0]), 1)
+print("#BEGIN\\n" + before + "\\n#SPLIT\\n" + prometheus_client.generate_latest().decode())
+"""
+
+
+def test_vllm_0_28_0s_own_spec_decode_exposition_is_parsed() -> None:
+    pytest.importorskip("vllm")
+    proc = subprocess.run([sys.executable, "-c", _VLLM_EXPOSITION], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    before_text, after_text = proc.stdout.split("#BEGIN\n", 1)[1].split("\n#SPLIT\n")  # after vLLM's logs
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="1",model_name="tiny-glm5",position="0"}' \
+        in after_text.replace(", ", ",")
+    before, after = acceptance.parse_counters(before_text), acceptance.parse_counters(after_text)
+    assert before is not None and after is not None
+    drafts, rates = acceptance.rates_between(before, after)
+    assert drafts == 200  # both engines summed
+    assert rates == [0.45, 0.2, 0.075, 0.025, 0.0]

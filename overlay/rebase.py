@@ -684,15 +684,11 @@ def _write_report(dest: Path, state: State, results: list[Result], work: Path, *
                      "conflicts": r.conflicts, "candidates": r.candidates, "source_sha256": r.source_sha256}
                     for r in results],
     }
-    markdown = report_markdown(state, results, work=work, pending=pending)
     if unclassified is not None:
         doc["in_progress"] = {"classified": len(results), "unclassified": unclassified}
-        title, _, rest = markdown.partition("\n")
-        markdown = (f"{title}\n\n**In progress** (or stopped): {len(results)} of "
-                    f"{len(results) + len(unclassified)} patches classified; not yet: "
-                    f"{', '.join(unclassified) or 'none'}.\n{rest}")
     (dest / "rebase.json").write_text(json.dumps(doc, indent=2) + "\n")
-    (dest / "REBASE.md").write_text(markdown)
+    (dest / "REBASE.md").write_text(report_markdown(state, results, work=work, pending=pending,
+                                                    unclassified=unclassified))
     if dest == work:  # keep the report out of `git status` / `git add -A` there
         exclude = work / ".git" / "info" / "exclude"
         exclude.parent.mkdir(parents=True, exist_ok=True)
@@ -718,12 +714,14 @@ _MEANING = {
 
 
 def report_markdown(state: State, results: list[Result], *, work: Path | None = None,
-                    pending: list[str] | None = None) -> str:
+                    pending: list[str] | None = None, unclassified: list[str] | None = None) -> str:
     """``REBASE.md``: a table, the resolution steps when patches need a person, the reasoning per
-    patch, and what other pins rebased from the same base carry."""
-    lines = [
-        f"# Rebase of the series from vLLM {state.from_version} to {state.to_version}",
-        "",
+    patch, and what other pins rebased from the same base carry (``unclassified``: a run still going)."""
+    lines = [f"# Rebase of the series from vLLM {state.from_version} to {state.to_version}", ""]
+    if unclassified is not None:
+        lines += [f"**In progress** (or stopped): {len(results)} of {len(results) + len(unclassified)} "
+                  f"patches classified; not yet: {', '.join(unclassified) or 'none'}.", ""]
+    lines += [
         f"Target wheel `{state.pin['wheel']}`, sha256 `{state.pin['sha256']}`: {_TRUST}.",
         "",
         "| patch | outcome | carried | evidence |",

@@ -331,39 +331,43 @@ def _stage_incremental(zf: zipfile.ZipFile, new: _WheelView, old: _Installed, si
         os.chmod(dest, _file_mode(new.infos[name], umask))
         written += 1
 
-    reused = 0
-    compile_these: list[str] = []
     record_mtime_ns = os.stat(site / old.dist_info / "RECORD").st_mtime_ns
     site_s, stage_s = os.fspath(site), os.fspath(stage)
     info_prefix = new.dist_info + "/"
+    # Decide first, stage after: an unchanged wheel costs ~7000 stats, not ~7000 links into a stage.
+    link: list[str] = []  # installed files (and their .pyc when installed) taken as they are
+    extract_these: list[str] = []
+    compile_these: list[str] = []
     for name, (hash_, _size) in new.record.items():
         if name.startswith(info_prefix):
             continue
-        src, dest = os.path.join(site_s, name), os.path.join(stage_s, name)
         old_row = old.record.get(name)
-        if old_row is not None and old_row[0] == hash_ and _intact(src, hash_, old_row[1], record_mtime_ns):
-            parent(dest)
-            os.link(src, dest)
-            reused += 1
+        if old_row is not None and old_row[0] == hash_ and \
+                _intact(os.path.join(site_s, name), hash_, old_row[1], record_mtime_ns):
+            link.append(name)
             if name.endswith(".py"):
                 pyc = cache_from_source(name)
                 if pyc in old.record and os.path.isfile(os.path.join(site_s, pyc)):
-                    parent(os.path.join(stage_s, pyc))
-                    os.link(os.path.join(site_s, pyc), os.path.join(stage_s, pyc))
+                    link.append(pyc)
                 else:
                     compile_these.append(name)
         else:
-            extract(name, Path(dest))
+            extract_these.append(name)
             if name.endswith(".py"):
                 compile_these.append(name)
-    changed = written
+    direct_url = _direct_url(wheel, digest.hexdigest())
+    if not extract_these and not compile_these and new.dist_info == old.dist_info and \
+            _read_or_none(site / old.dist_info / "direct_url.json") == direct_url:
+        return None, 0
+    for name in link:
+        dest = os.path.join(stage_s, name)
+        parent(dest)
+        os.link(os.path.join(site_s, name), dest)
+    for name in extract_these:
+        extract(name, Path(stage_s, name))
     for name in compile_these:
         if _compile(stage / name, stage / cache_from_source(name), site / name):
             written += 1
-    direct_url = _direct_url(wheel, digest.hexdigest())
-    if changed == 0 and new.dist_info == old.dist_info and not compile_these and \
-            _read_or_none(site / old.dist_info / "direct_url.json") == direct_url:
-        return None, 0
     info_dir = stage / new.dist_info
     for name in new.infos:
         if name.startswith(new.dist_info + "/") and name != f"{new.dist_info}/RECORD":

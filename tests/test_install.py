@@ -16,6 +16,7 @@ import venv
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -169,7 +170,11 @@ def test_incremental_install_is_what_pip_installs(env_with_a: Path, pip_b: Path,
     py = str(env / "bin" / "python")
     show = subprocess.run([py, "-m", "pip", "show", "vllm"], capture_output=True, text=True, check=True).stdout
     assert f"Version: {B_VERSION}" in show
-    assert install(wheels[1], env, with_deps=False).how == "unchanged"
+    links: list[str] = []
+    real_link = os.link
+    with mock.patch("overlay.install.os.link", side_effect=lambda s, d: links.append(d) or real_link(s, d)):
+        assert install(wheels[1], env, with_deps=False).how == "unchanged"
+    assert links == []  # decided before staging: nothing linked into a stage only to be dropped
     subprocess.run([py, "-m", "pip", "uninstall", "-q", "-y", "vllm"], check=True)
     assert not [p.name for p in _site(env).iterdir() if "vllm" in p.name or p.name.startswith("~")]
     assert not (env / "bin" / "vllm").exists()
@@ -248,6 +253,7 @@ def test_bad_states_are_one_line_errors(env_with_a: Path, wheels: tuple[Path, Pa
 KILLER = r"""
 import os, signal, sys
 from pathlib import Path
+from unittest import mock
 kill_at, count = int(sys.argv[1]), 0
 def wrap(mod, name):
     real = getattr(mod, name)

@@ -55,6 +55,7 @@ from overlay.replay import (
     unmerged,
 )
 from overlay.series import Patch, Series
+from overlay.swap import exchange
 from overlay.workspace import extract_text_tree, format_patch
 
 STATE = "overlay-rebase.json"  # inside the scratch repository's .git: survives git commands
@@ -244,13 +245,15 @@ def start(
 ) -> Outcome:
     """Set up the scratch repository for ``from_version`` -> ``target_pin`` and classify the series.
 
-    Refuses when ``patches/<to>/`` or ``work`` already exists. On an error before the first
-    conflict the scratch repository is removed again.
+    Refuses when ``work`` exists or ``patches/<to>/`` holds more than a prepared ``pin.toml``. On an
+    error before the first conflict the scratch repository is removed again.
     """
     to = target_pin.version
     out = pin_dir(patches_root, to)
-    if out.exists():
-        raise RebaseError(f"{out}: already exists; remove it to rebase onto {to} again")
+    prepared = prepared_pin(patches_root, to)
+    if prepared is not None and (prepared.wheel, prepared.sha256) != (target_pin.wheel, target_pin.sha256):
+        raise RebaseError(f"{out / 'pin.toml'}: pins {prepared.wheel} ({prepared.sha256[:12]}...), "
+                          f"the rebase was given {target_pin.wheel} ({target_pin.sha256[:12]}...)")
     if work.exists():
         raise RebaseError(f"{work}: a rebase onto {to} is in progress: `make rebase-continue`, or remove it")
     series = Series.load(pin_dir(patches_root, from_version))
@@ -268,6 +271,24 @@ def start(
             _keep_partial_report(work, exc)
             shutil.rmtree(work)
         raise
+
+
+def prepared_pin(patches_root: Path, to: str) -> Pin | None:
+    """What may wait in ``patches/<to>/`` before a rebase onto ``to``: nothing, an empty folder, or only
+    ``pin.toml`` (the target pinned by hand: its wheel and digest are used instead of the index's).
+
+    Anything else is an earlier rebase's result, which a new one must not overwrite.
+    """
+    out = pin_dir(patches_root, to)
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        raise RebaseError(f"{out}: is a file, not a release folder; remove it to rebase onto {to}")
+    other = sorted(p.name for p in out.iterdir() if p.name != "pin.toml")
+    if other:
+        raise RebaseError(f"{out}: already exists (holds {', '.join(other[:3])}{', ...' if len(other) > 3 else ''}); "
+                          f"remove it to rebase onto {to} again")
+    return load_pin(patches_root, to) if (out / "pin.toml").exists() else None
 
 
 def _keep_partial_report(work: Path, exc: BaseException) -> None:
@@ -642,8 +663,10 @@ def _conflict_message(work: Path, patch: Patch, hunks: list[ConflictHunk], resul
 def _finish(work: Path, state: State, series: Series, results: list[Result]) -> Path:
     patches_root = Path(state.patches_root)
     out = pin_dir(patches_root, state.to_version)
-    if out.exists():
-        raise RebaseError(f"{out}: appeared while the rebase ran; not overwriting it")
+    try:
+        prepared = prepared_pin(patches_root, state.to_version)
+    except RebaseError as exc:
+        raise RebaseError(f"{out}: changed while the rebase ran; not overwriting it ({exc})") from None
     pin = Pin.from_dict(state.pin, f"target pin of the rebase onto {state.to_version}")
     tmp = Path(tempfile.mkdtemp(prefix=f".rebase-{state.to_version}-", dir=patches_root))
     try:
@@ -659,10 +682,16 @@ def _finish(work: Path, state: State, series: Series, results: list[Result]) -> 
         (tmp / "series").write_text(Series.render(names, header_from=(
             f"# Patch series for vLLM {state.to_version}, applied in this order by `make build`.\n"
             f"# Rebased from {state.from_version} by `make rebase` (see REBASE.md).\n")))
-        (tmp / "pin.toml").write_text(pin.to_toml())
+        if prepared is not None:  # the person's own file, comments and all
+            shutil.copy2(out / "pin.toml", tmp / "pin.toml")
+        else:
+            (tmp / "pin.toml").write_text(pin.to_toml())
         _write_report(tmp, state, results, work)
         os.chmod(tmp, 0o755)
-        os.replace(tmp, out)
+        if out.exists():  # prepared by a person (empty, or only pin.toml): swapped in one step
+            exchange(tmp, out)
+        else:
+            os.replace(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -794,7 +823,11 @@ def rebase_release(patches_root: Path, from_version: str, to_version: str, *,
 
     base_pin = load_pin(patches_root, from_version)
     base_wheel = fetch_wheel(base_pin)
-    target_pin, target_wheel = fetch_release(to_version)
+    prepared = prepared_pin(patches_root, to_version)
+    if prepared is not None:
+        target_pin, target_wheel = prepared, fetch_wheel(prepared)
+    else:
+        target_pin, target_wheel = fetch_release(to_version)
     runner = pytest_runner(tests_dir, cwd=Path.cwd()) if run_tests else None
     return start(patches_root, from_version, target_pin,
                  lambda d: _extract(base_wheel, d), lambda d: _extract(target_wheel, d),

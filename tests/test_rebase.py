@@ -14,7 +14,7 @@ from overlay.apply import apply_series
 from overlay.errors import FetchError
 from overlay.fetch import fetch_release, sha256_file
 from overlay.git import git, init_repo
-from overlay.pins import Pin
+from overlay.pins import Pin, load_pin
 from overlay.rebase import RebaseError, TestRun, pytest_runner, resume, start
 from overlay.series import Patch, Series
 from overlay.workspace import format_patch
@@ -333,12 +333,58 @@ def test_existing_target_folder_or_worktree_is_refused(tmp_path: Path) -> None:
     root = tmp_path / "patches"
     series_dir(root, {"a.patch": make_patch(tmp_path, "a", CASES["applied"][0])})
     (root / TO).mkdir()
-    with pytest.raises(RebaseError, match=r"0.2.0: already exists; remove it to rebase onto 0.2.0 again$"):
+    (root / TO / "series").write_text("a.patch\n")
+    with pytest.raises(RebaseError, match=r"0.2.0: already exists \(holds series\); remove it to rebase onto 0.2.0 "
+                                          r"again$"):
         start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "w", tests_dir=tmp_path)
+    assert (root / TO / "series").read_text() == "a.patch\n"
+    (root / TO / "series").unlink()
+    (root / TO / "pin.toml").write_text(Pin(TO, TARGET_PIN.wheel, "cd" * 32).to_toml())
+    with pytest.raises(RebaseError, match=r"pin.toml: pins vllm-0.2.0-.*\.whl \(cdcdcdcdcdcd...\), the rebase was "
+                                          r"given .* \(abababababab...\)$"):
+        start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "w", tests_dir=tmp_path)
+    (root / TO / "pin.toml").unlink()
     (root / TO).rmdir()
     (tmp_path / "w").mkdir()
     with pytest.raises(RebaseError, match=r"a rebase onto 0.2.0 is in progress"):
         start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "w", tests_dir=tmp_path)
+
+
+@pytest.mark.parametrize("prepared", ["empty folder", "pin.toml only"])
+def test_a_prepared_target_folder_is_filled(tmp_path: Path, prepared: str) -> None:
+    """``patches/<to>/`` made by hand (empty, or with the target's pin.toml) is where the release lands."""
+    root = tmp_path / "patches"
+    series_dir(root, {"a.patch": make_patch(tmp_path, "a", CASES["applied"][0])})
+    (root / TO).mkdir()
+    own_pin = "# pinned by hand\n" + TARGET_PIN.to_toml()
+    if prepared == "pin.toml only":
+        (root / TO / "pin.toml").write_text(own_pin)
+    done = start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "w", tests_dir=tmp_path)
+    assert done.done
+    assert sorted(p.name for p in (root / TO).iterdir()) == ["REBASE.md", "a.patch", "pin.toml", "rebase.json",
+                                                            "series"]
+    assert sorted(p.name for p in root.iterdir()) == [FROM, TO]  # nothing left beside it
+    if prepared == "pin.toml only":
+        assert (root / TO / "pin.toml").read_text() == own_pin
+    assert load_pin(root, TO) == TARGET_PIN
+
+
+def test_make_rebase_takes_a_prepared_pin_instead_of_the_index(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import overlay.fetch
+    import overlay.rebase
+
+    root = tmp_path / "patches"
+    series_dir(root, {"a.patch": make_patch(tmp_path, "a", CASES["applied"][0])})
+    (root / TO).mkdir()
+    (root / TO / "pin.toml").write_text(TARGET_PIN.to_toml())
+    fetched: list[str] = []
+    monkeypatch.setattr(overlay.fetch, "fetch_wheel", lambda pin: fetched.append(pin.version) or tmp_path / pin.wheel)
+    monkeypatch.setattr(overlay.fetch, "fetch_release", lambda v: pytest.fail("asked the index"))
+    given: list[Pin] = []
+    monkeypatch.setattr(overlay.rebase, "start", lambda root, frm, pin, *a, **k: given.append(pin))
+    overlay.rebase.rebase_release(root, FROM, TO, work_root=tmp_path / "w", run_tests=False)
+    assert fetched == [FROM, TO] and given == [TARGET_PIN]
 
 
 def test_fetch_release_trusts_the_index_digest(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ $(BUILD_STAMP): $(TOOL_STAMP) $(wildcard patches/$(VLLM)/*) $(wildcard overlay/*
 
 test: $(BUILD_STAMP) ## the whole CPU test suite (lint included, then upstream-tests); what .ci/run calls
 	$(PY) -m ruff check overlay tests
+	$(OVERLAY) patch-lint --vllm $(VLLM)
 	$(PY) -m pytest -m "not gpu"
 	$(OVERLAY) upstream-tests --vllm $(VLLM) --out $(or $(UPSTREAM_OUT),upstream-tests)
 
@@ -38,8 +39,13 @@ test: $(BUILD_STAMP) ## the whole CPU test suite (lint included, then upstream-t
 upstream-tests: $(BUILD_STAMP) ## vLLM's own tests of the touched modules (verified sdist) on the patched tree; exit 0 pass, else not [UPSTREAM_OUT=upstream-tests TIMEOUT=300]
 	$(OVERLAY) upstream-tests --vllm $(VLLM) --out $(or $(UPSTREAM_OUT),upstream-tests)$(if $(TIMEOUT), --timeout $(TIMEOUT))
 
-lint: $(TOOL_STAMP) ## ruff
+lint: $(TOOL_STAMP) ## ruff on the tool, and patch-lint
 	$(PY) -m ruff check overlay tests
+	$(OVERLAY) patch-lint --vllm $(VLLM)
+
+.PHONY: patch-lint
+patch-lint: $(TOOL_STAMP) ## the lines the series adds, through the release's own ruff check + ruff format; exit 0 clean, 1 findings [VLLM=0.28.0]
+	$(OVERLAY) patch-lint --vllm $(VLLM)
 
 status: $(TOOL_STAMP) ## each patch: subject, origin, kind, files, applies [VLLM=0.28.0]
 	$(OVERLAY) status --vllm $(VLLM)

@@ -155,6 +155,12 @@ def _print_outcome(message: str, done: bool) -> int:
     return 0 if done else 2  # 2: stopped at a conflict, a person's turn
 
 
+def cmd_patch_lint(ns: argparse.Namespace) -> int:
+    from overlay.patch_lint import main as lint_main
+
+    return lint_main(_root(ns), ns.vllm)
+
+
 def cmd_rebase(ns: argparse.Namespace) -> int:
     from overlay.rebase import rebase_release
 
@@ -265,6 +271,8 @@ COMMANDS: dict[str, tuple[str, Handler]] = {
                     cmd_cherry_pick),
     "upstream-tests": ("vLLM's own tests of the touched modules, from the verified sdist, on the patched tree; "
                        "exit 0 pass, 1 regression or stale expected failure, 2 harness", cmd_upstream_tests),
+    "patch-lint": ("the lines the series adds, through the release's own ruff check and ruff format (its "
+                   "pyproject.toml and pre-commit ruff version); exit 0 clean, 1 findings", cmd_patch_lint),
     "device-stage": ("stage the built wheel's tree and kernels and the wheels vLLM needs for the GPU device "
                      "machine into carries of <= 60 MiB, with the device calls to make", cmd_device_stage),
 }

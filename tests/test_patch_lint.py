@@ -1,0 +1,116 @@
+"""patch-lint: only the lines the series adds are judged, each finding named by the patch that wrote it."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from overlay.git import git, init_repo
+from overlay.patch_lint import PatchLintError, _commit_series, format_regions, lint_tree, ruff_version
+from overlay.pins import Pin
+from overlay.series import Series
+from overlay.workspace import format_patch
+
+VLLM_PRECOMMIT = """\
+default_install_hook_types:
+  - pre-commit
+repos:
+- repo: https://github.com/astral-sh/ruff-pre-commit
+  rev: v0.14.0
+  hooks:
+  - id: ruff-check
+  - id: ruff-format
+- repo: https://github.com/crate-ci/typos
+  rev: v1.43.5
+"""
+
+PYPROJECT = """\
+[tool.ruff.lint]
+select = ["E", "F", "I"]
+"""
+
+BASE = {
+    "vllm/__init__.py": "",
+    # the release's own problem (an unused import): never held against a patch
+    "vllm/a.py": "import os\n\n\ndef f(x):\n    return x + 1\n",
+}
+
+
+def _ruff() -> Path:
+    exe = Path(sys.executable).parent / "ruff"
+    return exe if exe.is_file() else Path(shutil.which("ruff") or "ruff")
+
+
+def test_ruff_version_is_the_pre_commit_pin() -> None:
+    assert ruff_version(VLLM_PRECOMMIT, "x/.pre-commit-config.yaml") == "0.14.0"
+    with pytest.raises(PatchLintError, match=r"^x: no astral-sh/ruff-pre-commit hook"):
+        ruff_version("repos:\n- repo: https://github.com/crate-ci/typos\n  rev: v1\n", "x")
+    with pytest.raises(PatchLintError, match=r"rev 'main' is not a release version"):
+        ruff_version("repos:\n- repo: https://github.com/astral-sh/ruff-pre-commit\n  rev: main\n", "x")
+
+
+def test_format_regions_are_original_line_numbers() -> None:
+    diff = """\
+--- vllm/a.py
++++ vllm/a.py
+@@ -3,7 +3,9 @@
+ ctx
+ ctx
+-x = f(a,b)
++x = f(a, b)
+ ctx
+@@ -20,3 +22,4 @@
+ ctx
++
+ ctx
+"""
+    assert format_regions(diff) == {"vllm/a.py": [(5, 5), (20, 20)]}
+
+
+def _patch(tmp: Path, name: str, files: dict[str, str], before: dict[str, str]) -> bytes:
+    repo = tmp / f"author-{name}"
+    init_repo(repo)
+    for rel, text in before.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    git(["add", "-A"], repo)
+    git(["commit", "-q", "-m", "base"], repo)
+    for rel, text in files.items():
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_text(text)
+    git(["add", "-A"], repo)
+    git(["commit", "-q", "-m", f"Fix {name}\n\nWhy.\n\nOrigin: vendor\nLast-Update: 2026-12-01\n"], repo)
+    return format_patch(repo, "HEAD")
+
+
+def test_only_the_patches_lines_are_judged_and_named(tmp_path: Path) -> None:
+    clean = {"vllm/a.py": BASE["vllm/a.py"] + "\n\ndef g(y):\n    return y * 2\n"}
+    long_line = "    return " + " + ".join(["y"] * 40) + "\n"
+    sloppy = {"vllm/a.py": clean["vllm/a.py"] + "\n\ndef h(y):\n" + long_line,
+              "vllm/b.py": "x = [1,2,\n  3]\n"}
+    patches = {"clean.patch": _patch(tmp_path, "clean", clean, BASE),
+               "sloppy.patch": _patch(tmp_path, "sloppy", sloppy, {**BASE, **clean})}
+    d = tmp_path / "patches" / "0.1.0"
+    d.mkdir(parents=True)
+    (d / "pin.toml").write_text(Pin("0.1.0", "vllm-0.1.0-cp38-abi3-manylinux_2_28_x86_64.whl", "ab" * 32).to_toml())
+    (d / "series").write_text("".join(f"{n}\n" for n in patches))
+    for n, raw in patches.items():
+        (d / n).write_bytes(raw)
+    base = tmp_path / "base"
+    for rel, text in BASE.items():
+        (base / rel).parent.mkdir(parents=True, exist_ok=True)
+        (base / rel).write_text(text)
+    repo = tmp_path / "lint"
+    repo.mkdir()
+    owners = _commit_series(repo, Series.load(d), base)
+    (repo / "pyproject.toml").write_text(PYPROJECT)
+    found = lint_tree(repo, owners, ["vllm/a.py", "vllm/b.py"], _ruff())
+    assert [str(f) for f in found] == [
+        "sloppy.patch: vllm/a.py:13: E501 Line too long (168 > 88)",
+        "sloppy.patch: vllm/a.py:13: format ruff format would rewrite line 13",
+        "sloppy.patch: vllm/b.py:1: format ruff format would rewrite lines 1-2",
+    ]
+    assert not any(f.code == "F401" for f in found)  # the base's unused import is the release's own

@@ -199,7 +199,7 @@ def lint_tree(repo: Path, owners: dict[str, str], files: list[str], ruff: Path) 
 
 def run(patches_root: Path, version: str, *, cache: Path | None = None) -> list[Finding]:
     from overlay.fetch import cache_dir
-    from overlay.sdist import fetch_sdist, read_sources
+    from overlay.sdist import fetch_sdist, pip_url_download_sdist, read_sources
     from overlay.trees import base_tree
 
     cache = cache or cache_dir()
@@ -208,7 +208,8 @@ def run(patches_root: Path, version: str, *, cache: Path | None = None) -> list[
         raise PatchLintError(f"{pin_dir(patches_root, version) / 'pin.toml'}: no sdist pinned (sdist, "
                              "sdist_sha256): the release's lint settings come from its source archive")
     series = Series.load(pin_dir(patches_root, version))
-    sdist = fetch_sdist(pin, str(pin_dir(patches_root, version) / "pin.toml"), cache=cache)
+    sdist = fetch_sdist(pin, str(pin_dir(patches_root, version) / "pin.toml"), cache=cache,
+                        downloader=pip_url_download_sdist)  # read, not built: no build requirements
     sources = read_sources(sdist, lambda rel: rel in ("pyproject.toml", ".pre-commit-config.yaml"))
     for name in ("pyproject.toml", ".pre-commit-config.yaml"):
         if name not in sources:

@@ -427,6 +427,11 @@ def test_status_names_the_release_that_absorbed_a_patch(tmp_path: Path) -> None:
 
 
 REPO_PATCHES = Path(__file__).resolve().parent.parent / "patches"
+TEST_PINS = Path(__file__).resolve().parent / "pins"  # real releases we keep no series for (0.29.0)
+
+
+def _pins_root(version: str) -> Path:
+    return REPO_PATCHES if (REPO_PATCHES / version).is_dir() else TEST_PINS
 
 
 def cached_tree(version: str) -> Path | None:
@@ -436,9 +441,10 @@ def cached_tree(version: str) -> Path | None:
     from overlay.pins import load_pin
     from overlay.trees import base_tree
 
-    if not (cache_dir() / "wheels" / load_pin(REPO_PATCHES, version).wheel).is_file():
+    root = _pins_root(version)
+    if not (cache_dir() / "wheels" / load_pin(root, version).wheel).is_file():
         return None
-    return base_tree(REPO_PATCHES, version)
+    return base_tree(root, version)
 
 
 def copy_of(tree: Path):
@@ -463,7 +469,7 @@ def test_real_releases_rename_dcp_utils_to_dcp(tmp_path: Path) -> None:
     raw = make_patch(tmp_path, "dcp-comment", {path: "".join(text)}, base={path: (old / path).read_text()})
     root = tmp_path / "patches"
     series_dir(root, {"dcp-comment.patch": raw}, version="0.28.0")
-    out = start(root, "0.28.0", load_pin(REPO_PATCHES, "0.29.0"), copy_of(old), copy_of(new),
+    out = start(root, "0.28.0", load_pin(TEST_PINS, "0.29.0"), copy_of(old), copy_of(new),
                 work=tmp_path / "w", tests_dir=tmp_path)
     assert out.done, out.message
     entry = json.loads((root / "0.29.0" / "rebase.json").read_text())["patches"][0]

@@ -3,6 +3,7 @@
 #
 #   bash scripts/device-run.sh .device/engine -- bash scripts/device-regress.sh reference
 #   bash scripts/device-run.sh .device/engine -- bash scripts/device-regress.sh verdicts [VARIANTS]
+#   bash scripts/device-run.sh .device/engine -- bash scripts/device-regress.sh one-gpu
 #
 # reference: the DCP 1 server (profile tiny-glm5-tp2-dcp1-mtp5) records the differential reference
 #   (/tmp/regress/ref-differential.json) and the baselines of the DCP 2 profiles
@@ -15,6 +16,8 @@
 #   The two variants are the seed-bug trees of `make engine-variants` (VARIANTS, default
 #   .device/variants), laid over the staged vLLM and put first on the server's PYTHONPATH.
 #   Writes /tmp/regress/verdicts.md and .json; exits 0 when every run reached its expected verdict.
+# one-gpu: where only one GPU is lent, the reference profile at TP 1: the harness against the real
+#   server (gsm8k, acceptance, latency; /metrics kept), no DCP; exits with make regress's status.
 #
 # Outputs stay in /tmp/regress while the machine is warm (the verdicts stage needs the reference
 # stage's files: run the two calls back to back); the reports come back through $OUT.
@@ -143,8 +146,34 @@ PYEOF
     bring_back
     exit $rc
     ;;
+  one-gpu)
+    # Where only one GPU is lent: the reference profile at TP 1 (DCP 1), every check it runs against
+    # the real server; brings back its real /metrics text (metrics-before/after.txt), vllm bench's
+    # result JSON and lm-eval's results: the formats the CPU fixtures hold.
+    prof=$ROOT/profiles-one-gpu/tiny-glm5-tp1-dcp1-mtp5.yaml
+    python3 - overlay/regress/profiles/tiny-glm5-tp2-dcp1-mtp5.yaml "$prof" <<'PYEOF' || { say "writing the TP 1 profile failed"; exit 2; }
+import sys
+from pathlib import Path
+
+import yaml
+
+src, dest = map(Path, sys.argv[1:3])
+doc = yaml.safe_load(src.read_text())
+args = doc["server"]["args"]
+args[args.index("--tensor-parallel-size") + 1] = "1"
+doc["name"] = dest.stem
+doc["description"] = f"{doc['name']}: {src.stem} at TP 1, for a machine with one GPU (device-regress.sh one-gpu)"
+dest.parent.mkdir(parents=True, exist_ok=True)
+dest.write_text(yaml.safe_dump(doc, sort_keys=False))
+PYEOF
+    regress one-gpu 0 "$prof"
+    rc=$?
+    tail -n 30 "$ROOT/one-gpu/console.log" >&2
+    bring_back
+    exit $rc
+    ;;
   *)
-    say "unknown stage $STAGE (reference or verdicts)"
+    say "unknown stage $STAGE (reference, verdicts or one-gpu)"
     exit 2
     ;;
 esac

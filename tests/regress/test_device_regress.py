@@ -92,6 +92,14 @@ def test_device_regress_reaches_the_three_verdicts_with_the_standin(tmp_path: Pa
     assert "--port" in (root / "ref" / "server.log").read_text()
     assert "vllm:spec_decode_num_drafts" in (root / "ref" / "metrics-after.txt").read_text()
 
+    # One GPU lent: the reference profile at TP 1, the real formats kept and brought back.
+    one = stage("one-gpu")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "--tensor-parallel-size 1 " in (root / "one-gpu" / "server.log").read_text()
+    assert "vllm:spec_decode_num_drafts" in (root / "one-gpu" / "metrics-after.txt").read_text()
+    with tarfile.open(tmp_path / "out" / "regress-one-gpu.tar.gz") as tar:
+        assert "./one-gpu/metrics-after.txt" in tar.getnames()
+
     # The verdicts on a fresh machine: the reference comes from what the reference stage brought back.
     env["REGRESS_ROOT"] = str(root := tmp_path / "fresh")
     env["REGRESS_REFERENCE"] = str(tmp_path / "out" / "regress-reference.tar.gz")

@@ -3,8 +3,9 @@
 The fixtures in ``fixtures/real-0.28.0/`` come from ``scripts/device-regress.sh`` on two H200s
 (2026-12-01): the patched 0.28.0 ``vllm serve`` of the tiny GLM-5 checkpoint (TP2, MTP 5),
 ``vllm bench serve --save-result`` against it, lm-eval 0.4.13 ``local-completions`` on the
-local GSM8K fixture, the server's ``/metrics`` before and after a DCP 2 run, and the profile
-``--record-baseline`` wrote from the DCP 1 run. Every file is kept exactly as written there, so
+local GSM8K fixture, and the profile ``--record-baseline`` wrote from the DCP 1 run; the server's
+``/metrics`` text before and after the checks (``metrics-*.txt``) from ``device-regress.sh one-gpu``
+(the same server at TP 1 on one H200, 2026-12-01). Every file is kept exactly as written there, so
 a parser that only knew our stand-in's version of a format fails here.
 """
 
@@ -115,3 +116,19 @@ def test_vllm_0_28_0s_own_spec_decode_exposition_is_parsed() -> None:
     drafts, rates = acceptance.rates_between(before, after)
     assert drafts == 200  # both engines summed
     assert rates == [0.45, 0.2, 0.075, 0.025, 0.0]
+
+
+def test_real_server_metrics_text_is_parsed_and_judged() -> None:
+    """``/metrics`` of the real 0.28.0 server (device-regress.sh one-gpu: TP 1, MTP 5, one H200), before
+    and after the checks: ~90 families besides spec decoding (histograms, gauges, _created samples)."""
+    before_text = (REAL / "metrics-before.txt").read_text()
+    after_text = (REAL / "metrics-after.txt").read_text()
+    assert after_text.count("# TYPE ") > 80
+    before, after = acceptance.parse_counters(before_text), acceptance.parse_counters(after_text)
+    assert before == acceptance.SpecCounters(0.0, {0: 0.0, 1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0})
+    assert after == acceptance.SpecCounters(2662.0, {0: 8.0, 1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0})
+    drafts, rates = acceptance.rates_between(before, after)
+    assert drafts == 2662.0 and rates == [8 / 2662, 0.0, 0.0, 0.0, 0.0]
+    profile = load_profile(str(RECORDED))  # a random MTP layer: per position ~0, as the baseline says
+    _, findings = acceptance.judge(profile, before, after)
+    assert findings == []

@@ -69,6 +69,11 @@ TORCH_FAMILY = frozenset({"torch", "torchvision", "torchaudio"})
 # Hopper imports, each with why; left out unless ``full`` (about half of the bytes: 8 carries).
 # numba stays although it is imported lazily: without vLLM's numba==0.65 the device's numpy 2.5
 # stays pinned and pip backtracks xgrammar into versions that need transformers < 5.
+# What the overlay's own modules that run on the device import beyond vLLM's requirements
+# (overlay.bench.engine, overlay.regress), pinned as in pyproject.toml: `overlay device-stage` adds
+# them to its --extra requirements.
+HARNESS_REQUIREMENTS: tuple[str, ...] = ("httpx-sse==0.4.3",)
+
 NOT_NEEDED: dict[str, str] = {
     "tokenspeed-mla": "TokenSpeed MLA backends; Hopper sparse MLA runs FlashMLA-sparse",
     "tokenspeed-triton": "TokenSpeed's Triton fork (for tokenspeed-mla)",

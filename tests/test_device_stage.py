@@ -609,12 +609,15 @@ def test_no_resolution_cache_forces_a_resolve(rig: StageRig, capsys: pytest.Capt
     monkeypatch.setenv("VLLM_OVERLAY_CACHE", str(rig.cache))
     args = ["device-stage", "--wheel", str(rig.wheel("0.28.0+c")), "--dest", str(rig.tmp / "cli"),
             "--device-packages", str(rig.packages)]
-    assert main(args) == 0 and rig.resolves == 2
-    assert "resolution reused" in capsys.readouterr().err
-    assert main([*args, "--no-resolution-cache"]) == 0 and rig.resolves == 3
+    # the CLI always stages the harness's own requirements (httpx-sse): one more resolution, then cached
+    assert main(args) == 0 and rig.resolves == 3
+    assert main(args) == 0 and rig.resolves == 3
+    assert "resolution with the extras reused" in capsys.readouterr().err
+    assert main([*args, "--no-resolution-cache"]) == 0 and rig.resolves == 5  # vLLM's, then with the extras
     assert "resolution cache not used (--no-resolution-cache)" in capsys.readouterr().err
     manifest = json.loads((rig.tmp / "cli" / "engine" / "manifest.json").read_text())
     assert manifest["resolution"]["cached"] is False
+    assert manifest["resolution"]["extra_requirements"] == ["httpx-sse==0.4.3"]
 
 
 # --- extra requirements (--extra / EXTRA) ----------------------------------------------------------
@@ -879,3 +882,14 @@ def test_built_wheel_asks_for_make_build(tmp_path: Path) -> None:
     patches = make_release(tmp_path, base)
     with pytest.raises(ds.DeviceStageError, match=r"run `make build VLLM=0.28.0` first"):
         ds.built_wheel(patches, "0.28.0", tmp_path / "dist")
+
+
+def test_harness_requirements_are_pinned_as_in_pyproject() -> None:
+    """What overlay.bench.engine and overlay.regress import on the device is staged at our own pins."""
+    import tomllib
+
+    from overlay.device_stage import HARNESS_REQUIREMENTS
+
+    doc = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    pinned = {r.split(";")[0].strip() for group in doc["project"]["optional-dependencies"].values() for r in group}
+    assert set(HARNESS_REQUIREMENTS) <= pinned

@@ -43,7 +43,11 @@ Measured per request: the arrival time of every streamed chunk and how many toke
 Order: per cell, warm-up A, warm-up B, then ``--repeats`` measured runs per server in ABBA order
 (A B B A A B ...), one server at a time while the other idles. Per cell: median of the runs of each
 server; TPOT ratio = B median / A median, throughput ratio = A median / B median (> 1: the
-optimization is faster). The issue's target: no cell below 0.98 (flagged).
+optimization is faster). The issue's target: no cell below 0.98 (flagged). The ratios of run k of
+B to run k of A (``tpot_ratio_pairs``, their lowest and highest in the table) show each cell's
+noise; ``--null`` runs both servers with the flag on (A/A), so every ratio is noise: on one H200 at
+TP 1 x DCP 1 (where the flag changes nothing) 3 repeats gave cell ratios 1.011-1.061, so a 0.98
+target needs the null run beside the A/B and more than 3 repeats (default 5).
 
 Writes ``engine.json`` (settings, versions, every run's raw numbers, per-cell medians and ratios;
 rewritten after every cell, ``partial`` until the end), ``engine.md`` (the table) and ``engine.png``
@@ -74,6 +78,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from httpx_sse import EventSource
 
 from overlay.atomic import write_file
 from overlay.engine.check import PORT_BASE, PORT_STRIDE, REPO, SAFE_ENV, STANDIN, error_line
@@ -114,9 +119,9 @@ class Cell:
 
 def parse_cells(spec: str | None, batches: list[int], contexts: list[int], *, mixed_batch: int,
                 mixed_context: int, mixed: bool = True) -> list[Cell]:
-    """The cells to run, smallest context first (mixed after the cells of its context).
-
-    ``spec`` (``--cells``: ``1x4096,8x16384,mixed``) overrides ``batches`` x ``contexts`` (+ mixed).
+    """The cells to run: ``batches`` x ``contexts`` smallest context first (mixed after the cells of
+    its context), or ``spec`` (``--cells``: ``1x4096,8x16384,mixed``) in the order given (under
+    ``--budget`` the first ones are the ones that run).
     """
     cells: list[Cell] = []
     if spec:
@@ -138,6 +143,8 @@ def parse_cells(spec: str | None, batches: list[int], contexts: list[int], *, mi
             cells.append(Cell(mixed_batch, mixed_context, mixed=True))
     if len({c.name for c in cells}) != len(cells):
         raise ValueError("--cells: a cell is named twice")
+    if spec:
+        return cells
     return sorted(cells, key=lambda c: (c.context, c.mixed, c.batch))
 
 
@@ -246,6 +253,10 @@ def cell_summary(runs: list[dict[str, Any]], expect_cached: bool = True) -> dict
         out[side]["tpot_ms_runs"] = [s.get("tpot_ms") for s in mine]
     a, b = out["A"], out["B"]
     out["tpot_ratio"] = b["tpot_ms"] / a["tpot_ms"] if a["tpot_ms"] and b["tpot_ms"] else None
+    # Run k of A beside run k of B (adjacent in ABBA): the spread of these is the cell's noise.
+    pairs = [tb / ta for ta, tb in zip(a["tpot_ms_runs"], b["tpot_ms_runs"], strict=False) if ta and tb]
+    out["tpot_ratio_pairs"] = pairs
+    out["tpot_ratio_range"] = [min(pairs), max(pairs)] if pairs else None
     out["tok_s_ratio"] = (a["decode_tok_s"] / b["decode_tok_s"]
                           if a["decode_tok_s"] and b["decode_tok_s"] else None)
     out["total_tok_s_ratio"] = (a["total_tok_s"] / b["total_tok_s"]
@@ -290,10 +301,10 @@ async def _stream(client: httpx.AsyncClient, body: bytes, start: float, req: Req
             text = (await r.aread()).decode(errors="replace")
             raise BenchError(f"/v1/completions answered {r.status_code}: {' '.join(text.split())[:300]}")
         seen = 0
-        async for line in r.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
+        # Not r.aiter_lines(): it splits at every str.splitlines() boundary, and completion text
+        # (the byte tokenizer's U+0085, U+2028) arrives raw inside the JSON of a data line.
+        async for event in EventSource(r).aiter_sse():
+            payload = event.data.strip()
             if payload == "[DONE]":
                 break
             now = time.perf_counter() - start
@@ -388,7 +399,8 @@ class Settings:
     prefix_caching: bool = True
     max_cudagraph_capture_size: int = 64
     decode_tokens: int = 128
-    repeats: int = 3
+    repeats: int = 5
+    null: bool = False  # A/A: both servers VLLM_DCP_PROJECT_BEFORE_MERGE=1, the ratios are the method's noise
     seed: int = 0
     mixed_batch: int = 32
     mixed_context: int = 4096
@@ -419,7 +431,7 @@ class Settings:
         env = dict(os.environ)
         env.update(SAFE_ENV)
         env["VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"] = "0"
-        env["VLLM_DCP_PROJECT_BEFORE_MERGE"] = SIDES[side]
+        env["VLLM_DCP_PROJECT_BEFORE_MERGE"] = SIDES["A"] if self.null else SIDES[side]
         if self.transport in ("direct", "a2a"):
             env["VLLM_USE_DIRECT_DCP_A2A"] = "1" if self.transport == "direct" else "0"
         paths = ([str(STANDIN)] if self.deep_gemm_standin else []) + [str(REPO)]
@@ -549,7 +561,9 @@ def _fmt(value: float | None, spec: str) -> str:
 def table(result: dict[str, Any]) -> str:
     """``engine.md``: one row per cell."""
     s = result.get("settings", {})
-    lines = [f"# bench-engine: VLLM_DCP_PROJECT_BEFORE_MERGE A=1 vs B=0{' (partial)' if result.get('partial') else ''}",
+    what = ("A/A null run, both VLLM_DCP_PROJECT_BEFORE_MERGE=1: the ratios are the method's noise"
+            if s.get("null") else "VLLM_DCP_PROJECT_BEFORE_MERGE A=1 vs B=0")
+    lines = [f"# bench-engine: {what}{' (partial)' if result.get('partial') else ''}",
              "",
              f"TP {s.get('tp')} x DCP {s.get('dcp')}, transport {s.get('transport')}, fp8_ds_mla, "
              f"prefix caching {'on' if s.get('prefix_caching') else 'off'}, CUDA graphs up to "
@@ -557,14 +571,17 @@ def table(result: dict[str, Any]) -> str:
              f"{s.get('repeats')} runs per server (ABBA), medians; {result.get('gpu') or ''}",
              "",
              "TPOT ratio = B / A, tok/s ratio = A / B: > 1 means the optimization (A) is faster; "
-             f"flagged below {TARGET}.",
+             f"flagged below {TARGET}. Pairs: the TPOT ratio of run k of B to run k of A (adjacent in "
+             "ABBA), lowest and highest: the cell's noise.",
              "",
-             "| cell | A TPOT ms | B TPOT ms | ratio | A tok/s | B tok/s | ratio | flags |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| cell | A TPOT ms | B TPOT ms | ratio | pairs | A tok/s | B tok/s | ratio | flags |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for name, c in result.get("cells", {}).items():
         a, b = c["A"], c["B"]
+        rng = c.get("tpot_ratio_range")
+        pairs = f"{rng[0]:.3f}-{rng[1]:.3f}" if rng else "-"
         lines.append(f"| {name} | {_fmt(a['tpot_ms'], '.3f')} | {_fmt(b['tpot_ms'], '.3f')} | "
-                     f"{_fmt(c['tpot_ratio'], '.3f')} | {_fmt(a['decode_tok_s'], '.0f')} | "
+                     f"{_fmt(c['tpot_ratio'], '.3f')} | {pairs} | {_fmt(a['decode_tok_s'], '.0f')} | "
                      f"{_fmt(b['decode_tok_s'], '.0f')} | {_fmt(c['tok_s_ratio'], '.3f')} | "
                      f"{'; '.join(c['flags']) or 'ok'} |")
     mixed = result.get("cells", {}).get("mixed")
@@ -723,7 +740,7 @@ def run(ns: argparse.Namespace) -> int:
         max_num_seqs=ns.max_num_seqs or max(max(c.batch for c in cells), ns.mixed_batch + 16),
         max_num_batched_tokens=ns.max_num_batched_tokens, prefix_caching=not ns.no_prefix_caching,
         max_cudagraph_capture_size=ns.max_cudagraph_capture_size, decode_tokens=ns.decode_tokens,
-        repeats=ns.repeats, seed=ns.seed, mixed_batch=ns.mixed_batch, mixed_context=ns.mixed_context,
+        repeats=ns.repeats, null=ns.null, seed=ns.seed, mixed_batch=ns.mixed_batch, mixed_context=ns.mixed_context,
         mixed_interval=ns.mixed_interval, layers=layers, deep_gemm_standin=not ns.no_deep_gemm_standin,
         extra_args=shlex.split(ns.server_args or ""))
     st.kv_cache_memory_bytes = ns.kv_cache_memory_bytes or kv_cache_bytes(
@@ -825,7 +842,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cells", help="a subset instead, e.g. 1x4096,8x16384,mixed")
     ap.add_argument("--no-mixed", action="store_true", help="without --cells: leave the mixed cell out")
     ap.add_argument("--decode-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3, help="measured runs per server and cell (ABBA)")
+    ap.add_argument("--repeats", type=int, default=5, help="measured runs per server and cell (ABBA)")
+    ap.add_argument("--null", action="store_true",
+                    help="A/A: both servers VLLM_DCP_PROJECT_BEFORE_MERGE=1; the ratios are then the method's "
+                         "noise (run it where the A/B is to be read)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mixed-batch", type=int, default=32)
     ap.add_argument("--mixed-context", type=int, default=4096)

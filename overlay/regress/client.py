@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from httpx_sse import EventSource
 
 
 def normalize_base_url(url: str) -> str:
@@ -85,10 +86,9 @@ class Client:
         usage_tokens = None
         with self.http.stream("POST", "/v1/completions", json=body) as r:
             r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[len("data:"):].strip()
+            # SSE events, not r.iter_lines(): that also splits at U+0085 / U+2028 inside the JSON.
+            for event in EventSource(r).iter_sse():
+                payload = event.data.strip()
                 if payload == "[DONE]":
                     break
                 data = json.loads(payload)

@@ -47,8 +47,8 @@ def test_parse_cells() -> None:
     assert [c.name for c in cells] == ["1x4096", "8x4096", "64x4096", "mixed", "1x16384", "8x16384", "64x16384",
                                        "1x65536", "8x65536", "64x65536"]
     picked = engine.parse_cells("8x16384, mixed,1x4096", [], [], mixed_batch=4, mixed_context=512)
-    assert [c.name for c in picked] == ["mixed", "1x4096", "8x16384"]
-    assert picked[0] == Cell(4, 512, mixed=True)
+    assert [c.name for c in picked] == ["8x16384", "mixed", "1x4096"]  # the order given: run first under a budget
+    assert picked[1] == Cell(4, 512, mixed=True)
     for bad in ("8by16", "0x4096", "8x16", "1x4096,1x4096"):
         with pytest.raises(ValueError):
             engine.parse_cells(bad, [], [], mixed_batch=4, mixed_context=512)
@@ -218,7 +218,11 @@ def test_whole_run_against_standins(tmp_path: Path, model_dir: Path, monkeypatch
     assert st["max_model_len"] == 128 + 8 + 64 and st["max_num_seqs"] >= 2
     assert result["versions"]["python"] and set(result["commands"]) == {"A", "B"}
     md = (out / "engine.md").read_text()
-    assert "| cell | A TPOT ms | B TPOT ms | ratio | A tok/s | B tok/s | ratio | flags |" in md
+    assert "| cell | A TPOT ms | B TPOT ms | ratio | pairs | A tok/s | B tok/s | ratio | flags |" in md
+    for name in names:  # run k of B against run k of A
+        cell = result["cells"][name]
+        assert len(cell["tpot_ratio_pairs"]) == 2 and min(cell["tpot_ratio_pairs"]) > 1.5
+        assert cell["tpot_ratio_range"] == [min(cell["tpot_ratio_pairs"]), max(cell["tpot_ratio_pairs"])]
     for name in names:
         assert f"| {name} |" in md
     assert (out / "server-A.log").exists() and (out / "server-B.log").exists()
@@ -243,6 +247,18 @@ def test_slower_optimization_is_flagged(tmp_path: Path, model_dir: Path, monkeyp
     cell = json.loads((tmp_path / "out" / "engine.json").read_text())["cells"]["2x64"]
     assert cell["tpot_ratio"] < 0.98 and any(f.startswith("TPOT") for f in cell["flags"])
     assert "FLAG: TPOT" in proc.stdout
+
+
+def test_null_run_gives_both_servers_the_optimization(tmp_path: Path, model_dir: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # The stand-in picks its speed by the flag: with --null both are the fast A, so the ratio is ~1.
+    monkeypatch.setenv("BENCH_STANDIN_A", "--ttft-ms 5 --tpot-ms 2")
+    monkeypatch.setenv("BENCH_STANDIN_B", "--ttft-ms 5 --tpot-ms 8")
+    proc = bench(tmp_path, model_dir, "--cells", "2x64", "--decode-tokens", "8", "--repeats", "2", "--null")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "out" / "engine.json").read_text())
+    assert result["settings"]["null"] is True and 0.6 < result["cells"]["2x64"]["tpot_ratio"] < 1.6
+    assert "A/A null run" in (tmp_path / "out" / "engine.md").read_text()
 
 
 def test_dead_server_stops_with_one_line(tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -276,3 +292,46 @@ def test_budget_marks_partial(tmp_path: Path, model_dir: Path) -> None:
     result = json.loads((tmp_path / "out" / "engine.json").read_text())
     assert result["partial"] is True and result["cells"] == {} and result["skipped"] == ["1x64", "mixed"]
     assert "not run (budget): 1x64, mixed" in (tmp_path / "out" / "engine.md").read_text()
+
+
+# What the real vLLM 0.28.0 server sent in the mixed cell on an H200 (2026-12-01): completion text of
+# the byte tokenizer inside the JSON, raw UTF-8 (pydantic's model_dump_json), here U+0085 and U+2028,
+# which str.splitlines() -- and so httpx's aiter_lines -- takes for line ends.
+def _sse_body() -> bytes:
+    chunks = []
+    for i, text in enumerate(["a\x85b", "\u2028", "c"]):
+        chunks.append({"id": "cmpl-1", "object": "text_completion", "model": "tiny",
+                       "choices": [{"index": 0, "text": text, "finish_reason": None}],
+                       "usage": {"prompt_tokens": 4, "completion_tokens": i + 1, "total_tokens": 5 + i}})
+    chunks.append({"id": "cmpl-1", "object": "text_completion", "choices": [],
+                   "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 2}}})
+    return b"".join(f"data: {json.dumps(c, ensure_ascii=False)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
+
+
+def test_stream_survives_unicode_line_separators_in_the_text() -> None:
+    import asyncio
+
+    import httpx
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"Content-Type": "text/event-stream"}, content=_sse_body())
+
+    async def go() -> Request:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer), base_url="http://x") as client:
+            return await engine._stream(client, b"{}", 0.0, Request(0.0))
+
+    req = asyncio.run(go())
+    assert req.tokens == [1, 1, 1] and req.cached_tokens == 2
+
+
+def test_regress_stream_timing_survives_unicode_line_separators() -> None:
+    import httpx
+
+    from overlay.regress.client import Client
+
+    client = Client("http://x", "tiny")
+    client.http = httpx.Client(base_url="http://x", transport=httpx.MockTransport(
+        lambda request: httpx.Response(200, headers={"Content-Type": "text/event-stream"}, content=_sse_body())))
+    timing = client.stream_completion("hi", 3)
+    assert timing.output_tokens == 3 and len(timing.itls_s) == 2

@@ -329,7 +329,7 @@ class Handler(BaseHTTPRequestHandler):
             if continuous:
                 chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": i + 1,
                                   "total_tokens": prompt_tokens + i + 1}
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.write(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode())
             self.wfile.flush()
         if include_usage:
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
@@ -352,7 +352,7 @@ class Handler(BaseHTTPRequestHandler):
                 time.sleep(self.state.args.tpot_ms / 1000)
             chunk = {"id": "cmpl-standin", "object": "text_completion", "model": self.state.args.model_name,
                      "choices": [{"index": 0, "text": piece, "finish_reason": None}]}
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.write(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode())
             self.wfile.flush()
         options = req.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):

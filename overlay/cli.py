@@ -219,12 +219,21 @@ def cmd_workspace_plan(ns: argparse.Namespace) -> int:
 
 
 def cmd_device_stage(ns: argparse.Namespace) -> int:
-    from overlay.device_stage import HARNESS_REQUIREMENTS, MIB, built_wheel, device_calls, format_summary, stage
+    from overlay.device_stage import (
+        HARNESS_REQUIREMENTS,
+        MIB,
+        built_wheel,
+        carry_limit,
+        device_calls,
+        format_summary,
+        stage,
+    )
 
     wheel = Path(ns.wheel) if ns.wheel else built_wheel(_root(ns), ns.vllm, Path(ns.dist))
     dest = Path(ns.dest) / ns.name
     result = stage(wheel, dest, device_packages=Path(ns.device_packages), name=ns.name,
-                   limit=int(ns.limit_mib * MIB), resolver_python=ns.resolver_python, full=ns.full,
+                   limit=carry_limit(Path.cwd(), int(ns.limit_mib * MIB)), resolver_python=ns.resolver_python,
+                   full=ns.full,
                    resolution_cache=not ns.no_resolution_cache,
                    extras=[*HARNESS_REQUIREMENTS, *(e for e in ns.extra if e not in HARNESS_REQUIREMENTS)])
     print(format_summary(result.manifest), file=sys.stderr)
@@ -384,7 +393,9 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--wheel", help="the patched wheel (default: the one make build writes for the series)")
             sp.add_argument("--device-packages", default="scripts/device-packages.txt",
                             help="the device's pip freeze (default %(default)s)")
-            sp.add_argument("--limit-mib", type=float, default=60, help="largest carry in MiB (default 60)")
+            sp.add_argument("--limit-mib", type=float, default=60,
+                            help="largest carry in MiB (default 60; less when the checkout and a carry would "
+                                 "pass the 64 MiB of a device call)")
             sp.add_argument("--full", action="store_true", help="stage every requirement, also those an engine "
                                                                 "run does not import (device_stage.NOT_NEEDED)")
             sp.add_argument("--resolver-python", help="a CPython 3.12 with pip to resolve with "

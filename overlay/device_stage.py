@@ -61,6 +61,24 @@ from overlay.wheel import dist_info_name, record_hash
 
 MIB = 2**20
 CARRY_LIMIT = 60 * MIB
+CALL_LIMIT = 64 * MIB  # what one device call carries in all: the carry plus the checkout's own files
+
+
+def checkout_bytes(repo: Path) -> int:
+    """The bytes a device call copies besides the carry: tracked and untracked-not-ignored files."""
+    from overlay.git import git_text
+
+    names = git_text(["ls-files", "-z", "--cached", "--others", "--exclude-standard"], repo).split("\0")
+    return sum((repo / n).stat().st_size for n in names if n and (repo / n).is_file())
+
+
+def carry_limit(repo: Path, wanted: int = CARRY_LIMIT, margin: int = MIB) -> int:
+    """``wanted``, or less when the checkout is so large that carry + checkout would pass ``CALL_LIMIT``."""
+    room = CALL_LIMIT - checkout_bytes(repo) - margin
+    if room < 8 * MIB:
+        raise DeviceStageError(f"{repo}: the checkout's own files take {checkout_bytes(repo) / MIB:.1f} MiB of "
+                               f"the {CALL_LIMIT // MIB} MiB a device call carries; move large files out of git")
+    return min(wanted, room)
 MANIFEST_RESERVE = MIB  # room kept in every carry for its copy of manifest.json
 XZ_PRESET = 6
 STUB_LABEL = "device"

@@ -893,3 +893,20 @@ def test_harness_requirements_are_pinned_as_in_pyproject() -> None:
     doc = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
     pinned = {r.split(";")[0].strip() for group in doc["project"]["optional-dependencies"].values() for r in group}
     assert set(HARNESS_REQUIREMENTS) <= pinned
+
+
+def test_carry_limit_leaves_room_for_the_checkout(tmp_path: Path) -> None:
+    from overlay.device_stage import MIB, DeviceStageError, carry_limit
+    from overlay.git import git, init_repo
+
+    init_repo(tmp_path)
+    (tmp_path / "small.txt").write_bytes(b"x" * MIB)
+    assert carry_limit(tmp_path) == 60 * MIB  # 1 MiB checkout: the default fits
+    (tmp_path / "big.json").write_bytes(b"x" * 5 * MIB)  # untracked, not ignored: copied too
+    assert carry_limit(tmp_path) == 64 * MIB - 6 * MIB - MIB
+    (tmp_path / ".gitignore").write_text("big.json\n")
+    git(["add", ".gitignore"], tmp_path)
+    assert carry_limit(tmp_path) == 60 * MIB  # ignored files stay here
+    (tmp_path / "huge.bin").write_bytes(b"x" * 60 * MIB)
+    with pytest.raises(DeviceStageError, match="move large files out of git"):
+        carry_limit(tmp_path)

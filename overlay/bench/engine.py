@@ -45,7 +45,11 @@ Order: per cell, warm-up A, warm-up B, then ``--repeats`` measured runs per serv
 server; TPOT ratio = B median / A median, throughput ratio = A median / B median (> 1: the
 optimization is faster). The issue's target: no cell below 0.98 (flagged). The ratios of run k of
 B to run k of A (``tpot_ratio_pairs``, their lowest and highest in the table) show each cell's
-noise; ``--null`` runs both servers with the flag on (A/A), so every ratio is noise: on one H200 at
+noise; ``--null`` runs both servers with the flag on (A/A), so every ratio is noise. Besides the
+client's clock, each run reads vLLM's own inter-token latency histogram
+(``vllm:inter_token_latency_seconds``, ``/metrics`` before and after the run): the server's mean
+ITL, free of the client's jitter (one asyncio process parsing every stream); when both servers
+report it, the cell is judged on its ratio. On one H200 at
 TP 1 x DCP 1 (where the flag changes nothing) 3 repeats gave cell ratios 1.011-1.061, so a 0.98
 target needs the null run beside the A/B and more than 3 repeats (default 5).
 
@@ -248,15 +252,19 @@ def cell_summary(runs: list[dict[str, Any]], expect_cached: bool = True) -> dict
     for side in SIDES:
         mine = [r["summary"] for r in runs if r["server"] == side and not r.get("warmup")]
         out[side] = {key: median_or_none([s.get(key) for s in mine])
-                     for key in ("tpot_ms", "decode_tok_s", "total_tok_s")}
+                     for key in ("tpot_ms", "decode_tok_s", "total_tok_s", "server_itl_ms")}
         out[side]["runs"] = len(mine)
         out[side]["tpot_ms_runs"] = [s.get("tpot_ms") for s in mine]
+        out[side]["server_itl_ms_runs"] = [s.get("server_itl_ms") for s in mine]
     a, b = out["A"], out["B"]
     out["tpot_ratio"] = b["tpot_ms"] / a["tpot_ms"] if a["tpot_ms"] and b["tpot_ms"] else None
+    out["server_itl_ratio"] = (b["server_itl_ms"] / a["server_itl_ms"]
+                               if a["server_itl_ms"] and b["server_itl_ms"] else None)
     # Run k of A beside run k of B (adjacent in ABBA): the spread of these is the cell's noise.
-    pairs = [tb / ta for ta, tb in zip(a["tpot_ms_runs"], b["tpot_ms_runs"], strict=False) if ta and tb]
-    out["tpot_ratio_pairs"] = pairs
-    out["tpot_ratio_range"] = [min(pairs), max(pairs)] if pairs else None
+    for key, runs_key in (("tpot_ratio", "tpot_ms_runs"), ("server_itl_ratio", "server_itl_ms_runs")):
+        pairs = [vb / va for va, vb in zip(a[runs_key], b[runs_key], strict=False) if va and vb]
+        out[f"{key}_pairs"] = pairs
+        out[f"{key}_range"] = [min(pairs), max(pairs)] if pairs else None
     out["tok_s_ratio"] = (a["decode_tok_s"] / b["decode_tok_s"]
                           if a["decode_tok_s"] and b["decode_tok_s"] else None)
     out["total_tok_s_ratio"] = (a["total_tok_s"] / b["total_tok_s"]
@@ -271,7 +279,9 @@ def flags(summary: dict[str, Any], target: float = TARGET, expect_cached: bool =
     """What falls short: a ratio below ``target``, a ratio that could not be computed, and (prefix caching
     on) measured runs whose prompts came less than ``CACHED_MIN`` from the prefix cache (prefill in the time)."""
     found = []
-    for key, label in (("tpot_ratio", "TPOT"), ("tok_s_ratio", "tok/s")):
+    judged = ((("server_itl_ratio", "server ITL"),) if summary.get("server_itl_ratio") is not None
+              else (("tpot_ratio", "TPOT"), ("tok_s_ratio", "tok/s")))
+    for key, label in judged:
         ratio = summary.get(key)
         if ratio is None:
             found.append(f"no {label} ratio")
@@ -367,6 +377,46 @@ async def _run_async(url: str, model: str, prompts: list[list[int]], max_tokens:
                 t.cancel()
             await asyncio.gather(*tasks, *extra, return_exceptions=True)
     return reqs + prefills
+
+
+ITL_FAMILY = "vllm:inter_token_latency_seconds"
+
+
+def itl_totals(text: str) -> tuple[float, float] | None:
+    """(sum, count) of vLLM's inter-token latency histogram in a ``/metrics`` text, every engine summed;
+    None when the server exposes none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = count = 0.0
+    found = False
+    for family in text_string_to_metric_families(text):
+        if family.name != ITL_FAMILY:
+            continue
+        for sample in family.samples:
+            if sample.name == ITL_FAMILY + "_sum":
+                total += sample.value
+                found = True
+            elif sample.name == ITL_FAMILY + "_count":
+                count += sample.value
+    return (total, count) if found else None
+
+
+def scrape_itl(server: Server) -> tuple[float, float] | None:
+    """The server's inter-token latency totals now; None when ``/metrics`` cannot be read or has none."""
+    try:
+        r = httpx.get(f"{server.base_url}/metrics", timeout=10.0)
+        r.raise_for_status()
+        return itl_totals(r.text)
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def itl_ms_between(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """Mean inter-token latency (ms) the server measured between two scrapes: vLLM's own timestamps
+    of every token after each request's first, free of the client's (asyncio, SSE) jitter."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return 1000.0 * (after[0] - before[0]) / (after[1] - before[1])
 
 
 def run_once(server: Server, cell: Cell, prompts: list[list[int]], max_tokens: int, timeout_s: float,
@@ -571,17 +621,24 @@ def table(result: dict[str, Any]) -> str:
              f"{s.get('repeats')} runs per server (ABBA), medians; {result.get('gpu') or ''}",
              "",
              "TPOT ratio = B / A, tok/s ratio = A / B: > 1 means the optimization (A) is faster; "
-             f"flagged below {TARGET}. Pairs: the TPOT ratio of run k of B to run k of A (adjacent in "
-             "ABBA), lowest and highest: the cell's noise.",
+             f"flagged below {TARGET}. Server ITL: vLLM's own mean inter-token latency over the run "
+             "(``/metrics`` before and after), judged when both servers report it. Pairs: the ratio of run "
+             "k of B to run k of A (adjacent in ABBA), lowest and highest: the cell's noise.",
              "",
-             "| cell | A TPOT ms | B TPOT ms | ratio | pairs | A tok/s | B tok/s | ratio | flags |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| cell | A TPOT ms | B TPOT ms | ratio | pairs | A ITL ms | B ITL ms | ITL ratio | pairs | A tok/s "
+             "| B tok/s | ratio | flags |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+
+    def span(rng: list[float] | None) -> str:
+        return f"{rng[0]:.3f}-{rng[1]:.3f}" if rng else "-"
+
     for name, c in result.get("cells", {}).items():
         a, b = c["A"], c["B"]
-        rng = c.get("tpot_ratio_range")
-        pairs = f"{rng[0]:.3f}-{rng[1]:.3f}" if rng else "-"
         lines.append(f"| {name} | {_fmt(a['tpot_ms'], '.3f')} | {_fmt(b['tpot_ms'], '.3f')} | "
-                     f"{_fmt(c['tpot_ratio'], '.3f')} | {pairs} | {_fmt(a['decode_tok_s'], '.0f')} | "
+                     f"{_fmt(c['tpot_ratio'], '.3f')} | {span(c.get('tpot_ratio_range'))} | "
+                     f"{_fmt(a.get('server_itl_ms'), '.3f')} | {_fmt(b.get('server_itl_ms'), '.3f')} | "
+                     f"{_fmt(c.get('server_itl_ratio'), '.3f')} | {span(c.get('server_itl_ratio_range'))} | "
+                     f"{_fmt(a['decode_tok_s'], '.0f')} | "
                      f"{_fmt(b['decode_tok_s'], '.0f')} | {_fmt(c['tok_s_ratio'], '.3f')} | "
                      f"{'; '.join(c['flags']) or 'ok'} |")
     mixed = result.get("cells", {}).get("mixed")
@@ -691,15 +748,18 @@ def run_cell(cell: Cell, servers: dict[str, Server], st: Settings, timeout_s: fl
         if cell.mixed:
             mixed = (cell.context, st.mixed_interval, st.seed, f"{'warm' if warmup else idx}")
         t = time.monotonic()
+        before = scrape_itl(server)
         reqs = run_once(server, cell, prompts, st.decode_tokens, timeout_s, mixed)
         summary = summarize(reqs)
+        summary["server_itl_ms"] = itl_ms_between(before, scrape_itl(server))
         if not warmup:
             count[side] += 1
         records.append({"cell": cell.name, "server": side, "warmup": warmup, "seq": len(records),
                         "repeat": None if warmup else idx, "summary": summary,
                         "requests": [r.to_dict() for r in reqs], "seconds": time.monotonic() - t})
         progress(f"{cell.name} {'warm-up' if warmup else f'run {idx + 1}/{st.repeats}'} {side}: "
-                 f"TPOT {_fmt(summary.get('tpot_ms'), '.3f')} ms, {_fmt(summary.get('decode_tok_s'), '.0f')} tok/s"
+                 f"TPOT {_fmt(summary.get('tpot_ms'), '.3f')} ms, {_fmt(summary.get('decode_tok_s'), '.0f')} tok/s, "
+                 f"server ITL {_fmt(summary.get('server_itl_ms'), '.3f')} ms"
                  + (f", {summary.get('prefills_in_window')} prefills in window" if cell.mixed else ""))
 
     for side in SIDES:  # one request first: the shared prefix is computed once, then cached
@@ -755,6 +815,10 @@ def run(ns: argparse.Namespace) -> int:
             "total_tok_s": "mixed: (decode tokens in the window + prompt tokens of prefills answered in it) / window",
             "tpot_ratio": "median TPOT B / median TPOT A (>1: A faster)",
             "tok_s_ratio": "median decode tok/s A / B (>1: A faster)",
+            "server_itl_ms": "vllm:inter_token_latency_seconds sum / count between /metrics scrapes before and "
+                             "after the run (the server's timestamps; every token after each request's first)",
+            "server_itl_ratio": "median server ITL B / A (>1: A faster); judged instead of TPOT and tok/s when "
+                                "both servers report it",
         },
         "cells": {}, "runs": [], "skipped": [], "target": TARGET,
     }
@@ -793,7 +857,8 @@ def run(ns: argparse.Namespace) -> int:
             result["cells"][cell.name] = summary
             progress(f"{cell.name}: TPOT A {_fmt(summary['A']['tpot_ms'], '.3f')} ms, B "
                      f"{_fmt(summary['B']['tpot_ms'], '.3f')} ms, ratio {_fmt(summary['tpot_ratio'], '.3f')}; "
-                     f"tok/s ratio {_fmt(summary['tok_s_ratio'], '.3f')}"
+                     f"tok/s ratio {_fmt(summary['tok_s_ratio'], '.3f')}; server ITL ratio "
+                     f"{_fmt(summary['server_itl_ratio'], '.3f')}"
                      + (f"  FLAG: {'; '.join(summary['flags'])}" if summary["flags"] else ""))
             write_outputs(result, out, draw=False)
         result["partial"] = bool(result["skipped"])

@@ -218,11 +218,14 @@ def test_whole_run_against_standins(tmp_path: Path, model_dir: Path, monkeypatch
     assert st["max_model_len"] == 128 + 8 + 64 and st["max_num_seqs"] >= 2
     assert result["versions"]["python"] and set(result["commands"]) == {"A", "B"}
     md = (out / "engine.md").read_text()
-    assert "| cell | A TPOT ms | B TPOT ms | ratio | pairs | A tok/s | B tok/s | ratio | flags |" in md
-    for name in names:  # run k of B against run k of A
+    assert ("| cell | A TPOT ms | B TPOT ms | ratio | pairs | A ITL ms | B ITL ms | ITL ratio | pairs | A tok/s "
+            "| B tok/s | ratio | flags |") in md
+    for name in names:  # run k of B against run k of A; the servers' own ITL beside the client's TPOT
         cell = result["cells"][name]
         assert len(cell["tpot_ratio_pairs"]) == 2 and min(cell["tpot_ratio_pairs"]) > 1.5
         assert cell["tpot_ratio_range"] == [min(cell["tpot_ratio_pairs"]), max(cell["tpot_ratio_pairs"])]
+        assert 0.8 < cell["A"]["server_itl_ms"] < 2.0 and 2.5 < cell["B"]["server_itl_ms"] < 4.0, cell
+        assert cell["server_itl_ratio"] > 1.5 and len(cell["server_itl_ratio_pairs"]) == 2
     for name in names:
         assert f"| {name} |" in md
     assert (out / "server-A.log").exists() and (out / "server-B.log").exists()
@@ -245,8 +248,9 @@ def test_slower_optimization_is_flagged(tmp_path: Path, model_dir: Path, monkeyp
     proc = bench(tmp_path, model_dir, "--cells", "2x64", "--decode-tokens", "8", "--repeats", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cell = json.loads((tmp_path / "out" / "engine.json").read_text())["cells"]["2x64"]
-    assert cell["tpot_ratio"] < 0.98 and any(f.startswith("TPOT") for f in cell["flags"])
-    assert "FLAG: TPOT" in proc.stdout
+    assert cell["tpot_ratio"] < 0.98 and cell["server_itl_ratio"] < 0.98
+    assert cell["flags"] and all(f.startswith("server ITL") for f in cell["flags"])  # judged on the server's ITL
+    assert "FLAG: server ITL" in proc.stdout
 
 
 def test_null_run_gives_both_servers_the_optimization(tmp_path: Path, model_dir: Path,
@@ -307,6 +311,16 @@ def _sse_body() -> bytes:
                    "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
                              "prompt_tokens_details": {"cached_tokens": 2}}})
     return b"".join(f"data: {json.dumps(c, ensure_ascii=False)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
+
+
+def test_itl_totals_from_the_real_servers_metrics() -> None:
+    """vLLM 0.28.0's /metrics (one H200, 2026-12-01): the ITL histogram's sum and count, and the mean between."""
+    text = (REPO / "tests" / "regress" / "fixtures" / "real-0.28.0" / "metrics-after.txt").read_text()
+    total, count = engine.itl_totals(text) or (0.0, 0.0)
+    assert count == 2662.0 and abs(total - 51.35154454099978) < 1e-9
+    assert engine.itl_totals("# TYPE x counter\nx_total 1.0\n") is None
+    assert engine.itl_ms_between((1.0, 100.0), (3.0, 300.0)) == 10.0
+    assert engine.itl_ms_between(None, (3.0, 300.0)) is None and engine.itl_ms_between((1.0, 5.0), (1.0, 5.0)) is None
 
 
 def test_stream_survives_unicode_line_separators_in_the_text() -> None:

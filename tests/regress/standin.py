@@ -62,6 +62,7 @@ class State:
         self.drafts = 0.0
         self.draft_tokens = 0.0
         self.accepted = [0.0] * args.spec_tokens
+        self.itls: list[float] = []  # seconds between a streamed request's tokens (vllm:inter_token_latency)
         self.gsm8k: dict[str, str] = {}
         if args.gsm8k:
             for split in ("train", "test"):
@@ -200,6 +201,14 @@ class Handler(BaseHTTPRequestHandler):
                                           "Number of requests in model execution batches.", labels,
                                           registry=registry)
         running.labels("0", st.args.model_name).set(0)
+        itl = prometheus_client.Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency "
+                                          "in seconds.", labels, registry=registry,
+                                          buckets=[0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 5.0])
+        with st.lock:
+            itls = list(st.itls)
+        child = itl.labels("0", st.args.model_name)
+        for value in itls:
+            child.observe(value)
         if st.args.spec_tokens:
             with st.lock:
                 values = [("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", st.drafts),
@@ -317,9 +326,13 @@ class Handler(BaseHTTPRequestHandler):
         include_usage = bool(options.get("include_usage"))
         continuous = include_usage and bool(options.get("continuous_usage_stats"))
         time.sleep(self.state.args.ttft_ms / 1000)
+        last = 0.0
         for i, tok in enumerate(tokens):
             if i:
                 time.sleep(self.state.args.tpot_ms / 1000)
+                with self.state.lock:
+                    self.state.itls.append(time.perf_counter() - last)
+            last = time.perf_counter()
             choice: dict[str, object] = {"index": 0, "text": bytes([tok]).decode("latin-1"),
                                          "finish_reason": "length" if i == len(tokens) - 1 else None}
             if req.get("return_token_ids"):

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from overlay.distdir import umask
+
 
 @contextmanager
 def replacing_dir(dest: Path) -> Iterator[Path]:
@@ -32,12 +34,16 @@ def replacing_dir(dest: Path) -> Iterator[Path]:
 
 def write_file(dest: Path, data: bytes | str) -> None:
     """Write ``data`` to ``dest`` through a temporary sibling and ``os.replace``: readers see the old
-    file or the new one, never a part; on any error the sibling is removed and ``dest`` left as it was."""
+    file or the new one, never a part; on any error the sibling is removed and ``dest`` left as it was.
+
+    The file gets the mode ``open()`` would give it (``0o666 & ~umask``), not mkstemp's 0600: reports
+    and baselines are read by other users (a CI job, a container) too."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data.encode() if isinstance(data, str) else data)
+        os.chmod(tmp, 0o666 & ~umask())
         os.replace(tmp, dest)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -40,18 +40,29 @@ Measured per request: the arrival time of every streamed chunk and how many toke
 - mixed cell: decode throughput of the decode requests as above; total throughput = (those
   tokens + the prompt tokens of the prefills answered inside the window) / the window.
 
-Order: per cell, warm-up A, warm-up B, then ``--repeats`` measured runs per server in ABBA order
-(A B B A A B ...), one server at a time while the other idles. Per cell: median of the runs of each
-server; TPOT ratio = B median / A median, throughput ratio = A median / B median (> 1: the
-optimization is faster). The issue's target: no cell below 0.98 (flagged). The ratios of run k of
-B to run k of A (``tpot_ratio_pairs``, their lowest and highest in the table) show each cell's
-noise; ``--null`` runs both servers with the flag on (A/A), so every ratio is noise. Besides the
+Also per run: the median ITL, the median of the gaps before single-token chunks after each request's
+first, pooled over the requests (one decode step; the prefill of the requests' last tokens and other
+stalls, which move the mean, left out), and the share of chunks that brought one token (below 0.9 the
+client or the server's output path bundled tokens and its gaps are not step times). Besides the
 client's clock, each run reads vLLM's own inter-token latency histogram
-(``vllm:inter_token_latency_seconds``, ``/metrics`` before and after the run): the server's mean
-ITL, free of the client's jitter (one asyncio process parsing every stream); when both servers
-report it, the cell is judged on its ratio. On one H200 at
-TP 1 x DCP 1 (where the flag changes nothing) 3 repeats gave cell ratios 1.011-1.061, so a 0.98
-target needs the null run beside the A/B and more than 3 repeats (default 5).
+(``vllm:inter_token_latency_seconds``, ``/metrics`` before and after the run): the server's mean ITL.
+
+Order: per cell, warm-up A, warm-up B, then measured runs in ABBA order (A B B A A B ...), one server
+at a time while the other idles: at least ``--repeats`` per server, and pairs are added until each
+server's measured runs of the cell took ``--cell-seconds`` (up to ``--max-repeats``): a 0.3 s run at
+batch 1 gets ~30 pairs, a 5 s run at batch 64 the minimum. The stop depends on elapsed time only, not on
+the values. Per cell: median of the runs of each server; ratios > 1 when A (the optimization) is
+faster (B / A for times, A / B for tok/s). Each cell is judged on one metric: decode cells on the median
+ITL when the client kept up in every run, else on server ITL when both servers report it, else TPOT; the
+mixed cell on server ITL (its prefill steps are the point), else TPOT. The judged ratio gets a 95%
+percentile-bootstrap interval over the ABBA pairs (run k of A and run k of B resampled together, so slow
+drift of the machine cancels) and a verdict against the issue's 0.98: ``faster`` (the interval above 1),
+``meets target`` (at or above 0.98), ``below target`` or ``inconclusive`` (it spans 0.98); a point ratio
+below 0.98 is flagged as well. ``--null`` runs both servers with the flag on (A/A), so every ratio is
+noise: run it where the A/B is to be read, since a server can stay slower than its twin for a whole cell
+(one H200, TP 1, 2026-12-01: 1x16384 A/A 1.37, interval 1.11-1.40), which no interval over one pair of
+servers can see. ``--reanalyze engine.json`` recomputes an earlier run's summaries and cells from its raw
+chunk arrivals with these definitions.
 
 Writes ``engine.json`` (settings, versions, every run's raw numbers, per-cell medians and ratios;
 rewritten after every cell, ``partial`` until the end), ``engine.md`` (the table) and ``engine.png``
@@ -95,6 +106,39 @@ FP8_DS_MLA_BYTES = 656  # per token and layer: 512 fp8 latent + 4 x fp32 scales 
 INDEXER_BYTES = 132  # per token and layer: 128 fp8 indexer key + its fp32 scale
 MODEL_LEN_MARGIN = 64
 CACHED_MIN = 0.9  # a measured run whose prompts the prefix cache served less than this is flagged
+KEPT_UP_MIN = 0.9  # below this share of single-token chunks the client's gaps are not step times
+CONFIDENCE = 0.95
+BOOTSTRAP_SAMPLES = 2000
+MIN_PAIRS = 3  # fewer ABBA pairs than this give no interval
+# What a cell's runs can be judged on, best first: summary key -> (label, lower is better).
+METRICS: dict[str, tuple[str, bool]] = {
+    "itl_median_ms": ("median ITL", True),
+    "server_itl_ms": ("server ITL", True),
+    "tpot_ms": ("TPOT", True),
+    "decode_tok_s": ("tok/s", False),
+}
+DEFINITIONS: dict[str, str] = {
+    "tpot": "per request (last token arrival - first token arrival) / (tokens - 1), mean over requests",
+    "decode_tok_s": "tokens arriving in (latest first-token arrival, earliest last-token arrival] "
+                    "over all requests / that window",
+    "total_tok_s": "mixed: (decode tokens in the window + prompt tokens of prefills answered in it) / window",
+    "tpot_ratio": "median TPOT B / median TPOT A (>1: A faster)",
+    "tok_s_ratio": "median decode tok/s A / B (>1: A faster)",
+    "server_itl_ms": "vllm:inter_token_latency_seconds sum / count between /metrics scrapes before and "
+                     "after the run (the server's timestamps; every token after each request's first)",
+    "server_itl_ratio": "median server ITL B / A (>1: A faster)",
+    "itl_median_ms": "median of the gaps before single-token chunks (after each request's first), pooled "
+                     "over the run's decode requests: one decode step, prefill steps and stalls left out",
+    "itl_median_ratio": "median of the runs' median ITL, B / A (>1: A faster)",
+    "single_token_chunks": "share of chunks after each request's first that brought one token",
+    "judged": "decode cells: itl_median_ms when every run's single_token_chunks >= "
+              f"{KEPT_UP_MIN}; else server_itl_ms when both servers report it; else tpot_ms. "
+              "mixed: server_itl_ms, else tpot_ms",
+    "judged_interval": f"{CONFIDENCE:.0%} percentile bootstrap ({BOOTSTRAP_SAMPLES} resamples of the "
+                       "ABBA pairs) of the judged ratio",
+    "verdict": f"faster: interval above 1; meets target: interval at or above {TARGET}; below target: "
+               f"interval below {TARGET}; inconclusive: it spans {TARGET}",
+}
 SERVED_NAME = "tiny-glm5"
 SIDES = {"A": "1", "B": "0"}  # VLLM_DCP_PROJECT_BEFORE_MERGE per server
 TRANSPORTS = ("direct", "a2a", "ag_rs")
@@ -224,7 +268,10 @@ def summarize(requests: list[Request]) -> dict[str, Any]:
     else:
         t0, t1 = min(r.first for r in dec), max(r.last for r in dec)
         window, tokens, how = t1 - t0, sum(r.total - 1 for r in dec), "first-to-last fallback"
+    steady = steady_intervals(dec)
     out |= {
+        "itl_median_ms": 1000.0 * statistics.median(steady) if steady else None,
+        "single_token_chunks": single_token_share(dec),
         "tpot_ms": 1000.0 * statistics.fmean(tpots),
         "tpot_ms_max": 1000.0 * max(tpots),
         "ttft_ms_mean": 1000.0 * statistics.fmean(r.first - r.sent for r in dec),
@@ -241,48 +288,138 @@ def summarize(requests: list[Request]) -> dict[str, Any]:
     return out
 
 
+def steady_intervals(requests: list[Request]) -> list[float]:
+    """The gaps before every chunk that brought one token, after each request's first, pooled over the
+    requests: one decode step each. A gap before a chunk of several tokens spans several steps and
+    is left out."""
+    return [t - prev for r in requests for prev, t, n in zip(r.arrivals, r.arrivals[1:], r.tokens[1:], strict=False)
+            if n == 1]
+
+
+def single_token_share(requests: list[Request]) -> float | None:
+    """Of the chunks after each request's first, the share that brought one token: 1.0 when the client
+    (and the server's output path) kept up with every decode step; low when tokens came bundled, and the
+    client's intervals are then not step times."""
+    later = [n for r in requests for n in r.tokens[1:]]
+    return sum(1 for n in later if n == 1) / len(later) if later else None
+
+
 def median_or_none(values: list[float | None]) -> float | None:
     vals = [v for v in values if v is not None]
     return statistics.median(vals) if vals else None
 
 
-def cell_summary(runs: list[dict[str, Any]], expect_cached: bool = True) -> dict[str, Any]:
-    """Per-server medians of a cell's measured runs and the ratios (> 1: A, the optimization, is faster)."""
+def ratio_of_medians(a: list[float | None], b: list[float | None], lower_is_better: bool) -> float | None:
+    """> 1 when A (the optimization) is faster: median B / median A for times, A / B for rates."""
+    ma, mb = median_or_none(a), median_or_none(b)
+    if not ma or not mb:
+        return None
+    return mb / ma if lower_is_better else ma / mb
+
+
+def ratio_interval(a: list[float | None], b: list[float | None], lower_is_better: bool,
+                   seed: str = "") -> list[float] | None:
+    """A ``CONFIDENCE`` percentile-bootstrap interval of ``ratio_of_medians``: ABBA pairs (run k of A
+    with run k of B, adjacent in time) resampled together, so slow drift of the machine cancels;
+    seeded, so the same runs give the same interval. None below ``MIN_PAIRS`` pairs."""
+    pairs = [(va, vb) for va, vb in zip(a, b, strict=False) if va and vb]
+    if len(pairs) < MIN_PAIRS:
+        return None
+    rng = random.Random(f"bench-engine:interval:{seed}")
+    n = len(pairs)
+    stats = []
+    for _ in range(BOOTSTRAP_SAMPLES):
+        pick = [pairs[rng.randrange(n)] for _ in range(n)]
+        ma, mb = statistics.median(p[0] for p in pick), statistics.median(p[1] for p in pick)
+        stats.append(mb / ma if lower_is_better else ma / mb)
+    stats.sort()
+    tail = (1.0 - CONFIDENCE) / 2
+    return [stats[int(tail * BOOTSTRAP_SAMPLES)], stats[int((1.0 - tail) * BOOTSTRAP_SAMPLES) - 1]]
+
+
+def verdict(ratio: float | None, interval: list[float] | None, target: float = TARGET) -> str:
+    """What the runs say about a cell against ``target``, from the ratio's interval (not its point):
+    ``faster`` (all of it above 1), ``meets target`` (all of it at or above the target), ``below target``
+    (all of it below), ``inconclusive`` (it spans the target: more runs, or a quieter machine)."""
+    if ratio is None:
+        return "no ratio"
+    if interval is None:
+        return f"too few runs (< {MIN_PAIRS} pairs)"
+    lo, hi = interval
+    if lo > 1.0:
+        return "faster"
+    if lo >= target:
+        return "meets target"
+    if hi < target:
+        return "below target"
+    return "inconclusive"
+
+
+def judged_metric(a: dict[str, Any], b: dict[str, Any], runs: list[dict[str, Any]], mixed: bool) -> str:
+    """The metric a cell is judged on. Decode cells: the median gap between single-token chunks (one
+    decode step; the prefill of the requests' last tokens and other stalls left out) when the client
+    kept up in every run; else vLLM's own mean inter-token latency when both servers report it; else
+    TPOT. The mixed cell is about steps that carry prefill too: server ITL (every step), else TPOT."""
+    shares = [r["summary"].get("single_token_chunks") for r in runs if not r.get("warmup")]
+    kept_up = bool(shares) and all(x is not None and x >= KEPT_UP_MIN for x in shares)
+    if not mixed and kept_up and a.get("itl_median_ms") and b.get("itl_median_ms"):
+        return "itl_median_ms"
+    if a.get("server_itl_ms") and b.get("server_itl_ms"):
+        return "server_itl_ms"
+    return "tpot_ms"
+
+
+def cell_summary(runs: list[dict[str, Any]], expect_cached: bool = True, mixed: bool = False,
+                 name: str = "") -> dict[str, Any]:
+    """Per-server medians of a cell's measured runs, the ratios (> 1: A, the optimization, is faster),
+    the judged metric's interval and verdict."""
     out: dict[str, Any] = {}
     for side in SIDES:
         mine = [r["summary"] for r in runs if r["server"] == side and not r.get("warmup")]
         out[side] = {key: median_or_none([s.get(key) for s in mine])
-                     for key in ("tpot_ms", "decode_tok_s", "total_tok_s", "server_itl_ms")}
+                     for key in ("tpot_ms", "decode_tok_s", "total_tok_s", "server_itl_ms", "itl_median_ms")}
         out[side]["runs"] = len(mine)
-        out[side]["tpot_ms_runs"] = [s.get("tpot_ms") for s in mine]
-        out[side]["server_itl_ms_runs"] = [s.get("server_itl_ms") for s in mine]
+        for key in METRICS:
+            out[side][f"{key}_runs"] = [s.get(key) for s in mine]
     a, b = out["A"], out["B"]
-    out["tpot_ratio"] = b["tpot_ms"] / a["tpot_ms"] if a["tpot_ms"] and b["tpot_ms"] else None
-    out["server_itl_ratio"] = (b["server_itl_ms"] / a["server_itl_ms"]
-                               if a["server_itl_ms"] and b["server_itl_ms"] else None)
-    # Run k of A beside run k of B (adjacent in ABBA): the spread of these is the cell's noise.
-    for key, runs_key in (("tpot_ratio", "tpot_ms_runs"), ("server_itl_ratio", "server_itl_ms_runs")):
-        pairs = [vb / va for va, vb in zip(a[runs_key], b[runs_key], strict=False) if va and vb]
-        out[f"{key}_pairs"] = pairs
-        out[f"{key}_range"] = [min(pairs), max(pairs)] if pairs else None
-    out["tok_s_ratio"] = (a["decode_tok_s"] / b["decode_tok_s"]
-                          if a["decode_tok_s"] and b["decode_tok_s"] else None)
+    for key, (_label, lower) in METRICS.items():
+        ratio_key = METRIC_RATIO[key]
+        out[ratio_key] = ratio_of_medians(a[f"{key}_runs"], b[f"{key}_runs"], lower)
+        # Run k of A beside run k of B (adjacent in ABBA): the spread of these is the cell's noise.
+        pairs = [(vb / va if lower else va / vb) for va, vb in zip(a[f"{key}_runs"], b[f"{key}_runs"], strict=False)
+                 if va and vb]
+        out[f"{ratio_key}_pairs"] = pairs
+        out[f"{ratio_key}_range"] = [min(pairs), max(pairs)] if pairs else None
     out["total_tok_s_ratio"] = (a["total_tok_s"] / b["total_tok_s"]
                                 if a["total_tok_s"] and b["total_tok_s"] else None)
     cached = [r["summary"].get("cached_fraction") for r in runs if not r.get("warmup")]
     out["cached_fraction_min"] = min((c for c in cached if c is not None), default=None)
+    shares = [r["summary"].get("single_token_chunks") for r in runs if not r.get("warmup")]
+    out["single_token_chunks_min"] = min((x for x in shares if x is not None), default=None)
+    judged = judged_metric(a, b, runs, mixed)
+    out["judged"] = judged
+    out["judged_ratio"] = out[METRIC_RATIO[judged]]
+    out["judged_interval"] = ratio_interval(a[f"{judged}_runs"], b[f"{judged}_runs"], METRICS[judged][1],
+                                            seed=f"{name}:{judged}")
+    out["verdict"] = verdict(out["judged_ratio"], out["judged_interval"])
     out["flags"] = flags(out, expect_cached=expect_cached)
     return out
 
 
+METRIC_RATIO = {"itl_median_ms": "itl_median_ratio", "server_itl_ms": "server_itl_ratio",
+                "tpot_ms": "tpot_ratio", "decode_tok_s": "tok_s_ratio"}
+
+
 def flags(summary: dict[str, Any], target: float = TARGET, expect_cached: bool = True) -> list[str]:
-    """What falls short: a ratio below ``target``, a ratio that could not be computed, and (prefix caching
-    on) measured runs whose prompts came less than ``CACHED_MIN`` from the prefix cache (prefill in the time)."""
+    """What falls short: the judged ratio (and tok/s beside TPOT) below ``target``, a ratio that could not
+    be computed, measured runs whose prompts came less than ``CACHED_MIN`` from the prefix cache
+    (prefill in the time, prefix caching on), and a client that got tokens bundled."""
     found = []
-    judged = ((("server_itl_ratio", "server ITL"),) if summary.get("server_itl_ratio") is not None
-              else (("tpot_ratio", "TPOT"), ("tok_s_ratio", "tok/s")))
-    for key, label in judged:
-        ratio = summary.get(key)
+    judged = summary.get("judged") or "tpot_ms"
+    keys = [judged] + (["decode_tok_s"] if judged == "tpot_ms" else [])
+    for key in keys:
+        label = METRICS[key][0]
+        ratio = summary.get(METRIC_RATIO[key])
         if ratio is None:
             found.append(f"no {label} ratio")
         elif ratio < target:
@@ -290,6 +427,9 @@ def flags(summary: dict[str, Any], target: float = TARGET, expect_cached: bool =
     cached = summary.get("cached_fraction_min")
     if expect_cached and cached is not None and cached < CACHED_MIN:
         found.append(f"prefix cache served only {cached:.0%} of a run's prompts")
+    share = summary.get("single_token_chunks_min")
+    if share is not None and share < KEPT_UP_MIN:
+        found.append(f"tokens came bundled ({share:.0%} single-token chunks in a run): client gaps are not step times")
     return found
 
 
@@ -449,7 +589,9 @@ class Settings:
     prefix_caching: bool = True
     max_cudagraph_capture_size: int = 64
     decode_tokens: int = 128
-    repeats: int = 5
+    repeats: int = 5  # measured runs per server and cell, at least
+    cell_seconds: float = 10.0  # more ABBA pairs until each server's measured runs took this long ...
+    max_repeats: int = 30  # ... up to this many runs per server
     null: bool = False  # A/A: both servers VLLM_DCP_PROJECT_BEFORE_MERGE=1, the ratios are the method's noise
     seed: int = 0
     mixed_batch: int = 32
@@ -608,8 +750,15 @@ def _fmt(value: float | None, spec: str) -> str:
     return format(value, spec) if value is not None else "-"
 
 
+def _runs_text(s: dict[str, Any]) -> str:
+    if s.get("cell_seconds") is None:  # engine.json of a run before adaptive repeats
+        return f"{s.get('repeats')} runs per server (ABBA)"
+    return (f"{s.get('repeats')}-{max(s.get('repeats') or 0, s.get('max_repeats') or 0)} runs per server (ABBA; "
+            f"pairs added until each server's runs took {s.get('cell_seconds'):g} s)")
+
+
 def table(result: dict[str, Any]) -> str:
-    """``engine.md``: one row per cell."""
+    """``engine.md``: the verdict per cell on its judged metric, then every metric per cell."""
     s = result.get("settings", {})
     what = ("A/A null run, both VLLM_DCP_PROJECT_BEFORE_MERGE=1: the ratios are the method's noise"
             if s.get("null") else "VLLM_DCP_PROJECT_BEFORE_MERGE A=1 vs B=0")
@@ -618,34 +767,51 @@ def table(result: dict[str, Any]) -> str:
              f"TP {s.get('tp')} x DCP {s.get('dcp')}, transport {s.get('transport')}, fp8_ds_mla, "
              f"prefix caching {'on' if s.get('prefix_caching') else 'off'}, CUDA graphs up to "
              f"{s.get('max_cudagraph_capture_size')}, {s.get('decode_tokens')} decode tokens, "
-             f"{s.get('repeats')} runs per server (ABBA), medians; {result.get('gpu') or ''}",
+             f"{_runs_text(s)}, medians; {result.get('gpu') or ''}",
              "",
-             "TPOT ratio = B / A, tok/s ratio = A / B: > 1 means the optimization (A) is faster; "
-             f"flagged below {TARGET}. Server ITL: vLLM's own mean inter-token latency over the run "
-             "(``/metrics`` before and after), judged when both servers report it. Pairs: the ratio of run "
-             "k of B to run k of A (adjacent in ABBA), lowest and highest: the cell's noise.",
+             "Ratios are > 1 when the optimization (A) is faster: B / A for times, A / B for tok/s. Each cell is "
+             "judged on one metric: decode cells on the median ITL (the median gap between single-token "
+             "chunks: one decode step; the prefill of the requests' last tokens and other stalls left out) "
+             "when the client kept up, else on vLLM's own mean inter-token latency (server ITL, ``/metrics`` "
+             "before and after each run), else TPOT; the mixed cell on server ITL (its prefill steps count). "
+             f"Interval: {CONFIDENCE:.0%} bootstrap over the ABBA pairs. Verdict against {TARGET}: faster "
+             f"(interval above 1), meets target (at or above {TARGET}), below target, or inconclusive (the "
+             f"interval spans {TARGET}). Pairs: run k of B against run k of A, lowest and highest.",
              "",
-             "| cell | A TPOT ms | B TPOT ms | ratio | pairs | A ITL ms | B ITL ms | ITL ratio | pairs | A tok/s "
-             "| B tok/s | ratio | flags |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| cell | judged on | A ms | B ms | ratio | interval | pairs | runs | verdict | flags |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
 
-    def span(rng: list[float] | None) -> str:
-        return f"{rng[0]:.3f}-{rng[1]:.3f}" if rng else "-"
+    def span(rng: list[float] | None, sep: str = "-") -> str:
+        return f"{rng[0]:.3f}{sep}{rng[1]:.3f}" if rng else "-"
 
-    for name, c in result.get("cells", {}).items():
+    cells = result.get("cells", {})
+    for name, c in cells.items():
         a, b = c["A"], c["B"]
-        lines.append(f"| {name} | {_fmt(a['tpot_ms'], '.3f')} | {_fmt(b['tpot_ms'], '.3f')} | "
-                     f"{_fmt(c['tpot_ratio'], '.3f')} | {span(c.get('tpot_ratio_range'))} | "
+        key = c.get("judged") or ("server_itl_ms" if c.get("server_itl_ratio") is not None else "tpot_ms")
+        ratio_key = METRIC_RATIO[key]
+        lines.append(f"| {name} | {METRICS[key][0]} | {_fmt(a.get(key), '.3f')} | {_fmt(b.get(key), '.3f')} | "
+                     f"{_fmt(c.get(ratio_key), '.3f')} | {span(c.get('judged_interval'), ' - ')} | "
+                     f"{span(c.get(f'{ratio_key}_range'))} | {a.get('runs')}+{b.get('runs')} | "
+                     f"{c.get('verdict', '-')} | {'; '.join(c['flags']) or 'ok'} |")
+    lines += ["", "Every metric (medians of the runs; ratio > 1: A faster):", "",
+              "| cell | A TPOT ms | B TPOT ms | ratio | A median ITL ms | B median ITL ms | ratio | A server ITL ms "
+              "| B server ITL ms | ratio | A tok/s | B tok/s | ratio |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, c in cells.items():
+        a, b = c["A"], c["B"]
+        lines.append(f"| {name} | {_fmt(a.get('tpot_ms'), '.3f')} | {_fmt(b.get('tpot_ms'), '.3f')} | "
+                     f"{_fmt(c.get('tpot_ratio'), '.3f')} | {_fmt(a.get('itl_median_ms'), '.3f')} | "
+                     f"{_fmt(b.get('itl_median_ms'), '.3f')} | {_fmt(c.get('itl_median_ratio'), '.3f')} | "
                      f"{_fmt(a.get('server_itl_ms'), '.3f')} | {_fmt(b.get('server_itl_ms'), '.3f')} | "
-                     f"{_fmt(c.get('server_itl_ratio'), '.3f')} | {span(c.get('server_itl_ratio_range'))} | "
-                     f"{_fmt(a['decode_tok_s'], '.0f')} | "
-                     f"{_fmt(b['decode_tok_s'], '.0f')} | {_fmt(c['tok_s_ratio'], '.3f')} | "
-                     f"{'; '.join(c['flags']) or 'ok'} |")
-    mixed = result.get("cells", {}).get("mixed")
+                     f"{_fmt(c.get('server_itl_ratio'), '.3f')} | {_fmt(a.get('decode_tok_s'), '.0f')} | "
+                     f"{_fmt(b.get('decode_tok_s'), '.0f')} | {_fmt(c.get('tok_s_ratio'), '.3f')} |")
+    mixed = cells.get("mixed")
     if mixed and mixed.get("total_tok_s_ratio") is not None:
         lines += ["", f"mixed: total throughput (decode + prefill prompt tokens) A "
                       f"{_fmt(mixed['A']['total_tok_s'], '.0f')} tok/s, B {_fmt(mixed['B']['total_tok_s'], '.0f')} "
                       f"tok/s, ratio {mixed['total_tok_s_ratio']:.3f}"]
+    if result.get("reanalyzed"):
+        lines += ["", f"Reanalyzed from the raw runs of {result['reanalyzed']} with today's definitions."]
     if result.get("skipped"):
         lines += ["", f"not run (budget): {', '.join(result['skipped'])}"]
     if result.get("error"):
@@ -654,35 +820,75 @@ def table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], png: Path) -> None:
-    """Ratio per cell (TPOT B/A and tok/s A/B as bars) with the 0.98 target line, to ``png``."""
+    """Each cell's judged ratio with its interval as an error bar, TPOT's ratio beside it, the target
+    line at 0.98, to ``png``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(result.get("cells", {}))
-    tpot = [result["cells"][n]["tpot_ratio"] or 0.0 for n in names]
-    tok = [result["cells"][n]["tok_s_ratio"] or 0.0 for n in names]
+    cells = result.get("cells", {})
+    names = list(cells)
+    judged = [cells[n].get("judged_ratio") or cells[n].get("tpot_ratio") or 0.0 for n in names]
+    intervals = [cells[n].get("judged_interval") for n in names]
+    tpot = [cells[n].get("tpot_ratio") or 0.0 for n in names]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(names) + 2), 4.5))
-    xs = range(len(names))
-    ax.bar([x - 0.2 for x in xs], tpot, width=0.4, label="TPOT ratio (B / A)")
-    ax.bar([x + 0.2 for x in xs], tok, width=0.4, label="decode tok/s ratio (A / B)")
+    xs = list(range(len(names)))
+    err = [[max(0.0, j - iv[0]) if iv else 0.0 for j, iv in zip(judged, intervals, strict=True)],
+           [max(0.0, iv[1] - j) if iv else 0.0 for j, iv in zip(judged, intervals, strict=True)]]
+    ax.bar([x - 0.2 for x in xs], judged, width=0.4, yerr=err, capsize=3,
+           label=f"judged ratio, {CONFIDENCE:.0%} interval")
+    ax.bar([x + 0.2 for x in xs], tpot, width=0.4, alpha=0.5, label="TPOT ratio (client)")
     ax.axhline(TARGET, color="red", linestyle="--", linewidth=1, label=f"target {TARGET}")
     ax.axhline(1.0, color="black", linewidth=0.6)
-    ax.set_xticks(list(xs), names, rotation=30, ha="right")
-    vals = [v for v in tpot + tok if v]
-    lo = min([*vals, TARGET]) - 0.03
-    hi = max([*vals, 1.0]) + 0.03
-    ax.set_ylim(lo, hi)
-    ax.set(ylabel="ratio (> 1: project-before-merge faster)", xlabel="cell (batch x context)")
+    labels = [f"{n}\n{(cells[n].get('verdict') or '')}" for n in names]
+    ax.set_xticks(xs, labels, rotation=30, ha="right", fontsize=8)
+    vals = [v for v in judged + tpot if v] + [iv[k] for iv in intervals if iv for k in (0, 1)]
+    ax.set_ylim(min([*vals, TARGET]) - 0.03, max([*vals, 1.0]) + 0.03)
+    ax.set(ylabel="ratio (> 1: project-before-merge faster)", xlabel="cell (batch x context), verdict")
     s = result.get("settings", {})
-    ax.set_title(f"VLLM_DCP_PROJECT_BEFORE_MERGE 1 vs 0: TP{s.get('tp')} x DCP{s.get('dcp')} "
+    what = "A/A null run" if s.get("null") else "VLLM_DCP_PROJECT_BEFORE_MERGE 1 vs 0"
+    ax.set_title(f"{what}: TP{s.get('tp')} x DCP{s.get('dcp')} "
                  f"{s.get('transport')}{' (partial)' if result.get('partial') else ''}", fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
+
+
+def load_result(path: Path) -> dict[str, Any]:
+    """An ``engine.json``, gzipped or not (the docs keep large ones as ``engine.json.gz``)."""
+    import gzip
+
+    raw = path.read_bytes()
+    result = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+    if not isinstance(result, dict) or "cells" not in result:
+        raise ValueError("no 'cells' in it")
+    return result
+
+
+def reanalyze(result: dict[str, Any], source: str) -> dict[str, Any]:
+    """``result`` (an ``engine.json``) with every run's summary recomputed from its raw chunk arrivals
+    (the server ITL kept as that run read it) and every cell judged again: today's definitions on an
+    earlier run's measurements."""
+    out = dict(result)
+    runs = []
+    for run in result.get("runs", []):
+        reqs = [Request(q["sent"], list(q["arrivals"]), list(q["tokens"]), prompt_tokens=q.get("prompt_tokens", 0),
+                        kind=q.get("kind", "decode"), cached_tokens=q.get("cached_tokens"))
+                for q in run.get("requests", [])]
+        summary = summarize(reqs)
+        summary["server_itl_ms"] = run.get("summary", {}).get("server_itl_ms")
+        runs.append(run | {"summary": summary})
+    st = result.get("settings", {})
+    cells = {}
+    for name, old in result.get("cells", {}).items():
+        mine = [r for r in runs if r["cell"] == name]
+        cells[name] = cell_summary(mine, expect_cached=bool(st.get("prefix_caching", True)), mixed=name == "mixed",
+                                   name=name) | {"seconds": old.get("seconds")}
+    out |= {"runs": runs, "cells": cells, "reanalyzed": source, "definitions": DEFINITIONS}
+    return out
 
 
 def write_outputs(result: dict[str, Any], out: Path, *, draw: bool = True, json_too: bool = True) -> None:
@@ -757,16 +963,22 @@ def run_cell(cell: Cell, servers: dict[str, Server], st: Settings, timeout_s: fl
         records.append({"cell": cell.name, "server": side, "warmup": warmup, "seq": len(records),
                         "repeat": None if warmup else idx, "summary": summary,
                         "requests": [r.to_dict() for r in reqs], "seconds": time.monotonic() - t})
-        progress(f"{cell.name} {'warm-up' if warmup else f'run {idx + 1}/{st.repeats}'} {side}: "
-                 f"TPOT {_fmt(summary.get('tpot_ms'), '.3f')} ms, {_fmt(summary.get('decode_tok_s'), '.0f')} tok/s, "
+        measured[side] += 0.0 if warmup else records[-1]["seconds"]
+        progress(f"{cell.name} {'warm-up' if warmup else f'run {idx + 1}'} {side}: "
+                 f"TPOT {_fmt(summary.get('tpot_ms'), '.3f')} ms, median ITL "
+                 f"{_fmt(summary.get('itl_median_ms'), '.3f')} ms, {_fmt(summary.get('decode_tok_s'), '.0f')} tok/s, "
                  f"server ITL {_fmt(summary.get('server_itl_ms'), '.3f')} ms"
                  + (f", {summary.get('prefills_in_window')} prefills in window" if cell.mixed else ""))
 
+    measured = {side: 0.0 for side in SIDES}
     for side in SIDES:  # one request first: the shared prefix is computed once, then cached
         run_once(servers[side], cell, prompts[:1], 1, timeout_s)
         one(side, warmup=True)
-    for side in abba(st.repeats):
-        one(side, warmup=False)
+    for k in range(max(st.repeats, st.max_repeats)):
+        if k >= st.repeats and min(measured.values()) >= st.cell_seconds:
+            break
+        for side in abba(k + 1)[-2:]:  # pair k: AB when k is even, BA when odd
+            one(side, warmup=False)
     return records
 
 
@@ -800,7 +1012,8 @@ def run(ns: argparse.Namespace) -> int:
         max_num_seqs=ns.max_num_seqs or max(max(c.batch for c in cells), ns.mixed_batch + 16),
         max_num_batched_tokens=ns.max_num_batched_tokens, prefix_caching=not ns.no_prefix_caching,
         max_cudagraph_capture_size=ns.max_cudagraph_capture_size, decode_tokens=ns.decode_tokens,
-        repeats=ns.repeats, null=ns.null, seed=ns.seed, mixed_batch=ns.mixed_batch, mixed_context=ns.mixed_context,
+        repeats=ns.repeats, cell_seconds=ns.cell_seconds, max_repeats=ns.max_repeats, null=ns.null, seed=ns.seed,
+        mixed_batch=ns.mixed_batch, mixed_context=ns.mixed_context,
         mixed_interval=ns.mixed_interval, layers=layers, deep_gemm_standin=not ns.no_deep_gemm_standin,
         extra_args=shlex.split(ns.server_args or ""))
     st.kv_cache_memory_bytes = ns.kv_cache_memory_bytes or kv_cache_bytes(
@@ -808,18 +1021,7 @@ def run(ns: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "format": 1, "partial": True, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "settings": asdict(st), "cells_planned": [c.name for c in cells], "versions": versions(),
-        "definitions": {
-            "tpot": "per request (last token arrival - first token arrival) / (tokens - 1), mean over requests",
-            "decode_tok_s": "tokens arriving in (latest first-token arrival, earliest last-token arrival] "
-                            "over all requests / that window",
-            "total_tok_s": "mixed: (decode tokens in the window + prompt tokens of prefills answered in it) / window",
-            "tpot_ratio": "median TPOT B / median TPOT A (>1: A faster)",
-            "tok_s_ratio": "median decode tok/s A / B (>1: A faster)",
-            "server_itl_ms": "vllm:inter_token_latency_seconds sum / count between /metrics scrapes before and "
-                             "after the run (the server's timestamps; every token after each request's first)",
-            "server_itl_ratio": "median server ITL B / A (>1: A faster); judged instead of TPOT and tok/s when "
-                                "both servers report it",
-        },
+        "definitions": DEFINITIONS,
         "cells": {}, "runs": [], "skipped": [], "target": TARGET,
     }
     gpus = result["versions"].get("gpus") or []
@@ -852,7 +1054,7 @@ def run(ns: argparse.Namespace) -> int:
             records = run_cell(cell, servers, st, ns.request_timeout)
             durations.append(time.monotonic() - t)
             result["runs"] += records
-            summary = cell_summary(records, expect_cached=st.prefix_caching)
+            summary = cell_summary(records, expect_cached=st.prefix_caching, mixed=cell.mixed, name=cell.name)
             summary["seconds"] = durations[-1]
             result["cells"][cell.name] = summary
             progress(f"{cell.name}: TPOT A {_fmt(summary['A']['tpot_ms'], '.3f')} ms, B "
@@ -900,14 +1102,20 @@ def _ports(text: str) -> tuple[int, int]:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m overlay.bench.engine", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench-engine"))
-    ap.add_argument("--plot", type=Path, help="only redraw engine.md and engine.png from this engine.json")
+    ap.add_argument("--plot", type=Path, help="only redraw engine.md and engine.png from this engine.json (or .gz)")
+    ap.add_argument("--reanalyze", type=Path,
+                    help="recompute every run and cell of this engine.json (or .gz) from its raw chunk arrivals "
+                         "with today's definitions; engine.json, .md and .png into --out")
     ap.add_argument("--model", help="checkpoint folder (default: the generated tiny GLM-5, made when missing)")
     ap.add_argument("--batches", type=_ints, default=[1, 8, 64], help="comma-separated (1,8,64)")
     ap.add_argument("--contexts", type=_ints, default=[4096, 16384, 65536], help="comma-separated prompt tokens")
     ap.add_argument("--cells", help="a subset instead, e.g. 1x4096,8x16384,mixed")
     ap.add_argument("--no-mixed", action="store_true", help="without --cells: leave the mixed cell out")
     ap.add_argument("--decode-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=5, help="measured runs per server and cell (ABBA)")
+    ap.add_argument("--repeats", type=int, default=5, help="measured runs per server and cell (ABBA), at least")
+    ap.add_argument("--cell-seconds", type=float, default=10.0,
+                    help="more ABBA pairs until each server's measured runs of the cell took this long (10)")
+    ap.add_argument("--max-repeats", type=int, default=30, help="runs per server and cell, at most (30)")
     ap.add_argument("--null", action="store_true",
                     help="A/A: both servers VLLM_DCP_PROJECT_BEFORE_MERGE=1; the ratios are then the method's "
                          "noise (run it where the A/B is to be read)")
@@ -942,14 +1150,22 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
-    if ns.plot is not None:
+    if ns.plot is not None or ns.reanalyze is not None:
+        source: Path = ns.plot if ns.plot is not None else ns.reanalyze
+        try:
+            result = load_result(source)
+        except (OSError, ValueError) as exc:
+            print(f"bench-engine: {source}: cannot read an engine.json ({exc})", file=sys.stderr)
+            return 2
+        if ns.reanalyze is not None:
+            result = reanalyze(result, source.name)
         ns.out.mkdir(parents=True, exist_ok=True)
-        result = json.loads(ns.plot.read_text())
-        write_outputs(result, ns.out, json_too=ns.plot.resolve() != (ns.out / "engine.json").resolve())
+        write_outputs(result, ns.out, json_too=source.resolve() != (ns.out / "engine.json").resolve())
         print(table(result), flush=True)
         return 0
-    if ns.repeats < 1 or ns.decode_tokens < 2:
-        print("bench-engine: --repeats must be >= 1 and --decode-tokens >= 2", file=sys.stderr)
+    if ns.repeats < 1 or ns.max_repeats < 1 or ns.decode_tokens < 2 or ns.cell_seconds < 0:
+        print("bench-engine: --repeats and --max-repeats must be >= 1, --decode-tokens >= 2, --cell-seconds >= 0",
+              file=sys.stderr)
         return 2
     return run(ns)
 

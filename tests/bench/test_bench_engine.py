@@ -133,6 +133,82 @@ def test_cell_summary_medians_ratios_flags() -> None:
     assert none["tpot_ratio"] is None and "no TPOT ratio" in none["flags"]
 
 
+def test_median_itl_leaves_out_stalls_and_bundled_chunks() -> None:
+    # One decode step every 2 ms, but a 100 ms stall (another request's prefill) and one chunk of
+    # 3 tokens: the mean TPOT moves, the median step does not; the bundled gap is not a step.
+    arrivals = [0.010 + 0.002 * i for i in range(20)]
+    arrivals = arrivals[:5] + [t + 0.100 for t in arrivals[5:]]
+    tokens = [1] * 20
+    tokens[10] = 3
+    arrivals[10] += 0.004  # the 3-token chunk came two steps later
+    arrivals[11:] = [t + 0.004 for t in arrivals[11:]]
+    r = _req(0.0, arrivals, tokens)
+    s = engine.summarize([r])
+    assert s["itl_median_ms"] == pytest.approx(2.0)
+    assert s["tpot_ms"] > 6.0
+    assert s["single_token_chunks"] == pytest.approx(18 / 19)
+    assert engine.steady_intervals([r]) == pytest.approx([0.002] * 4 + [0.102] + [0.002] * 13)
+    bundled = engine.summarize([_req(0.0, [0.1, 0.5, 0.9], [1, 40, 40])])
+    assert bundled["single_token_chunks"] == 0.0 and bundled["itl_median_ms"] is None
+
+
+def test_ratio_interval_and_verdict() -> None:
+    a = [10.0, 10.2, 9.9, 10.1, 10.0, 10.3, 9.8, 10.0]
+    faster = engine.ratio_interval(a, [v * 1.10 for v in a], lower_is_better=True, seed="x")
+    assert faster is not None and 1.0 < faster[0] <= 1.1 <= faster[1] < 1.2
+    assert engine.ratio_interval(a, [v * 1.10 for v in a], lower_is_better=True, seed="x") == faster  # seeded
+    assert engine.verdict(1.1, faster) == "faster"
+    # B's runs move with A's (drift): the pairs keep the interval tight around the true 0.97
+    drift = [10.0 + k for k in range(8)]
+    slow = engine.ratio_interval(drift, [v * 0.97 for v in drift], lower_is_better=True)
+    assert slow is not None and slow[0] == pytest.approx(0.97) and slow[1] == pytest.approx(0.97)
+    assert engine.verdict(0.97, slow) == "below target"
+    assert engine.verdict(0.99, [0.985, 0.995]) == "meets target"
+    noisy = engine.ratio_interval(a, [12.0, 8.0, 11.5, 8.5, 12.5, 8.2, 11.0, 9.0], lower_is_better=True)
+    assert noisy is not None and noisy[0] < 0.98 < noisy[1]
+    assert engine.verdict(1.0, noisy) == "inconclusive"
+    rates = engine.ratio_interval([100.0] * 4, [90.0] * 4, lower_is_better=False)  # tok/s: A / B
+    assert rates == pytest.approx([100 / 90, 100 / 90])
+    assert engine.ratio_interval([1.0, 2.0], [1.0, 2.0], lower_is_better=True) is None
+    assert engine.verdict(1.0, None).startswith("too few runs") and engine.verdict(None, None) == "no ratio"
+
+
+def _srun(side: str, itl: float | None, server: float | None, tpot: float, share: float = 1.0) -> dict[str, object]:
+    return {"server": side, "warmup": False, "summary": {"tpot_ms": tpot, "decode_tok_s": 1000.0 / tpot,
+                                                         "itl_median_ms": itl, "server_itl_ms": server,
+                                                         "single_token_chunks": share}}
+
+
+def test_judged_metric_follows_what_the_runs_can_tell() -> None:
+    kept_up = [_srun(side, 2.0, 2.5, 3.0) for side in "ABBAAB"]
+    assert engine.cell_summary(kept_up)["judged"] == "itl_median_ms"
+    assert engine.cell_summary(kept_up, mixed=True)["judged"] == "server_itl_ms"  # prefill steps count there
+    bundled = [*kept_up[:-1], _srun("B", 300.0, 2.5, 3.0, share=0.2)]
+    summary = engine.cell_summary(bundled)
+    assert summary["judged"] == "server_itl_ms"
+    assert any(f.startswith("tokens came bundled (20% single-token chunks") for f in summary["flags"])
+    no_server = [_srun(side, 2.0, None, 3.0, share=0.5) for side in "ABBA"]
+    assert engine.cell_summary(no_server)["judged"] == "tpot_ms"
+
+
+def test_reanalyze_the_real_null_run() -> None:
+    """The A/A run on one H200 (2026-12-01), judged again from its raw arrivals: at batch 64 the median
+    step is steady where the mean TPOT carried the prefill of the requests' last tokens; the 64 x 16384
+    cell, whose tokens came 15-56 to a chunk, is not judged on the client's gaps."""
+    src = REPO / "docs" / "bench" / "engine-null-1xh200-2026-12-01" / "run2-null-5-repeats" / "engine.json.gz"
+    result = engine.reanalyze(engine.load_result(src), src.name)
+    cells = result["cells"]
+    big = cells["64x4096"]
+    assert big["judged"] == "itl_median_ms" and big["A"]["runs"] == big["B"]["runs"] == 5
+    itl_lo, itl_hi = big["itl_median_ratio_range"]
+    tpot_lo, tpot_hi = big["tpot_ratio_range"]
+    assert itl_hi - itl_lo < tpot_hi - tpot_lo
+    assert 18.5 < big["A"]["itl_median_ms"] < 19.5
+    assert cells["64x16384"]["judged"] == "tpot_ms" and cells["64x16384"]["single_token_chunks_min"] < 0.1
+    assert all(c["verdict"] in ("faster", "meets target", "below target", "inconclusive") for c in cells.values())
+    assert "Reanalyzed from the raw runs of engine.json.gz" in engine.table(result)
+
+
 def test_kv_cache_and_server_args(tmp_path: Path) -> None:
     cells = engine.parse_cells(None, [1, 8, 64], [4096, 16384, 65536], mixed_batch=32, mixed_context=4096)
     tokens = engine.largest_tokens(cells, 128)
@@ -192,7 +268,7 @@ def test_whole_run_against_standins(tmp_path: Path, model_dir: Path, monkeypatch
     # B decodes 3x slower than A: every ratio is well above 1.
     monkeypatch.setenv("BENCH_STANDIN_A", "--mode healthy --ttft-ms 5 --tpot-ms 1")
     monkeypatch.setenv("BENCH_STANDIN_B", "--mode healthy --ttft-ms 5 --tpot-ms 3")
-    proc = bench(tmp_path, model_dir, *SMALL, "--repeats", "2")
+    proc = bench(tmp_path, model_dir, *SMALL, "--repeats", "2", "--cell-seconds", "0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = tmp_path / "out"
     result = json.loads((out / "engine.json").read_text())
@@ -218,14 +294,20 @@ def test_whole_run_against_standins(tmp_path: Path, model_dir: Path, monkeypatch
     assert st["max_model_len"] == 128 + 8 + 64 and st["max_num_seqs"] >= 2
     assert result["versions"]["python"] and set(result["commands"]) == {"A", "B"}
     md = (out / "engine.md").read_text()
-    assert ("| cell | A TPOT ms | B TPOT ms | ratio | pairs | A ITL ms | B ITL ms | ITL ratio | pairs | A tok/s "
-            "| B tok/s | ratio | flags |") in md
+    assert "| cell | judged on | A ms | B ms | ratio | interval | pairs | runs | verdict | flags |" in md
+    assert ("| cell | A TPOT ms | B TPOT ms | ratio | A median ITL ms | B median ITL ms | ratio | A server ITL ms "
+            "| B server ITL ms | ratio | A tok/s | B tok/s | ratio |") in md
     for name in names:  # run k of B against run k of A; the servers' own ITL beside the client's TPOT
         cell = result["cells"][name]
         assert len(cell["tpot_ratio_pairs"]) == 2 and min(cell["tpot_ratio_pairs"]) > 1.5
         assert cell["tpot_ratio_range"] == [min(cell["tpot_ratio_pairs"]), max(cell["tpot_ratio_pairs"])]
         assert 0.8 < cell["A"]["server_itl_ms"] < 2.0 and 2.5 < cell["B"]["server_itl_ms"] < 4.0, cell
         assert cell["server_itl_ratio"] > 1.5 and len(cell["server_itl_ratio_pairs"]) == 2
+        # one chunk per token: decode cells are judged on the step time, the mixed one on the server's ITL
+        assert cell["single_token_chunks_min"] == 1.0
+        assert cell["judged"] == ("server_itl_ms" if name == "mixed" else "itl_median_ms"), cell["judged"]
+        assert cell["judged_ratio"] > 1.5
+        assert cell["judged_interval"] is None and cell["verdict"] == "too few runs (< 3 pairs)"  # 2 pairs
     for name in names:
         assert f"| {name} |" in md
     assert (out / "server-A.log").exists() and (out / "server-B.log").exists()
@@ -245,12 +327,39 @@ def test_whole_run_against_standins(tmp_path: Path, model_dir: Path, monkeypatch
 def test_slower_optimization_is_flagged(tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BENCH_STANDIN_A", "--ttft-ms 5 --tpot-ms 4")
     monkeypatch.setenv("BENCH_STANDIN_B", "--ttft-ms 5 --tpot-ms 1")
-    proc = bench(tmp_path, model_dir, "--cells", "2x64", "--decode-tokens", "8", "--repeats", "1")
+    proc = bench(tmp_path, model_dir, "--cells", "2x64", "--decode-tokens", "8", "--repeats", "3",
+                 "--cell-seconds", "0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cell = json.loads((tmp_path / "out" / "engine.json").read_text())["cells"]["2x64"]
-    assert cell["tpot_ratio"] < 0.98 and cell["server_itl_ratio"] < 0.98
-    assert cell["flags"] and all(f.startswith("server ITL") for f in cell["flags"])  # judged on the server's ITL
-    assert "FLAG: server ITL" in proc.stdout
+    assert cell["tpot_ratio"] < 0.98 and cell["server_itl_ratio"] < 0.98 and cell["itl_median_ratio"] < 0.98
+    assert cell["judged"] == "itl_median_ms"
+    assert cell["flags"] and all(f.startswith("median ITL") for f in cell["flags"])  # judged on the step time
+    assert cell["verdict"] == "below target" and cell["judged_interval"][1] < 0.98
+    assert "FLAG: median ITL" in proc.stdout
+
+
+def test_repeats_follow_the_time_a_cells_runs_take(tmp_path: Path, model_dir: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # Quick runs (~10-30 ms): pairs are added up to --max-repeats; slow runs (8 x 40 ms): --repeats
+    # already exceed --cell-seconds. The ABBA order holds either way.
+    monkeypatch.setenv("BENCH_STANDIN_A", "--ttft-ms 1 --tpot-ms 1")
+    monkeypatch.setenv("BENCH_STANDIN_B", "--ttft-ms 1 --tpot-ms 1")
+    proc = bench(tmp_path, model_dir, "--cells", "1x64", "--decode-tokens", "8", "--repeats", "2",
+                 "--cell-seconds", "5", "--max-repeats", "5")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "out" / "engine.json").read_text())
+    runs = [r["server"] for r in result["runs"] if not r["warmup"]]
+    assert runs == ["A", "B", "B", "A", "A", "B", "B", "A", "A", "B"]
+    assert result["cells"]["1x64"]["verdict"] != "too few runs (< 3 pairs)"
+    assert "2-5 runs per server (ABBA; pairs added until each server's runs took 5 s)" in (
+        tmp_path / "out" / "engine.md").read_text()
+    monkeypatch.setenv("BENCH_STANDIN_A", "--ttft-ms 1 --tpot-ms 40")
+    monkeypatch.setenv("BENCH_STANDIN_B", "--ttft-ms 1 --tpot-ms 40")
+    proc = bench(tmp_path / "slow", model_dir, "--cells", "1x64", "--decode-tokens", "8", "--repeats", "2",
+                 "--cell-seconds", "0.3", "--max-repeats", "5")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "slow" / "out" / "engine.json").read_text())
+    assert [r["server"] for r in result["runs"] if not r["warmup"]] == ["A", "B", "B", "A"]
 
 
 def test_null_run_gives_both_servers_the_optimization(tmp_path: Path, model_dir: Path,
@@ -258,7 +367,8 @@ def test_null_run_gives_both_servers_the_optimization(tmp_path: Path, model_dir:
     # The stand-in picks its speed by the flag: with --null both are the fast A, so the ratio is ~1.
     monkeypatch.setenv("BENCH_STANDIN_A", "--ttft-ms 5 --tpot-ms 2")
     monkeypatch.setenv("BENCH_STANDIN_B", "--ttft-ms 5 --tpot-ms 8")
-    proc = bench(tmp_path, model_dir, "--cells", "2x64", "--decode-tokens", "8", "--repeats", "2", "--null")
+    proc = bench(tmp_path, model_dir, "--cells", "2x64", "--decode-tokens", "8", "--repeats", "2", "--null",
+                 "--cell-seconds", "0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "out" / "engine.json").read_text())
     assert result["settings"]["null"] is True and 0.6 < result["cells"]["2x64"]["tpot_ratio"] < 1.6
@@ -269,7 +379,7 @@ def test_dead_server_stops_with_one_line(tmp_path: Path, model_dir: Path, monkey
     # B dies on the first prompt longer than 100 tokens: the 128-token cells.
     monkeypatch.setenv("BENCH_STANDIN_A", "--ttft-ms 5 --tpot-ms 1")
     monkeypatch.setenv("BENCH_STANDIN_B", "--ttft-ms 5 --tpot-ms 1 --mode dies --capacity 100")
-    proc = bench(tmp_path, model_dir, *SMALL, "--repeats", "1", "--no-mixed")
+    proc = bench(tmp_path, model_dir, *SMALL, "--repeats", "1", "--no-mixed", "--cell-seconds", "0")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("bench-engine:")]
     assert len(errors) == 1, proc.stderr

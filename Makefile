@@ -92,7 +92,7 @@ engine-check: ## GPUs: real vLLM engine, tiny GLM-5 checkpoint, every DCP case v
 	$(PYTHON) -m overlay.engine.check --out $(or $(OUT),engine-check) --tp $(or $(TP),2)$(if $(CASES), --cases $(CASES))$(if $(TIMEOUT), --timeout $(TIMEOUT))$(if $(PARALLEL), --parallel $(PARALLEL))$(if $(VARIANTS), --variants $(VARIANTS))$(if $(VARIANT), --variant $(VARIANT))$(if $(EXPECT), --expect '$(EXPECT)')
 
 .PHONY: bench-engine
-bench-engine: ## GPUs: two vllm serve of the tiny GLM-5 (TP2 x DCP2), VLLM_DCP_PROJECT_BEFORE_MERGE 1 vs 0, TPOT and tok/s per cell, ABBA [OUT=bench-engine BATCHES=1,8,64 CONTEXTS=4096,16384,65536 CELLS= REPEATS=5 CELL_SECONDS=10 DECODE=128 TRANSPORT=direct BUDGET= PLOT=engine.json REANALYZE=engine.json ARGS=]
+bench-engine: ## GPUs: vllm serve of the tiny GLM-5 (TP2 x DCP2), VLLM_DCP_PROJECT_BEFORE_MERGE 1 vs 0 plus a twin of 1 (the null), judged per cell with an interval and verdict [OUT=bench-engine BATCHES=1,8,64 CONTEXTS=4096,16384,65536 CELLS= REPEATS=5 CELL_SECONDS=10 DECODE=128 TRANSPORT=direct BUDGET= PLOT=engine.json REANALYZE=engine.json ARGS=]
 	$(PYTHON) -m overlay.bench.engine --out $(or $(OUT),bench-engine)$(if $(BATCHES), --batches $(BATCHES))$(if $(CONTEXTS), --contexts $(CONTEXTS))$(if $(CELLS), --cells $(CELLS))$(if $(REPEATS), --repeats $(REPEATS))$(if $(CELL_SECONDS), --cell-seconds $(CELL_SECONDS))$(if $(DECODE), --decode-tokens $(DECODE))$(if $(TRANSPORT), --transport $(TRANSPORT))$(if $(BUDGET), --budget $(BUDGET))$(if $(PLOT), --plot $(PLOT))$(if $(REANALYZE), --reanalyze $(REANALYZE)) $(ARGS)
 
 engine-variants: $(TOOL_STAMP) ## the seed-bug variant trees (series minus each fix, stock) for engine-check [OUT=.device/variants]

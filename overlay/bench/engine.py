@@ -47,10 +47,16 @@ client or the server's output path bundled tokens and its gaps are not step time
 client's clock, each run reads vLLM's own inter-token latency histogram
 (``vllm:inter_token_latency_seconds``, ``/metrics`` before and after the run): the server's mean ITL.
 
-Order: per cell, warm-up A, warm-up B, then measured runs in ABBA order (A B B A A B ...), one server
-at a time while the other idles: at least ``--repeats`` per server, and pairs are added until each
+The twin (default; ``--no-twin`` leaves it out): a third server C, identical to A (the flag on too),
+measured in the same rounds. A against C on the judged metric is the null of the same run, at no extra
+start-up: where the twins differ by more than the target allows (interval without 1, ratio beyond 0.98
+or 1 / 0.98) the cell's verdict is ``not readable``.
+
+Order: per cell, warm-up of each server, then measured rounds, one server at a time while the others
+idle: A B, B A, ... (ABBA), or with the twin ABC, BCA, CAB, CBA, BAC, ACB, ... (each server as often
+first, second and last): at least ``--repeats`` per server, and rounds are added until each
 server's measured runs of the cell took ``--cell-seconds`` (up to ``--max-repeats``): a 0.3 s run at
-batch 1 gets ~30 pairs, a 5 s run at batch 64 the minimum. The stop depends on elapsed time only, not on
+batch 1 gets ~30 rounds, a 5 s run at batch 64 the minimum. The stop depends on elapsed time only, not on
 the values. Per cell: median of the runs of each server; ratios > 1 when A (the optimization) is
 faster (B / A for times, A / B for tok/s). Each cell is judged on one metric: decode cells on the median
 ITL when the client kept up in every run, else on server ITL when both servers report it, else TPOT; the
@@ -58,10 +64,10 @@ mixed cell on server ITL (its prefill steps are the point), else TPOT. The judge
 percentile-bootstrap interval over the ABBA pairs (run k of A and run k of B resampled together, so slow
 drift of the machine cancels) and a verdict against the issue's 0.98: ``faster`` (the interval above 1),
 ``meets target`` (at or above 0.98), ``below target`` or ``inconclusive`` (it spans 0.98); a point ratio
-below 0.98 is flagged as well. ``--null`` runs both servers with the flag on (A/A), so every ratio is
-noise: run it where the A/B is to be read, since a server can stay slower than its twin for a whole cell
-(one H200, TP 1, 2026-12-01: 1x16384 A/A 1.37, interval 1.11-1.40), which no interval over one pair of
-servers can see. ``--reanalyze engine.json`` recomputes an earlier run's summaries and cells from its raw
+below 0.98 is flagged as well. A server can stay slower than its identical twin for a whole cell (one
+H200, TP 1, 2026-12-01: 1x16384 A/A 1.37, interval 1.11-1.40), which no interval over one pair of
+servers can see: hence the twin. ``--null`` runs B with the flag on too (A/A/A): every ratio is then
+noise. ``--reanalyze engine.json`` recomputes an earlier run's summaries and cells from its raw
 chunk arrivals with these definitions.
 
 Writes ``engine.json`` (settings, versions, every run's raw numbers, per-cell medians and ratios;
@@ -137,10 +143,19 @@ DEFINITIONS: dict[str, str] = {
     "judged_interval": f"{CONFIDENCE:.0%} percentile bootstrap ({BOOTSTRAP_SAMPLES} resamples of the "
                        "ABBA pairs) of the judged ratio",
     "verdict": f"faster: interval above 1; meets target: interval at or above {TARGET}; below target: "
-               f"interval below {TARGET}; inconclusive: it spans {TARGET}",
+               f"interval below {TARGET}; inconclusive: it spans {TARGET}; not readable: the twins differ",
+    "twin_ratio": "the judged metric, twin C (identical to A: flag on) against A, ratio of medians (> 1: A faster)",
+    "twin_interval": "its bootstrap interval over the rounds (run k of A with run k of C)",
+    "twins_differ": f"twin_interval leaves out 1 and twin_ratio lies outside [{TARGET}, 1 / {TARGET}]",
 }
 SERVED_NAME = "tiny-glm5"
 SIDES = {"A": "1", "B": "0"}  # VLLM_DCP_PROJECT_BEFORE_MERGE per server
+TWIN = "C"  # a third server, A's twin (flag on too): A against C is the run's own null
+FLAGS = {**SIDES, TWIN: "1"}
+# The measured runs' order, a round per pair (two servers) or triple (with the twin): with three, the
+# six orders in turn, so each server is as often first, second and last, and after each of the others.
+ORDERS = {2: (("A", "B"), ("B", "A")),
+          3: (("A", "B", "C"), ("B", "C", "A"), ("C", "A", "B"), ("C", "B", "A"), ("B", "A", "C"), ("A", "C", "B"))}
 TRANSPORTS = ("direct", "a2a", "ag_rs")
 DEFAULT_VLLM = "python3 -m vllm.entrypoints.cli.main"
 
@@ -196,12 +211,16 @@ def parse_cells(spec: str | None, batches: list[int], contexts: list[int], *, mi
     return sorted(cells, key=lambda c: (c.context, c.mixed, c.batch))
 
 
-def abba(repeats: int) -> list[str]:
-    """The measured runs' order: pairs AB, BA, AB, ... (``repeats`` runs per server)."""
-    order: list[str] = []
-    for k in range(repeats):
-        order += ["A", "B"] if k % 2 == 0 else ["B", "A"]
-    return order
+def round_order(k: int, servers: int = 2) -> tuple[str, ...]:
+    """The order of round ``k``'s runs: AB, BA, AB, ... for two servers; ABC, BCA, CAB, CBA, BAC, ACB, ...
+    with the twin."""
+    orders = ORDERS[servers]
+    return orders[k % len(orders)]
+
+
+def abba(repeats: int, servers: int = 2) -> list[str]:
+    """The measured runs' order: ``repeats`` rounds (runs per server) of ``round_order``."""
+    return [side for k in range(repeats) for side in round_order(k, servers)]
 
 
 def cell_prompts(cell: Cell, seed: int) -> list[list[int]]:
@@ -355,6 +374,16 @@ def verdict(ratio: float | None, interval: list[float] | None, target: float = T
     return "inconclusive"
 
 
+def twins_differ(ratio: float | None, interval: list[float] | None, target: float = TARGET) -> bool:
+    """Whether A and its identical twin C differ by more than the target allows: the interval leaves out
+    1 and the ratio itself is beyond the target's margin either way (below ``target`` or above
+    ``1 / target``). A tiny but certain difference (1.003, interval 1.001 - 1.005) keeps the cell readable."""
+    if ratio is None or interval is None:
+        return False
+    certain = interval[0] > 1.0 or interval[1] < 1.0
+    return certain and not target <= ratio <= 1.0 / target
+
+
 def judged_metric(a: dict[str, Any], b: dict[str, Any], runs: list[dict[str, Any]], mixed: bool) -> str:
     """The metric a cell is judged on. Decode cells: the median gap between single-token chunks (one
     decode step; the prefill of the requests' last tokens and other stalls left out) when the client
@@ -372,9 +401,12 @@ def judged_metric(a: dict[str, Any], b: dict[str, Any], runs: list[dict[str, Any
 def cell_summary(runs: list[dict[str, Any]], expect_cached: bool = True, mixed: bool = False,
                  name: str = "") -> dict[str, Any]:
     """Per-server medians of a cell's measured runs, the ratios (> 1: A, the optimization, is faster),
-    the judged metric's interval and verdict."""
+    the judged metric's interval and verdict; with the twin's runs, A against its twin C on the judged
+    metric (``twin_ratio``, ``twin_interval``) and a verdict of ``not readable`` when they differ
+    (``twins_differ``): then the A/B of this cell says nothing at the target's precision."""
     out: dict[str, Any] = {}
-    for side in SIDES:
+    sides = [*SIDES, *([TWIN] if any(r["server"] == TWIN for r in runs) else [])]
+    for side in sides:
         mine = [r["summary"] for r in runs if r["server"] == side and not r.get("warmup")]
         out[side] = {key: median_or_none([s.get(key) for s in mine])
                      for key in ("tpot_ms", "decode_tok_s", "total_tok_s", "server_itl_ms", "itl_median_ms")}
@@ -402,6 +434,15 @@ def cell_summary(runs: list[dict[str, Any]], expect_cached: bool = True, mixed: 
     out["judged_interval"] = ratio_interval(a[f"{judged}_runs"], b[f"{judged}_runs"], METRICS[judged][1],
                                             seed=f"{name}:{judged}")
     out["verdict"] = verdict(out["judged_ratio"], out["judged_interval"])
+    if TWIN in out:
+        lower = METRICS[judged][1]
+        c = out[TWIN]
+        out["twin_ratio"] = ratio_of_medians(a[f"{judged}_runs"], c[f"{judged}_runs"], lower)
+        out["twin_interval"] = ratio_interval(a[f"{judged}_runs"], c[f"{judged}_runs"], lower,
+                                              seed=f"{name}:{judged}:twin")
+        out["twins_differ"] = twins_differ(out["twin_ratio"], out["twin_interval"])
+        if out["twins_differ"]:
+            out["verdict"] = f"not readable (twins differ; A/B {out['verdict']})"
     out["flags"] = flags(out, expect_cached=expect_cached)
     return out
 
@@ -427,6 +468,9 @@ def flags(summary: dict[str, Any], target: float = TARGET, expect_cached: bool =
     cached = summary.get("cached_fraction_min")
     if expect_cached and cached is not None and cached < CACHED_MIN:
         found.append(f"prefix cache served only {cached:.0%} of a run's prompts")
+    if summary.get("twins_differ"):
+        lo, hi = summary["twin_interval"]
+        found.append(f"A and its twin C differ ({summary['twin_ratio']:.3f}, interval {lo:.3f} - {hi:.3f})")
     share = summary.get("single_token_chunks_min")
     if share is not None and share < KEPT_UP_MIN:
         found.append(f"tokens came bundled ({share:.0%} single-token chunks in a run): client gaps are not step times")
@@ -593,6 +637,7 @@ class Settings:
     cell_seconds: float = 10.0  # more ABBA pairs until each server's measured runs took this long ...
     max_repeats: int = 30  # ... up to this many runs per server
     null: bool = False  # A/A: both servers VLLM_DCP_PROJECT_BEFORE_MERGE=1, the ratios are the method's noise
+    twin: bool = True  # a third server C with A's flag: A against C is the null of the same run
     seed: int = 0
     mixed_batch: int = 32
     mixed_context: int = 4096
@@ -617,19 +662,23 @@ class Settings:
             args += ["--hf-overrides", json.dumps({"max_position_embeddings": self.max_model_len})]
         return args + list(self.extra_args)
 
+    def sides(self) -> list[str]:
+        """The servers of the run: A and B, and A's twin C with ``twin``."""
+        return [*SIDES, *([TWIN] if self.twin else [])]
+
     def env(self, side: str, out: Path) -> dict[str, str]:
-        """The environment of server ``side`` (A or B): only VLLM_DCP_PROJECT_BEFORE_MERGE differs,
-        besides its own port range and compile cache."""
+        """The environment of server ``side`` (A, B or the twin C): only VLLM_DCP_PROJECT_BEFORE_MERGE
+        differs, besides its own port range and compile cache."""
         env = dict(os.environ)
         env.update(SAFE_ENV)
         env["VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"] = "0"
-        env["VLLM_DCP_PROJECT_BEFORE_MERGE"] = SIDES["A"] if self.null else SIDES[side]
+        env["VLLM_DCP_PROJECT_BEFORE_MERGE"] = FLAGS["A"] if self.null else FLAGS[side]
         if self.transport in ("direct", "a2a"):
             env["VLLM_USE_DIRECT_DCP_A2A"] = "1" if self.transport == "direct" else "0"
         paths = ([str(STANDIN)] if self.deep_gemm_standin else []) + [str(REPO)]
         env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
         env.setdefault("PYTHONUNBUFFERED", "1")
-        slot = list(SIDES).index(side)
+        slot = list(FLAGS).index(side)
         env["VLLM_PORT"] = str(PORT_BASE + slot * PORT_STRIDE)
         env["VLLM_CACHE_ROOT"] = str(out.parent / f"{out.name}-cache" / f"server-{side}")
         return env
@@ -697,7 +746,7 @@ def _death(server: Server) -> str | None:
     rc = server.exited()
     how = f"exited with status {rc}" if rc is not None else "stopped answering /health"
     log = server.log_path.read_text(encoding="utf-8", errors="replace") if server.log_path else ""
-    return (f"server {side} (VLLM_DCP_PROJECT_BEFORE_MERGE={SIDES.get(side, '?')}) {how}; "
+    return (f"server {side} (VLLM_DCP_PROJECT_BEFORE_MERGE={FLAGS.get(side, '?')}) {how}; "
             f"{server.log_path}: {error_line(log)}")
 
 
@@ -776,10 +825,14 @@ def table(result: dict[str, Any]) -> str:
              "before and after each run), else TPOT; the mixed cell on server ITL (its prefill steps count). "
              f"Interval: {CONFIDENCE:.0%} bootstrap over the ABBA pairs. Verdict against {TARGET}: faster "
              f"(interval above 1), meets target (at or above {TARGET}), below target, or inconclusive (the "
-             f"interval spans {TARGET}). Pairs: run k of B against run k of A, lowest and highest.",
+             f"interval spans {TARGET}). Pairs: run k of B against run k of A, lowest and highest. Twin: "
+             "A against C, a third server identical to A (the flag on too), on the judged metric: the null "
+             f"of the same run; where its interval leaves out 1 and it lies beyond {TARGET} or 1 / {TARGET}, "
+             "identical servers differed more than the target allows and the cell is not readable.",
              "",
-             "| cell | judged on | A ms | B ms | ratio | interval | pairs | runs | verdict | flags |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+             "| cell | judged on | A ms | B ms | ratio | interval | pairs | twin (C / A) | twin interval | runs "
+             "| verdict | flags |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
 
     def span(rng: list[float] | None, sep: str = "-") -> str:
         return f"{rng[0]:.3f}{sep}{rng[1]:.3f}" if rng else "-"
@@ -791,7 +844,9 @@ def table(result: dict[str, Any]) -> str:
         ratio_key = METRIC_RATIO[key]
         lines.append(f"| {name} | {METRICS[key][0]} | {_fmt(a.get(key), '.3f')} | {_fmt(b.get(key), '.3f')} | "
                      f"{_fmt(c.get(ratio_key), '.3f')} | {span(c.get('judged_interval'), ' - ')} | "
-                     f"{span(c.get(f'{ratio_key}_range'))} | {a.get('runs')}+{b.get('runs')} | "
+                     f"{span(c.get(f'{ratio_key}_range'))} | {_fmt(c.get('twin_ratio'), '.3f')} | "
+                     f"{span(c.get('twin_interval'), ' - ')} | "
+                     f"{'+'.join(str(c[x]['runs']) for x in FLAGS if x in c)} | "
                      f"{c.get('verdict', '-')} | {'; '.join(c['flags']) or 'ok'} |")
     lines += ["", "Every metric (medians of the runs; ratio > 1: A faster):", "",
               "| cell | A TPOT ms | B TPOT ms | ratio | A median ITL ms | B median ITL ms | ratio | A server ITL ms "
@@ -839,11 +894,19 @@ def plot(result: dict[str, Any], png: Path) -> None:
     ax.bar([x - 0.2 for x in xs], judged, width=0.4, yerr=err, capsize=3,
            label=f"judged ratio, {CONFIDENCE:.0%} interval")
     ax.bar([x + 0.2 for x in xs], tpot, width=0.4, alpha=0.5, label="TPOT ratio (client)")
+    twins = [(x, cells[n]["twin_ratio"], cells[n].get("twin_interval")) for x, n in zip(xs, names, strict=True)
+             if cells[n].get("twin_ratio")]
+    if twins:
+        ax.errorbar([x - 0.2 for x, _, _ in twins], [t for _, t, _ in twins],
+                    yerr=[[max(0.0, t - iv[0]) if iv else 0.0 for _, t, iv in twins],
+                          [max(0.0, iv[1] - t) if iv else 0.0 for _, t, iv in twins]],
+                    fmt="D", color="grey", capsize=3, label="twin C / A (null), interval")
     ax.axhline(TARGET, color="red", linestyle="--", linewidth=1, label=f"target {TARGET}")
     ax.axhline(1.0, color="black", linewidth=0.6)
     labels = [f"{n}\n{(cells[n].get('verdict') or '')}" for n in names]
     ax.set_xticks(xs, labels, rotation=30, ha="right", fontsize=8)
     vals = [v for v in judged + tpot if v] + [iv[k] for iv in intervals if iv for k in (0, 1)]
+    vals += [iv[k] for n in names if (iv := cells[n].get("twin_interval")) for k in (0, 1)]
     ax.set_ylim(min([*vals, TARGET]) - 0.03, max([*vals, 1.0]) + 0.03)
     ax.set(ylabel="ratio (> 1: project-before-merge faster)", xlabel="cell (batch x context), verdict")
     s = result.get("settings", {})
@@ -940,10 +1003,11 @@ def _model_config(model: Path, generate: bool) -> dict[str, Any]:
 
 
 def run_cell(cell: Cell, servers: dict[str, Server], st: Settings, timeout_s: float) -> list[dict[str, Any]]:
-    """Warm-ups then the ABBA runs of one cell; every run's record."""
+    """Warm-ups then the measured rounds of one cell (``round_order``); every run's record."""
     prompts = cell_prompts(cell, st.seed)
     records: list[dict[str, Any]] = []
-    count = {side: 0 for side in SIDES}
+    sides = [side for side in st.sides() if side in servers]
+    count = {side: 0 for side in sides}
 
     def one(side: str, warmup: bool) -> None:
         server = servers[side]
@@ -970,14 +1034,14 @@ def run_cell(cell: Cell, servers: dict[str, Server], st: Settings, timeout_s: fl
                  f"server ITL {_fmt(summary.get('server_itl_ms'), '.3f')} ms"
                  + (f", {summary.get('prefills_in_window')} prefills in window" if cell.mixed else ""))
 
-    measured = {side: 0.0 for side in SIDES}
-    for side in SIDES:  # one request first: the shared prefix is computed once, then cached
+    measured = {side: 0.0 for side in sides}
+    for side in sides:  # one request first: the shared prefix is computed once, then cached
         run_once(servers[side], cell, prompts[:1], 1, timeout_s)
         one(side, warmup=True)
     for k in range(max(st.repeats, st.max_repeats)):
         if k >= st.repeats and min(measured.values()) >= st.cell_seconds:
             break
-        for side in abba(k + 1)[-2:]:  # pair k: AB when k is even, BA when odd
+        for side in round_order(k, len(sides)):
             one(side, warmup=False)
     return records
 
@@ -1012,8 +1076,8 @@ def run(ns: argparse.Namespace) -> int:
         max_num_seqs=ns.max_num_seqs or max(max(c.batch for c in cells), ns.mixed_batch + 16),
         max_num_batched_tokens=ns.max_num_batched_tokens, prefix_caching=not ns.no_prefix_caching,
         max_cudagraph_capture_size=ns.max_cudagraph_capture_size, decode_tokens=ns.decode_tokens,
-        repeats=ns.repeats, cell_seconds=ns.cell_seconds, max_repeats=ns.max_repeats, null=ns.null, seed=ns.seed,
-        mixed_batch=ns.mixed_batch, mixed_context=ns.mixed_context,
+        repeats=ns.repeats, cell_seconds=ns.cell_seconds, max_repeats=ns.max_repeats, null=ns.null,
+        twin=not ns.no_twin, seed=ns.seed, mixed_batch=ns.mixed_batch, mixed_context=ns.mixed_context,
         mixed_interval=ns.mixed_interval, layers=layers, deep_gemm_standin=not ns.no_deep_gemm_standin,
         extra_args=shlex.split(ns.server_args or ""))
     st.kv_cache_memory_bytes = ns.kv_cache_memory_bytes or kv_cache_bytes(
@@ -1026,17 +1090,17 @@ def run(ns: argparse.Namespace) -> int:
     }
     gpus = result["versions"].get("gpus") or []
     result["gpu"] = f"{len(gpus)}x {gpus[0].split(',')[0]}" if gpus else ""
-    ports = {"A": ns.ports[0], "B": ns.ports[1]}
+    ports = dict(zip(FLAGS, [*ns.ports, max(ns.ports) + 1][:3], strict=True))
     servers: dict[str, Server] = {}
-    signal.signal(signal.SIGTERM, _interrupt)  # `timeout`, a job scheduler: write what was measured, stop both
+    signal.signal(signal.SIGTERM, _interrupt)  # `timeout`, a job scheduler: write what was measured, stop all
     rc = 0
     try:
-        for side in SIDES:
+        for side in st.sides():
             cmd = command(ns.server_cmd, ns.vllm, st, ports[side], side)
             result.setdefault("commands", {})[side] = shlex.join(cmd)
             servers[side] = launch(side, cmd, st.env(side, out), out / f"server-{side}.log", ports[side])
-        progress(f"started servers A (pid {servers['A'].proc.pid}) and B (pid {servers['B'].proc.pid}); "
-                 f"logs {out}/server-A.log, server-B.log; KV cache {st.kv_cache_memory_bytes / 2**30:.2f} GiB, "
+        progress(f"started servers {', '.join(f'{k} (pid {v.proc.pid})' for k, v in servers.items())}; logs "
+                 f"{out}/server-<A|B|C>.log; KV cache {st.kv_cache_memory_bytes / 2**30:.2f} GiB, "
                  f"max-model-len {st.max_model_len}, {len(cells)} cell(s)")
         wait_ready(list(servers.values()), ns.ready_timeout)
         result["ready_s"] = time.monotonic() - t_start
@@ -1060,7 +1124,9 @@ def run(ns: argparse.Namespace) -> int:
             progress(f"{cell.name}: TPOT A {_fmt(summary['A']['tpot_ms'], '.3f')} ms, B "
                      f"{_fmt(summary['B']['tpot_ms'], '.3f')} ms, ratio {_fmt(summary['tpot_ratio'], '.3f')}; "
                      f"tok/s ratio {_fmt(summary['tok_s_ratio'], '.3f')}; server ITL ratio "
-                     f"{_fmt(summary['server_itl_ratio'], '.3f')}"
+                     f"{_fmt(summary['server_itl_ratio'], '.3f')}; judged {summary['judged']} "
+                     f"{_fmt(summary['judged_ratio'], '.3f')}, twin {_fmt(summary.get('twin_ratio'), '.3f')}: "
+                     f"{summary['verdict']}"
                      + (f"  FLAG: {'; '.join(summary['flags'])}" if summary["flags"] else ""))
             write_outputs(result, out, draw=False)
         result["partial"] = bool(result["skipped"])
@@ -1092,11 +1158,11 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def _ports(text: str) -> tuple[int, int]:
+def _ports(text: str) -> tuple[int, ...]:
     values = _ints(text)
-    if len(values) != 2 or values[0] == values[1]:
-        raise argparse.ArgumentTypeError("want two ports, A,B")
-    return values[0], values[1]
+    if len(values) not in (2, 3) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError("want two or three different ports, A,B[,C] (C: the twin; default B + 1)")
+    return tuple(values)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -1119,6 +1185,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--null", action="store_true",
                     help="A/A: both servers VLLM_DCP_PROJECT_BEFORE_MERGE=1; the ratios are then the method's "
                          "noise (run it where the A/B is to be read)")
+    ap.add_argument("--no-twin", action="store_true",
+                    help="two servers only: no twin C of A (flag on too), so no null of the same run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mixed-batch", type=int, default=32)
     ap.add_argument("--mixed-context", type=int, default=4096)
@@ -1141,7 +1209,8 @@ def parser() -> argparse.ArgumentParser:
                     help=f"the vLLM command line ({DEFAULT_VLLM!r}; env OVERLAY_VLLM)")
     ap.add_argument("--server-cmd", help="a whole server command instead of vllm serve (tests): "
                                          "{port} {model} {name} {side} {args} are filled in")
-    ap.add_argument("--ports", type=_ports, default=(8100, 8101), help="HTTP ports of A,B (8100,8101)")
+    ap.add_argument("--ports", type=_ports, default=(8100, 8101, 8102),
+                    help="HTTP ports of A,B[,C] (8100,8101,8102)")
     ap.add_argument("--ready-timeout", type=float, default=900.0)
     ap.add_argument("--request-timeout", type=float, default=1800.0)
     ap.add_argument("--budget", type=float, default=0.0, help="seconds: start no cell that would end later")

@@ -42,6 +42,16 @@ def test_abba_order() -> None:
         assert order.count("A") == order.count("B") == n
 
 
+def test_rounds_with_the_twin_are_balanced() -> None:
+    rounds = [engine.round_order(k, 3) for k in range(6)]
+    assert len(set(rounds)) == 6  # the six orders in turn
+    for pos in range(3):
+        assert sorted(r[pos] for r in rounds) == ["A", "A", "B", "B", "C", "C"]  # each as often first .. last
+    order = engine.abba(4, servers=3)
+    assert order[:6] == ["A", "B", "C", "B", "C", "A"] and all(order.count(x) == 4 for x in "ABC")
+    assert engine.abba(3) == engine.abba(3, servers=2)
+
+
 def test_parse_cells() -> None:
     cells = engine.parse_cells(None, [1, 8, 64], [4096, 16384, 65536], mixed_batch=32, mixed_context=4096)
     assert [c.name for c in cells] == ["1x4096", "8x4096", "64x4096", "mixed", "1x16384", "8x16384", "64x16384",
@@ -173,6 +183,17 @@ def test_ratio_interval_and_verdict() -> None:
     assert engine.verdict(1.0, None).startswith("too few runs") and engine.verdict(None, None) == "no ratio"
 
 
+@pytest.mark.parametrize(("ratio", "interval", "differ"), [
+    pytest.param(1.37, [1.11, 1.40], True, id="the-null-runs-1x16384"),
+    pytest.param(0.97, [0.96, 0.975], True, id="twin-faster-beyond-the-margin"),
+    pytest.param(1.003, [1.001, 1.005], False, id="certain-but-tiny"),
+    pytest.param(1.05, [0.90, 1.20], False, id="noisy-not-certain"),
+    pytest.param(None, None, False, id="no-twin"),
+])
+def test_twins_differ(ratio: float | None, interval: list[float] | None, differ: bool) -> None:
+    assert engine.twins_differ(ratio, interval) is differ
+
+
 def _srun(side: str, itl: float | None, server: float | None, tpot: float, share: float = 1.0) -> dict[str, object]:
     return {"server": side, "warmup": False, "summary": {"tpot_ms": tpot, "decode_tok_s": 1000.0 / tpot,
                                                          "itl_median_ms": itl, "server_itl_ms": server,
@@ -189,6 +210,21 @@ def test_judged_metric_follows_what_the_runs_can_tell() -> None:
     assert any(f.startswith("tokens came bundled (20% single-token chunks") for f in summary["flags"])
     no_server = [_srun(side, 2.0, None, 3.0, share=0.5) for side in "ABBA"]
     assert engine.cell_summary(no_server)["judged"] == "tpot_ms"
+
+
+def test_a_twin_that_differs_makes_the_cell_not_readable() -> None:
+    runs = []
+    for k in range(6):
+        runs += [_srun("A", 2.0 + 0.01 * k, None, 3.0), _srun("B", 2.2 + 0.01 * k, None, 3.0),
+                 _srun("C", 2.6 + 0.01 * k, None, 3.0)]
+    summary = engine.cell_summary(runs)
+    assert summary["judged"] == "itl_median_ms" and summary["C"]["runs"] == 6
+    assert summary["twin_ratio"] == pytest.approx(2.625 / 2.025) and summary["twins_differ"] is True
+    assert summary["verdict"] == "not readable (twins differ; A/B faster)"
+    assert any(f.startswith("A and its twin C differ (1.296") for f in summary["flags"])
+    quiet = engine.cell_summary([r for r in runs if r["server"] != "C"] +
+                                [_srun("C", 2.0 + 0.01 * k, None, 3.0) for k in range(6)])
+    assert quiet["twin_ratio"] == pytest.approx(1.0) and quiet["verdict"] == "faster"
 
 
 def test_reanalyze_the_real_null_run() -> None:
@@ -253,10 +289,10 @@ def model_dir(tmp_path: Path) -> Path:
 
 
 def bench(tmp_path: Path, model: Path, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    a, b = free_ports()
+    a, b, c = free_ports(3)
     cmd = [sys.executable, "-m", "overlay.bench.engine", "--out", str(tmp_path / "out"), "--model", str(model),
-           "--server-cmd", f"{sys.executable} {SIDE} --port {{port}} --model-name {{name}}",
-           "--ports", f"{a},{b}", "--ready-timeout", "30", "--request-timeout", "30", *extra]
+           "--server-cmd", f"{sys.executable} {SIDE} --port {{port}} --model-name {{name}} --side {{side}}",
+           "--ports", f"{a},{b},{c}", "--ready-timeout", "30", "--request-timeout", "30", *extra]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
@@ -277,11 +313,13 @@ def test_whole_run_against_standins(tmp_path: Path, model_dir: Path, monkeypatch
     for name in names:
         cell = result["cells"][name]
         assert cell["tpot_ratio"] > 1.5 and cell["tok_s_ratio"] > 1.5, (name, cell)
-        assert cell["flags"] == [] and cell["A"]["runs"] == cell["B"]["runs"] == 2
+        assert cell["flags"] == [] and cell["A"]["runs"] == cell["B"]["runs"] == cell["C"]["runs"] == 2
         runs = [r for r in result["runs"] if r["cell"] == name]
-        assert [(r["server"], r["warmup"]) for r in runs] == [
-            ("A", True), ("B", True), ("A", False), ("B", False), ("B", False), ("A", False)]
-        assert [r["seq"] for r in runs] == list(range(6))
+        assert [(r["server"], r["warmup"]) for r in runs] == [  # warm-ups, then rounds ABC, BCA
+            ("A", True), ("B", True), ("C", True), ("A", False), ("B", False), ("C", False), ("B", False),
+            ("C", False), ("A", False)]
+        assert [r["seq"] for r in runs] == list(range(9))
+        assert 0.7 < cell["twin_ratio"] < 1.4 and cell["twins_differ"] is False  # C is A's twin
         batch = 2 if name == "mixed" else int(name.split("x")[0])
         for r in runs:
             decodes = [q for q in r["requests"] if q["kind"] == "decode"]
@@ -290,11 +328,12 @@ def test_whole_run_against_standins(tmp_path: Path, model_dir: Path, monkeypatch
     mixed_runs = [r for r in result["runs"] if r["cell"] == "mixed"]
     assert all(r["summary"]["prefills_sent"] >= 1 for r in mixed_runs)
     st = result["settings"]
-    assert st["decode_tokens"] == 8 and st["repeats"] == 2 and st["layers"] == 3
+    assert st["decode_tokens"] == 8 and st["repeats"] == 2 and st["layers"] == 3 and st["twin"] is True
     assert st["max_model_len"] == 128 + 8 + 64 and st["max_num_seqs"] >= 2
-    assert result["versions"]["python"] and set(result["commands"]) == {"A", "B"}
+    assert result["versions"]["python"] and set(result["commands"]) == {"A", "B", "C"}
     md = (out / "engine.md").read_text()
-    assert "| cell | judged on | A ms | B ms | ratio | interval | pairs | runs | verdict | flags |" in md
+    assert ("| cell | judged on | A ms | B ms | ratio | interval | pairs | twin (C / A) | twin interval | runs "
+            "| verdict | flags |") in md
     assert ("| cell | A TPOT ms | B TPOT ms | ratio | A median ITL ms | B median ITL ms | ratio | A server ITL ms "
             "| B server ITL ms | ratio | A tok/s | B tok/s | ratio |") in md
     for name in names:  # run k of B against run k of A; the servers' own ITL beside the client's TPOT
@@ -310,7 +349,7 @@ def test_whole_run_against_standins(tmp_path: Path, model_dir: Path, monkeypatch
         assert cell["judged_interval"] is None and cell["verdict"] == "too few runs (< 3 pairs)"  # 2 pairs
     for name in names:
         assert f"| {name} |" in md
-    assert (out / "server-A.log").exists() and (out / "server-B.log").exists()
+    assert all((out / f"server-{side}.log").exists() for side in "ABC")
     assert "[bench-engine] cell 1x64 (1/5)" in proc.stdout
     try:
         import matplotlib  # noqa: F401
@@ -324,13 +363,18 @@ def test_whole_run_against_standins(tmp_path: Path, model_dir: Path, monkeypatch
     assert (redraw / "engine.md").read_text() == md and (redraw / "engine.png").exists()
 
 
-def test_slower_optimization_is_flagged(tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BENCH_STANDIN_A", "--ttft-ms 5 --tpot-ms 4")
-    monkeypatch.setenv("BENCH_STANDIN_B", "--ttft-ms 5 --tpot-ms 1")
+def one_cell(tmp_path: Path, model_dir: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, object]]:
+    """A run of the 2x64 cell, 3 rounds: the process and the cell's summary."""
     proc = bench(tmp_path, model_dir, "--cells", "2x64", "--decode-tokens", "8", "--repeats", "3",
                  "--cell-seconds", "0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    cell = json.loads((tmp_path / "out" / "engine.json").read_text())["cells"]["2x64"]
+    return proc, json.loads((tmp_path / "out" / "engine.json").read_text())["cells"]["2x64"]
+
+
+def test_slower_optimization_is_flagged(tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BENCH_STANDIN_A", "--ttft-ms 5 --tpot-ms 4")
+    monkeypatch.setenv("BENCH_STANDIN_B", "--ttft-ms 5 --tpot-ms 1")
+    proc, cell = one_cell(tmp_path, model_dir)
     assert cell["tpot_ratio"] < 0.98 and cell["server_itl_ratio"] < 0.98 and cell["itl_median_ratio"] < 0.98
     assert cell["judged"] == "itl_median_ms"
     assert cell["flags"] and all(f.startswith("median ITL") for f in cell["flags"])  # judged on the step time
@@ -345,7 +389,7 @@ def test_repeats_follow_the_time_a_cells_runs_take(tmp_path: Path, model_dir: Pa
     monkeypatch.setenv("BENCH_STANDIN_A", "--ttft-ms 1 --tpot-ms 1")
     monkeypatch.setenv("BENCH_STANDIN_B", "--ttft-ms 1 --tpot-ms 1")
     proc = bench(tmp_path, model_dir, "--cells", "1x64", "--decode-tokens", "8", "--repeats", "2",
-                 "--cell-seconds", "5", "--max-repeats", "5")
+                 "--cell-seconds", "5", "--max-repeats", "5", "--no-twin")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "out" / "engine.json").read_text())
     runs = [r["server"] for r in result["runs"] if not r["warmup"]]
@@ -356,10 +400,23 @@ def test_repeats_follow_the_time_a_cells_runs_take(tmp_path: Path, model_dir: Pa
     monkeypatch.setenv("BENCH_STANDIN_A", "--ttft-ms 1 --tpot-ms 40")
     monkeypatch.setenv("BENCH_STANDIN_B", "--ttft-ms 1 --tpot-ms 40")
     proc = bench(tmp_path / "slow", model_dir, "--cells", "1x64", "--decode-tokens", "8", "--repeats", "2",
-                 "--cell-seconds", "0.3", "--max-repeats", "5")
+                 "--cell-seconds", "0.3", "--max-repeats", "5", "--no-twin")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "slow" / "out" / "engine.json").read_text())
     assert [r["server"] for r in result["runs"] if not r["warmup"]] == ["A", "B", "B", "A"]
+
+
+def test_twin_of_another_speed_is_caught(tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # B is slower (the optimization wins), but C, which should be A's twin, is as slow as B:
+    # the machine's servers differ, and the cell says so instead of reporting a win.
+    monkeypatch.setenv("BENCH_STANDIN_A", "--ttft-ms 2 --tpot-ms 1")
+    monkeypatch.setenv("BENCH_STANDIN_B", "--ttft-ms 2 --tpot-ms 4")
+    monkeypatch.setenv("BENCH_STANDIN_C", "--ttft-ms 2 --tpot-ms 4")
+    _proc, cell = one_cell(tmp_path, model_dir)
+    assert cell["judged_ratio"] > 1.5 and cell["twin_ratio"] > 1.5 and cell["twins_differ"] is True
+    assert cell["verdict"].startswith("not readable (twins differ")
+    md = (tmp_path / "out" / "engine.md").read_text()
+    assert "| 2x64 | median ITL |" in md and "not readable" in md
 
 
 def test_null_run_gives_both_servers_the_optimization(tmp_path: Path, model_dir: Path,

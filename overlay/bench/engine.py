@@ -802,8 +802,9 @@ def _fmt(value: float | None, spec: str) -> str:
 def _runs_text(s: dict[str, Any]) -> str:
     if s.get("cell_seconds") is None:  # engine.json of a run before adaptive repeats
         return f"{s.get('repeats')} runs per server (ABBA)"
-    return (f"{s.get('repeats')}-{max(s.get('repeats') or 0, s.get('max_repeats') or 0)} runs per server (ABBA; "
-            f"pairs added until each server's runs took {s.get('cell_seconds'):g} s)")
+    order = "rounds ABC, BCA, CAB, CBA, BAC, ACB with A's twin C" if s.get("twin") else "ABBA"
+    return (f"{s.get('repeats')}-{max(s.get('repeats') or 0, s.get('max_repeats') or 0)} runs per server ({order}; "
+            f"rounds added until each server's runs took {s.get('cell_seconds'):g} s)")
 
 
 def table(result: dict[str, Any]) -> str:

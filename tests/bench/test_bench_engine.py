@@ -349,6 +349,7 @@ def test_whole_run_against_standins(tmp_path: Path, model_dir: Path, monkeypatch
         assert cell["judged_interval"] is None and cell["verdict"] == "too few runs (< 3 pairs)"  # 2 pairs
     for name in names:
         assert f"| {name} |" in md
+    assert "2-30 runs per server (rounds ABC, BCA, CAB, CBA, BAC, ACB with A's twin C; rounds added" in md
     assert all((out / f"server-{side}.log").exists() for side in "ABC")
     assert "[bench-engine] cell 1x64 (1/5)" in proc.stdout
     try:
@@ -395,7 +396,7 @@ def test_repeats_follow_the_time_a_cells_runs_take(tmp_path: Path, model_dir: Pa
     runs = [r["server"] for r in result["runs"] if not r["warmup"]]
     assert runs == ["A", "B", "B", "A", "A", "B", "B", "A", "A", "B"]
     assert result["cells"]["1x64"]["verdict"] != "too few runs (< 3 pairs)"
-    assert "2-5 runs per server (ABBA; pairs added until each server's runs took 5 s)" in (
+    assert "2-5 runs per server (ABBA; rounds added until each server's runs took 5 s)" in (
         tmp_path / "out" / "engine.md").read_text()
     monkeypatch.setenv("BENCH_STANDIN_A", "--ttft-ms 1 --tpot-ms 40")
     monkeypatch.setenv("BENCH_STANDIN_B", "--ttft-ms 1 --tpot-ms 40")

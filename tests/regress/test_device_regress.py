@@ -102,7 +102,10 @@ def test_device_regress_reaches_the_three_verdicts_with_the_standin(tmp_path: Pa
 
     # The verdicts on a fresh machine: the reference comes from what the reference stage brought back.
     env["REGRESS_ROOT"] = str(root := tmp_path / "fresh")
-    env["REGRESS_REFERENCE"] = str(tmp_path / "out" / "regress-reference.tar.gz")
+    with tarfile.open(tmp_path / "out" / "regress-reference-min.tar.gz") as tar:  # what is committed
+        assert sorted(n for n in tar.getnames() if not n.startswith("./profiles/")) == [
+            "./profiles", "./ref-differential.json"]
+    env["REGRESS_REFERENCE"] = str(tmp_path / "out" / "regress-reference-min.tar.gz")
     run = stage("verdicts", str(variants))
     assert "reference and baselines from" in run.stderr
     summary = json.loads((root / "verdicts.json").read_text())

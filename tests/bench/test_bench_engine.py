@@ -301,9 +301,9 @@ SMALL = ("--batches", "1,2", "--contexts", "64,128", "--decode-tokens", "8", "--
 
 
 def test_whole_run_against_standins(tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # B decodes 3x slower than A: every ratio is well above 1.
+    # B decodes 5x slower than A: every ratio is well above 1.5, also on a loaded 2-core machine.
     monkeypatch.setenv("BENCH_STANDIN_A", "--mode healthy --ttft-ms 5 --tpot-ms 1")
-    monkeypatch.setenv("BENCH_STANDIN_B", "--mode healthy --ttft-ms 5 --tpot-ms 3")
+    monkeypatch.setenv("BENCH_STANDIN_B", "--mode healthy --ttft-ms 5 --tpot-ms 5")
     proc = bench(tmp_path, model_dir, *SMALL, "--repeats", "2", "--cell-seconds", "0")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = tmp_path / "out"
@@ -319,7 +319,10 @@ def test_whole_run_against_standins(tmp_path: Path, model_dir: Path, monkeypatch
             ("A", True), ("B", True), ("C", True), ("A", False), ("B", False), ("C", False), ("B", False),
             ("C", False), ("A", False)]
         assert [r["seq"] for r in runs] == list(range(9))
-        assert 0.7 < cell["twin_ratio"] < 1.4 and cell["twins_differ"] is False  # C is A's twin
+        # C is A's twin (A's stand-in arguments, through the flag): as fast as A, so 3x faster than B;
+        # two rounds give no interval, so the twins cannot be judged to differ.
+        assert cell["C"]["itl_median_ms"] * 1.5 < cell["B"]["itl_median_ms"], cell
+        assert cell["twin_ratio"] > 0 and cell["twin_interval"] is None and cell["twins_differ"] is False
         batch = 2 if name == "mixed" else int(name.split("x")[0])
         for r in runs:
             decodes = [q for q in r["requests"] if q["kind"] == "decode"]
@@ -340,7 +343,7 @@ def test_whole_run_against_standins(tmp_path: Path, model_dir: Path, monkeypatch
         cell = result["cells"][name]
         assert len(cell["tpot_ratio_pairs"]) == 2 and min(cell["tpot_ratio_pairs"]) > 1.5
         assert cell["tpot_ratio_range"] == [min(cell["tpot_ratio_pairs"]), max(cell["tpot_ratio_pairs"])]
-        assert 0.8 < cell["A"]["server_itl_ms"] < 2.0 and 2.5 < cell["B"]["server_itl_ms"] < 4.0, cell
+        assert 0.8 < cell["A"]["server_itl_ms"] < 2.5 and 4.5 < cell["B"]["server_itl_ms"] < 7.0, cell
         assert cell["server_itl_ratio"] > 1.5 and len(cell["server_itl_ratio_pairs"]) == 2
         # one chunk per token: decode cells are judged on the step time, the mixed one on the server's ITL
         assert cell["single_token_chunks_min"] == 1.0
@@ -364,10 +367,11 @@ def test_whole_run_against_standins(tmp_path: Path, model_dir: Path, monkeypatch
     assert (redraw / "engine.md").read_text() == md and (redraw / "engine.png").exists()
 
 
-def one_cell(tmp_path: Path, model_dir: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, object]]:
+def one_cell(tmp_path: Path, model_dir: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str],
+                                                                     dict[str, object]]:
     """A run of the 2x64 cell, 3 rounds: the process and the cell's summary."""
     proc = bench(tmp_path, model_dir, "--cells", "2x64", "--decode-tokens", "8", "--repeats", "3",
-                 "--cell-seconds", "0")
+                 "--cell-seconds", "0", *extra)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc, json.loads((tmp_path / "out" / "engine.json").read_text())["cells"]["2x64"]
 
@@ -375,7 +379,9 @@ def one_cell(tmp_path: Path, model_dir: Path) -> tuple[subprocess.CompletedProce
 def test_slower_optimization_is_flagged(tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BENCH_STANDIN_A", "--ttft-ms 5 --tpot-ms 4")
     monkeypatch.setenv("BENCH_STANDIN_B", "--ttft-ms 5 --tpot-ms 1")
-    proc, cell = one_cell(tmp_path, model_dir)
+    # no twin: identical 4 ms stand-ins on a loaded CI machine can differ beyond 2%, which would make
+    # the cell 'not readable' (the twin's own tests are below)
+    proc, cell = one_cell(tmp_path, model_dir, "--no-twin")
     assert cell["tpot_ratio"] < 0.98 and cell["server_itl_ratio"] < 0.98 and cell["itl_median_ratio"] < 0.98
     assert cell["judged"] == "itl_median_ms"
     assert cell["flags"] and all(f.startswith("median ITL") for f in cell["flags"])  # judged on the step time

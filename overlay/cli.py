@@ -220,22 +220,20 @@ def cmd_workspace_plan(ns: argparse.Namespace) -> int:
 
 def cmd_device_stage(ns: argparse.Namespace) -> int:
     from overlay.device_stage import (
-        HARNESS_REQUIREMENTS,
         MIB,
         built_wheel,
         carry_limit,
         device_calls,
         format_summary,
         stage,
+        with_harness,
     )
 
     wheel = Path(ns.wheel) if ns.wheel else built_wheel(_root(ns), ns.vllm, Path(ns.dist))
     dest = Path(ns.dest) / ns.name
     result = stage(wheel, dest, device_packages=Path(ns.device_packages), name=ns.name,
                    limit=carry_limit(Path.cwd(), int(ns.limit_mib * MIB)), resolver_python=ns.resolver_python,
-                   full=ns.full,
-                   resolution_cache=not ns.no_resolution_cache,
-                   extras=[*HARNESS_REQUIREMENTS, *(e for e in ns.extra if e not in HARNESS_REQUIREMENTS)])
+                   full=ns.full, resolution_cache=not ns.no_resolution_cache, extras=with_harness(ns.extra))
     print(format_summary(result.manifest), file=sys.stderr)
     print(device_calls(result.manifest, dest, ns.command))
     return 0

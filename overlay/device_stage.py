@@ -62,36 +62,19 @@ from overlay.wheel import dist_info_name, record_hash
 MIB = 2**20
 CARRY_LIMIT = 60 * MIB
 CALL_LIMIT = 64 * MIB  # what one device call carries in all: the carry plus the checkout's own files
-
-
-def checkout_bytes(repo: Path) -> int:
-    """The bytes a device call copies besides the carry: tracked and untracked-not-ignored files."""
-    from overlay.git import git_text
-
-    names = git_text(["ls-files", "-z", "--cached", "--others", "--exclude-standard"], repo).split("\0")
-    return sum((repo / n).stat().st_size for n in names if n and (repo / n).is_file())
-
-
-def carry_limit(repo: Path, wanted: int = CARRY_LIMIT, margin: int = MIB) -> int:
-    """``wanted``, or less when the checkout is so large that carry + checkout would pass ``CALL_LIMIT``."""
-    room = CALL_LIMIT - checkout_bytes(repo) - margin
-    if room < 8 * MIB:
-        raise DeviceStageError(f"{repo}: the checkout's own files take {checkout_bytes(repo) / MIB:.1f} MiB of "
-                               f"the {CALL_LIMIT // MIB} MiB a device call carries; move large files out of git")
-    return min(wanted, room)
 MANIFEST_RESERVE = MIB  # room kept in every carry for its copy of manifest.json
 XZ_PRESET = 6
 STUB_LABEL = "device"
 TORCH_FAMILY = frozenset({"torch", "torchvision", "torchaudio"})
-# vLLM requirements (or their dependencies) that no engine run of a text-only sparse-MLA model on
-# Hopper imports, each with why; left out unless ``full`` (about half of the bytes: 8 carries).
-# numba stays although it is imported lazily: without vLLM's numba==0.65 the device's numpy 2.5
-# stays pinned and pip backtracks xgrammar into versions that need transformers < 5.
 # What the overlay's own modules that run on the device import beyond vLLM's requirements
 # (overlay.bench.engine, overlay.regress), pinned as in pyproject.toml: `overlay device-stage` adds
 # them to its --extra requirements.
 HARNESS_REQUIREMENTS: tuple[str, ...] = ("httpx-sse==0.4.3",)
 
+# vLLM requirements (or their dependencies) that no engine run of a text-only sparse-MLA model on
+# Hopper imports, each with why; left out unless ``full`` (about half of the bytes: 8 carries).
+# numba stays although it is imported lazily: without vLLM's numba==0.65 the device's numpy 2.5
+# stays pinned and pip backtracks xgrammar into versions that need transformers < 5.
 NOT_NEEDED: dict[str, str] = {
     "tokenspeed-mla": "TokenSpeed MLA backends; Hopper sparse MLA runs FlashMLA-sparse",
     "tokenspeed-triton": "TokenSpeed's Triton fork (for tokenspeed-mla)",
@@ -164,6 +147,29 @@ class DeviceStageError(OverlayError):
 
 
 _CLOCK = {"start": time.monotonic()}
+
+
+def checkout_bytes(repo: Path) -> int:
+    """The bytes a device call copies besides the carry: tracked and untracked-not-ignored files."""
+    from overlay.git import git_text
+
+    names = git_text(["ls-files", "-z", "--cached", "--others", "--exclude-standard"], repo).split("\0")
+    return sum((repo / n).stat().st_size for n in names if n and (repo / n).is_file())
+
+
+def carry_limit(repo: Path, wanted: int = CARRY_LIMIT, margin: int = MIB) -> int:
+    """``wanted``, or less when the checkout is so large that carry + checkout would pass ``CALL_LIMIT``."""
+    used = checkout_bytes(repo)
+    room = CALL_LIMIT - used - margin
+    if room < 8 * MIB:
+        raise DeviceStageError(f"{repo}: the checkout's own files take {used / MIB:.1f} MiB of "
+                               f"the {CALL_LIMIT // MIB} MiB a device call carries; move large files out of git")
+    return min(wanted, room)
+
+
+def with_harness(extras: Sequence[str]) -> list[str]:
+    """``extras`` with ``HARNESS_REQUIREMENTS`` first, each once."""
+    return [*HARNESS_REQUIREMENTS, *(e for e in extras if e not in HARNESS_REQUIREMENTS)]
 
 
 def log(message: str) -> None:

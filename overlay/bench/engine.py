@@ -123,6 +123,8 @@ METRICS: dict[str, tuple[str, bool]] = {
     "tpot_ms": ("TPOT", True),
     "decode_tok_s": ("tok/s", False),
 }
+METRIC_RATIO = {"itl_median_ms": "itl_median_ratio", "server_itl_ms": "server_itl_ratio",
+                "tpot_ms": "tpot_ratio", "decode_tok_s": "tok_s_ratio"}  # where each metric's ratio is kept
 DEFINITIONS: dict[str, str] = {
     "tpot": "per request (last token arrival - first token arrival) / (tokens - 1), mean over requests",
     "decode_tok_s": "tokens arriving in (latest first-token arrival, earliest last-token arrival] "
@@ -445,10 +447,6 @@ def cell_summary(runs: list[dict[str, Any]], expect_cached: bool = True, mixed: 
             out["verdict"] = f"not readable (twins differ; A/B {out['verdict']})"
     out["flags"] = flags(out, expect_cached=expect_cached)
     return out
-
-
-METRIC_RATIO = {"itl_median_ms": "itl_median_ratio", "server_itl_ms": "server_itl_ratio",
-                "tpot_ms": "tpot_ratio", "decode_tok_s": "tok_s_ratio"}
 
 
 def flags(summary: dict[str, Any], target: float = TARGET, expect_cached: bool = True) -> list[str]:

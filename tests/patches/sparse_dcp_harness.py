@@ -58,11 +58,12 @@ def glm5_config(num_heads: int = NUM_HEADS * DCP) -> dict[str, Any]:
 
 
 def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
-                     device: str = "cpu", dcp: int = DCP, heads_per_rank: int = NUM_HEADS):
+                     device: str = "cpu", dcp: int = DCP, heads_per_rank: int = NUM_HEADS,
+                     interleave: int = 1):
     """A real VllmConfig for a small local GLM-5 model with TP = DCP = ``dcp``.
 
     The model has ``dcp * heads_per_rank`` attention heads, so each TP rank holds
-    ``heads_per_rank`` of them.
+    ``heads_per_rank`` of them; ``interleave`` is ``cp_kv_cache_interleave_size``.
     """
     from vllm.config import (
         CacheConfig,
@@ -85,6 +86,7 @@ def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 8, max_num_batched_
         device_config=DeviceConfig(device=device),
         model_config=model_config,
         parallel_config=ParallelConfig(tensor_parallel_size=dcp, decode_context_parallel_size=dcp,
+                                       cp_kv_cache_interleave_size=interleave,
                                        dcp_comm_backend="a2a" if dcp > 1 else "ag_rs"),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                          max_num_batched_tokens=max_num_batched_tokens,
@@ -116,9 +118,10 @@ def build_metadata(vllm_config, layer_name: str, metadata_cls: type, query_lens:
                    seq_lens: list[int], decode_threshold: int):
     """Sparse metadata of ``metadata_cls`` from vLLM's own sparse builder for one batch.
 
-    The decode threshold follows the real builders: FlashInfer-sparse supports DCP with
-    varlen decodes (MTP rows stay decodes); FlashMLA-sparse does not, so under DCP its
-    threshold drops to 1 and multi-token decodes become prefills (the forced-MQA path).
+    ``decode_threshold`` is the batch's split point; whether it survives DCP is the real
+    builder's own setting (``supports_dcp_with_varlen``, read by :func:`keeps_dcp_varlen_decodes`):
+    where the backend keeps multi-token decodes under DCP they stay decodes, elsewhere the
+    threshold drops to 1 and they become prefills (the forced-MQA path).
     """
     import vllm.utils.torch_utils as torch_utils
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -135,7 +138,8 @@ def build_metadata(vllm_config, layer_name: str, metadata_cls: type, query_lens:
     _replace_token_to_req_kernel()
     builder = builder_cls(spec, [layer_name], vllm_config, torch.device("cpu"))
     builder._init_reorder_batch_threshold(
-        decode_threshold, supports_dcp_with_varlen=metadata_cls.__name__.startswith("FlashInfer"))
+        decode_threshold,
+        supports_dcp_with_varlen=keeps_dcp_varlen_decodes(vllm_config, layer_name, metadata_cls, spec))
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     sl = torch.tensor(seq_lens, dtype=torch.int32)
     blocks = max(math.ceil(s / BLOCK) for s in seq_lens)
@@ -148,6 +152,29 @@ def build_metadata(vllm_config, layer_name: str, metadata_cls: type, query_lens:
         seq_lens_cpu_upper_bound=sl.clone(),
     )
     return builder.build(0, common)
+
+
+def keeps_dcp_varlen_decodes(vllm_config, layer_name: str, metadata_cls: type, spec) -> bool:
+    """Whether the real builder of ``metadata_cls``'s backend keeps multi-token decodes under DCP.
+
+    Builds that backend's own metadata builder (``FlashMLASparseMetadata`` ->
+    ``FlashMLASparseMetadataBuilder``) for ``vllm_config`` and reads its reorder threshold: under
+    DCP it stays above 1 only where the builder declares ``supports_dcp_with_varlen``. Without
+    DCP the flag changes nothing (True).
+    """
+    if vllm_config.parallel_config.decode_context_parallel_size <= 1:
+        return True
+    module = __import__(metadata_cls.__module__, fromlist=["_"])
+    real_cls = getattr(module, metadata_cls.__name__ + "Builder")
+    saved = getattr(module, "num_compute_units", None)
+    if saved is not None:  # FlashMLA sizes its scheduler buffers by the GPU's SM count
+        module.num_compute_units = lambda index=None: 132
+    try:
+        real = real_cls(spec, [layer_name], vllm_config, torch.device("cpu"))
+    finally:
+        if saved is not None:
+            module.num_compute_units = saved
+    return (real.reorder_batch_threshold or 1) > 1
 
 
 @dataclass

@@ -4,8 +4,13 @@ Sparse MLA with DCP sends prefill rows through the MQA kernel (no dense-MHA pref
 or a prefill longer than ``index_topk``). On 0.28.0 the combine is then given the decode-only
 ``seq_lens`` / ``query_start_loc``: the NCCL transports mask every prefill row's LSE to -inf
 (silently wrong rows), a pure-prefill batch crashes, and the direct A2A kernel's bounds do not
-cover the batch. Mixed, pure-prefill and FlashMLA-sparse MTP batches (under DCP its builder
-has no varlen decodes, so 3-token MTP rows take the forced path), both transport contracts.
+cover the batch. Mixed, pure-prefill and FlashMLA-sparse MTP batches, both transport contracts.
+
+Which requests still take the forced path with MTP: under DCP with interleave 1 FlashMLA-sparse
+keeps (1 + k)-token MTP rows as decodes (``supports_dcp_with_varlen``), so an MTP step reaches
+the forced path through the prefill beside it (a chunk longer than the decode threshold, beyond
+``index_topk``): ``flashmla_mtp_mixed``. With interleave > 1 the builder's threshold drops to 1
+and the MTP rows themselves become forced-MQA prefills: ``flashmla_mtp_interleave16``.
 """
 
 from __future__ import annotations
@@ -16,23 +21,29 @@ import sparse_dcp_harness as h
 import torch
 
 BATCHES = {
-    # name: (metadata module, class, query_lens, seq_lens, decode threshold, expected decodes)
-    "mixed": ("flashinfer_mla_sparse", "FlashInferMLASparseMetadata", [1, 1, 20], [90, 5, 40], 1, 2),
-    "pure_prefill": ("flashinfer_mla_sparse", "FlashInferMLASparseMetadata", [12, 30], [12, 300], 1, 0),
-    "flashmla_mtp": ("flashmla_sparse", "FlashMLASparseMetadata", [3, 3, 3], [70, 9, 130], 3, 0),
-    "flashmla_mixed": ("flashmla_sparse", "FlashMLASparseMetadata", [1, 1, 1, 17], [3, 66, 2, 17], 1, 3),
+    # name: (metadata module, class, query_lens, seq_lens, decode threshold, expected decodes,
+    #        cp_kv_cache_interleave_size)
+    "mixed": ("flashinfer_mla_sparse", "FlashInferMLASparseMetadata", [1, 1, 20], [90, 5, 40], 1, 2, 1),
+    "pure_prefill": ("flashinfer_mla_sparse", "FlashInferMLASparseMetadata", [12, 30], [12, 300], 1, 0, 1),
+    "flashmla_mtp_mixed": ("flashmla_sparse", "FlashMLASparseMetadata", [3, 3, 3, 40], [70, 9, 130, 40], 3, 3,
+                           1),
+    "flashmla_mtp_interleave16": ("flashmla_sparse", "FlashMLASparseMetadata", [3, 3, 3], [70, 9, 130], 3, 0,
+                                  16),
+    "flashmla_mixed": ("flashmla_sparse", "FlashMLASparseMetadata", [1, 1, 1, 17], [3, 66, 2, 17], 1, 3, 1),
 }
 
 
 @pytest.fixture(scope="module")
-def vllm_config(tmp_path_factory):
-    return h.make_vllm_config(tmp_path_factory.mktemp("glm5"))
+def configs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("glm5")
+    return {il: h.make_vllm_config(root / f"il{il}", interleave=il) for il in (1, 16)}
 
 
 @pytest.mark.parametrize("transport", ["nccl", "direct"])
 @pytest.mark.parametrize("batch", list(BATCHES))
-def test_forced_mqa_rows_are_combined(vllm_config, batch, transport):
-    module, cls_name, query_lens, seq_lens, threshold, num_decodes = BATCHES[batch]
+def test_forced_mqa_rows_are_combined(configs, batch, transport):
+    module, cls_name, query_lens, seq_lens, threshold, num_decodes, interleave = BATCHES[batch]
+    vllm_config = configs[interleave]
     name = f"layers.{batch}.{transport}.attn"
     rec = h.Recorder()
     layer = h.make_layer(vllm_config, name, rec, transport=transport)

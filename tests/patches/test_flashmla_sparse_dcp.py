@@ -229,25 +229,39 @@ class StandInGroup:
     rank_in_group: int
 
 
-def write_model_dir(root: Path, num_heads: int = NUM_HEADS_TOTAL) -> Path:
-    """The test model's ``config.json`` in ``root``, with ``num_heads`` attention heads in all."""
+def write_model_dir(root: Path, num_heads: int = NUM_HEADS_TOTAL, mtp_layers: int = 0) -> Path:
+    """The test model's ``config.json`` in ``root``, with ``num_heads`` attention heads in all
+    and ``mtp_layers`` MTP (next-n prediction) layers."""
     root.mkdir(parents=True, exist_ok=True)
     config = {**GLM5_CONFIG, "num_attention_heads": num_heads, "num_key_value_heads": num_heads}
+    if mtp_layers:
+        config["num_nextn_predict_layers"] = mtp_layers
     (root / "config.json").write_text(json.dumps(config))
     return root
 
 
 def make_vllm_config(model_dir: Path, dcp: int, interleave: int, backend: str = "ag_rs",
-                     device: str = "cpu", cache_dtype: str = "fp8_ds_mla") -> Any:
-    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
+                     device: str = "cpu", cache_dtype: str = "fp8_ds_mla", mtp: int = 0) -> Any:
+    """A real VllmConfig; ``mtp`` > 0 adds vLLM's own MTP ``SpeculativeConfig`` with that many
+    speculative tokens (sequential drafting), for a model dir written with ``mtp_layers=1``."""
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        ModelConfig,
+        ParallelConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
 
     model = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True,
                         dtype="bfloat16", max_model_len=8192)
     parallel = ParallelConfig(tensor_parallel_size=dcp, decode_context_parallel_size=dcp,
                               cp_kv_cache_interleave_size=interleave, dcp_comm_backend=backend)
     cache = CacheConfig(cache_dtype=cache_dtype, block_size=BLOCK)
+    spec = (SpeculativeConfig(method="mtp", num_speculative_tokens=mtp, target_model_config=model,
+                              target_parallel_config=parallel) if mtp else None)
     return VllmConfig(model_config=model, parallel_config=parallel, cache_config=cache,
-                      device_config=DeviceConfig(device=device))
+                      device_config=DeviceConfig(device=device), speculative_config=spec)
 
 
 def make_impl(vllm_config: Any, num_heads: int, topk_buffer: torch.Tensor,
@@ -410,6 +424,90 @@ def test_dcp1_impl_is_unchanged(model_dir: Path, cpu_env: Any, monkeypatch: pyte
     want, _ = sparse_decode_contract(q.unsqueeze(0), dequantize_fp8_ds_mla(whole.view(-1, 656)),
                                      slots.unsqueeze(0), D_QK**-0.5)
     assert torch.equal(out, want.squeeze(0))
+
+
+MTP_TOKENS = 5  # MTP-5, production's setting: (1 + 5)-token verification steps
+
+
+@pytest.fixture(scope="module")
+def mtp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_dir(tmp_path_factory.mktemp("glm5-mtp"), mtp_layers=1)
+
+
+def _split(vllm_config: Any, dcp: int, query_lens: list[int], seq_lens: list[int]) -> Any:
+    """The real FlashMLA-sparse builder (rank 0 of ``dcp``) and its metadata for one batch."""
+    from vllm.config import set_current_vllm_config
+
+    topk = torch.full((256, TOPK), -1, dtype=torch.int32)
+    impl = make_impl(vllm_config, NUM_HEADS_TOTAL // dcp, topk)
+    manager = None
+    if dcp > 1:
+        with set_current_vllm_config(vllm_config):
+            manager = compat.symbol("dcp", "MLADCPManager")(
+                vllm_config, torch.device("cpu"), NUM_HEADS_TOTAL // dcp, D_QK, D_V, torch.bfloat16,
+                torch.bfloat16, None, impl.lse_base_on_e, False)
+    batch = Batch(seq_lens, query_lens, torch.zeros((sum(query_lens), TOPK), dtype=torch.int32),
+                  [r for r, q in enumerate(query_lens) for _ in range(q)])
+    blocks = math.ceil(max(seq_lens) / BLOCK)
+    table = torch.arange(len(seq_lens) * blocks, dtype=torch.int32).view(len(seq_lens), blocks)
+    return build_metadata(vllm_config, make_layer(impl, manager), batch, table, "cpu")
+
+
+@pytest.mark.parametrize(("dcp", "interleave", "mtp_decodes"), [
+    (2, 1, True),    # TP2 x DCP2: MTP steps stay decodes (supports_dcp_with_varlen)
+    (2, 16, False),  # interleave > 1: the threshold drops to 1, MTP steps are prefills
+    (1, 1, True),    # no DCP: unchanged
+])
+def test_mtp_verification_steps_under_dcp(mtp_model_dir: Path, cpu_env: Any, monkeypatch: pytest.MonkeyPatch,
+                                          dcp: int, interleave: int, mtp_decodes: bool) -> None:
+    """The split of a uniform (1 + 5)-token MTP batch: all decodes, or (interleave > 1) all prefills."""
+    cpu_kernels(monkeypatch)
+    cpu_env(dcp, 0)
+    vc = make_vllm_config(mtp_model_dir, dcp=dcp, interleave=interleave, mtp=MTP_TOKENS)
+    q = 1 + MTP_TOKENS
+    meta = _split(vc, dcp, [q] * 4, [300, 1200, 57, 700])
+    if mtp_decodes:
+        assert (meta.num_decodes, meta.num_prefills, meta.num_decode_tokens) == (4, 0, 4 * q)
+    else:
+        assert (meta.num_decodes, meta.num_prefills, meta.num_decode_tokens) == (0, 4, 0)
+
+
+@pytest.mark.parametrize("interleave", [1, 16])
+def test_builder_reorder_threshold_with_mtp(mtp_model_dir: Path, cpu_env: Any, monkeypatch: pytest.MonkeyPatch,
+                                            interleave: int) -> None:
+    """TP2 x DCP2 with MTP-5: the threshold covers 1 + 5 tokens with interleave 1, else 1."""
+    cpu_kernels(monkeypatch)
+    cpu_env(2, 0)
+    vc = make_vllm_config(mtp_model_dir, dcp=2, interleave=interleave, mtp=MTP_TOKENS)
+    seen: list[int] = []
+    builder_cls = compat.symbol("flashmla_sparse", "FlashMLASparseMetadataBuilder")
+    build = builder_cls.build
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(self.reorder_batch_threshold)
+        return build(self, *args, **kwargs)
+
+    monkeypatch.setattr(builder_cls, "build", spy)
+    _split(vc, 2, [1], [10])
+    if interleave == 1:
+        assert seen[0] >= 1 + MTP_TOKENS
+    else:
+        assert seen == [1]
+
+
+def test_mtp_step_beside_a_long_prefill_keeps_the_prefill(mtp_model_dir: Path, cpu_env: Any,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """With MTP steps as decodes, a prefill chunk beyond the threshold is still a prefill: the
+    forced-MQA prefill path (and the bounds dcp-forced-mqa-prefill-rows gives it) stays in use."""
+    cpu_kernels(monkeypatch)
+    cpu_env(2, 0)
+    vc = make_vllm_config(mtp_model_dir, dcp=2, interleave=1, mtp=MTP_TOKENS)
+    q = 1 + MTP_TOKENS
+    meta = _split(vc, 2, [q, q, q, 2000], [400, 90, 800, 3000])
+    # The prefill's context (3000) is beyond index_topk (256), so forward_impl sends its rows
+    # through the forced-MQA path, not the dense MHA prefill.
+    assert (meta.num_decodes, meta.num_prefills, meta.num_decode_tokens) == (3, 1, 3 * q)
+    assert 3000 > meta.topk_tokens
 
 
 def convert_whole(batch: Batch, table: torch.Tensor) -> torch.Tensor:

@@ -1,13 +1,14 @@
-"""flashmla-sparse-dcp-spec-cudagraphs: no full CUDA graphs of multi-token decodes under DCP.
+"""flashmla-sparse-dcp-spec-cudagraphs: no full CUDA graphs of multi-token prefills under DCP.
 
-On 0.28.0 (with flashmla-sparse-dcp) ``FlashMLASparseMetadataBuilder`` reports
-``UNIFORM_BATCH`` although under DCP its reorder threshold is 1, so a uniform MTP batch
-(1 + k tokens per request) is built as prefills. With speculative decoding vLLM then
-keeps FULL decode graphs and captures those prefill paths: the engine died at start-up on
-two H200s (TP2 x DCP2, MTP-5: "operation not permitted when stream is capturing" in the
-dense prefill's NCCL KV all-gather). The builder must report single-token decodes only
-under DCP, so that vLLM resolves the mode to PIECEWISE with spec decoding and keeps FULL
-decode graphs without it; without DCP nothing changes.
+Under DCP with ``cp_kv_cache_interleave_size`` 1, FlashMLA-sparse keeps uniform (1 + k)-token
+MTP steps as decodes (flashmla-sparse-dcp declares ``supports_dcp_with_varlen``), so they are
+captured in FULL decode graphs like every other decode: the builder reports ``UNIFORM_BATCH``
+and vLLM keeps ``FULL_AND_PIECEWISE`` with MTP-5. With interleave > 1 the reorder threshold is
+1, a uniform MTP batch is built as prefills, and capturing those paths killed the engine on two
+H200s ("operation not permitted when stream is capturing" in the dense prefill's NCCL KV
+all-gather): there the builder must report single-token decodes only, so that vLLM resolves the
+mode to PIECEWISE with spec decoding and keeps FULL decode graphs without it. Without DCP
+nothing changes.
 """
 
 from __future__ import annotations
@@ -16,11 +17,15 @@ import compat
 import pytest
 import sparse_dcp_harness as h
 
+# (DCP size, cp_kv_cache_interleave_size) of each configuration below
+LAYOUTS = [(1, 1), (2, 1), (2, 16)]
+
 
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory):
     root = tmp_path_factory.mktemp("glm5")
-    return {dcp: h.make_vllm_config(root / f"dcp{dcp}", dcp=dcp) for dcp in (1, 2)}
+    return {(dcp, il): h.make_vllm_config(root / f"dcp{dcp}-il{il}", dcp=dcp, interleave=il)
+            for dcp, il in LAYOUTS}
 
 
 def _builder():
@@ -46,17 +51,20 @@ def _resolve(support, uniform_decode_query_len: int):
     return cc.resolve_cudagraph_mode_and_sizes(support, "FlashMLASparseBackend", uniform_decode_query_len)
 
 
-def test_dcp_reports_single_token_decodes_only(configs):
-    from vllm.v1.attention.backend import AttentionCGSupport
-
-    assert _support(configs[2]) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    assert _support(configs[1]) == AttentionCGSupport.UNIFORM_BATCH
-
-
-@pytest.mark.parametrize(("dcp", "query_len", "mode"), [
-    (2, 6, "PIECEWISE"),             # MTP-5 under DCP: verification runs piecewise
-    (2, 1, "FULL_AND_PIECEWISE"),    # plain decode under DCP keeps its full graphs
-    (1, 6, "FULL_AND_PIECEWISE"),    # MTP-5 without DCP: unchanged
+@pytest.mark.parametrize(("layout", "support"), [
+    ((1, 1), "UNIFORM_BATCH"),
+    ((2, 1), "UNIFORM_BATCH"),                  # MTP steps are decodes: full graphs of them
+    ((2, 16), "UNIFORM_SINGLE_TOKEN_DECODE"),   # MTP steps are prefills: never captured
 ])
-def test_resolved_cudagraph_mode(configs, dcp, query_len, mode):
-    assert _resolve(_support(configs[dcp]), query_len).name == mode
+def test_cudagraph_support(configs, layout, support):
+    assert _support(configs[layout]).name == support
+
+
+@pytest.mark.parametrize(("layout", "query_len", "mode"), [
+    ((2, 1), 6, "FULL_AND_PIECEWISE"),   # MTP-5 under DCP: verification in FULL decode graphs
+    ((2, 16), 6, "PIECEWISE"),           # MTP-5 under DCP, interleave 16: verification piecewise
+    ((2, 16), 1, "FULL_AND_PIECEWISE"),  # plain decode under DCP keeps its full graphs
+    ((1, 1), 6, "FULL_AND_PIECEWISE"),   # MTP-5 without DCP: unchanged
+])
+def test_resolved_cudagraph_mode(configs, layout, query_len, mode):
+    assert _resolve(_support(configs[layout]), query_len).name == mode

@@ -1,0 +1,117 @@
+"""Every shipped profile's server arguments pass vLLM 0.28.0's own start-up checks, as far as a CPU allows.
+
+A profile that cannot start must fail ``make test``, not the user's 8xH100 run. For each shipped
+profile the ``vllm serve`` arguments go through vLLM's own CLI parser (``make_arg_parser``,
+``validate_parsed_serve_args``), ``AsyncEngineArgs.from_cli_args`` and
+``create_engine_config`` (model, parallel, cache, scheduler and speculative configs, with their
+validation), against a local GLM-5-architecture ``config.json`` with an MTP layer in place of
+the profile's checkpoint (no hub, no weights). Only the tool-call and reasoning parsers, which
+need the real tokenizer's special tokens, are left out of the engine config once the CLI
+validated them.
+
+One start-up failure happens after the configs, when the drafter loads: vLLM 0.28.0's proposer
+reads the draft model's ``mask_hidden`` buffer for ``parallel_drafting``
+(``vllm/v1/spec_decode/llm_base_proposer.py``), which only EAGLE-3 / PARD-style drafters define;
+``DeepSeekMTP`` has none ("'DeepSeekMTP' object has no attribute 'mask_hidden'", two H200s,
+2026-11-30). That is checked on the draft model class the registry resolves.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from overlay.engine.checkpoint import TinyGlm5Spec, config_dict, tokenizer_files
+from overlay.regress.profiles import load_profile, shipped_profiles
+
+# Flags whose objects need the real tokenizer's special tokens (checked by the CLI only).
+TOKENIZER_BOUND = {"--enable-auto-tool-choice": 0, "--tool-call-parser": 1, "--reasoning-parser": 1}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """GLM-5's architecture with one MTP layer, 64 heads (TP8 divides them) and its 202752 positions."""
+    spec = TinyGlm5Spec(tp=8, heads_per_rank=8, max_position_embeddings=202752, num_nextn_predict_layers=1)
+    root = tmp_path_factory.mktemp("glm5-standin")
+    (root / "config.json").write_text(json.dumps(config_dict(spec)))
+    for name, text in tokenizer_files(spec).items():
+        (root / name).write_text(text)
+    return root
+
+
+@pytest.fixture(autouse=True)
+def cpu_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM infers the device from the platform; this machine has no GPU: call it a CPU."""
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "device_type", "cpu", raising=False)
+
+
+def _without_tokenizer_bound(args: list[str]) -> list[str]:
+    out, skip = [], 0
+    for arg in args:
+        if skip:
+            skip -= 1
+            continue
+        flag = arg.split("=", 1)[0]
+        if flag in TOKENIZER_BOUND:
+            skip = 0 if "=" in arg else TOKENIZER_BOUND[flag]
+            continue
+        out.append(arg)
+    return out
+
+
+def engine_config(args: list[str], model: Path) -> Any:
+    """vLLM's own parsing and config validation of ``vllm serve <model> <args>``."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser())
+    validate_parsed_serve_args(parser.parse_args([str(model), "--model", str(model), *args]))
+    ns = parser.parse_args([str(model), "--model", str(model), *_without_tokenizer_bound(args)])
+    return AsyncEngineArgs.from_cli_args(ns).create_engine_config()
+
+
+def drafter_problem(vllm_config: Any) -> str | None:
+    """Why the drafter of this config stops vLLM 0.28.0 at start-up, or None."""
+    spec = vllm_config.speculative_config
+    if spec is None or not spec.parallel_drafting:
+        return None
+    from vllm.model_executor.models import ModelRegistry
+
+    draft = spec.draft_model_config
+    cls, _ = ModelRegistry.resolve_model_cls(draft.architectures, model_config=draft)
+    sources = "".join(inspect.getsource(c) for c in cls.__mro__ if c.__module__.startswith("vllm."))
+    if "mask_hidden" not in sources:
+        return (f"parallel_drafting with {cls.__name__}: vLLM 0.28.0's drafter reads the draft model's "
+                "mask_hidden, which it does not have")
+    return None
+
+
+@pytest.mark.parametrize("name", shipped_profiles())
+def test_shipped_profile_starts_as_far_as_a_cpu_allows(name: str, model_dir: Path) -> None:
+    profile = load_profile(name)
+    config = engine_config(list(profile.server.args), model_dir)
+    assert config.parallel_config.tensor_parallel_size == int(profile.server.arg_value("--tensor-parallel-size"))
+    if profile.server.speculative_config:
+        assert config.speculative_config is not None
+        assert config.speculative_config.num_speculative_tokens == profile.server.speculative_tokens
+    assert drafter_problem(config) is None
+
+
+def test_parallel_drafting_with_mtp_is_refused(model_dir: Path) -> None:
+    """The check catches what stopped the report's setup on the 0.28.0 engine."""
+    args = ["--tensor-parallel-size", "8", "--decode-context-parallel-size", "4", "--kv-cache-dtype", "fp8_ds_mla",
+            "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 5, "parallel_drafting": true}']
+    problem = drafter_problem(engine_config(args, model_dir))
+    assert problem is not None and "mask_hidden" in problem
+
+
+def test_an_unknown_flag_fails_the_cli(model_dir: Path) -> None:
+    with pytest.raises(SystemExit):
+        engine_config(["--tensor-paralel-size", "8"], model_dir)

@@ -11,11 +11,28 @@
 # would not end by then; start-up of the servers counts), and it is stopped with SIGTERM after
 # ${BENCH_ENGINE_TIMEOUT:-560} s, on which it writes what it measured and stops the servers, so the
 # copy below still happens. Exits with the bench's status (0 done, 1 a server died, 130 stopped).
+#
+# `--b-tree-variant NAME` lays `make engine-variants`' NAME.tar.gz (from ${VARIANTS:-.device/variants})
+# over the staged vLLM as a tree and gives it to the bench as `--b-tree` (B runs it; e.g.
+# mtp-as-prefills for the MTP graph-mode A/B).
 set -uo pipefail
 DIR=${BENCH_ENGINE_DIR:-/tmp/bench-engine}
 mkdir -p "$DIR"
-args=("$@")
-case " $* " in
+args=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = "--b-tree-variant" ]; then
+    name=${2:?--b-tree-variant NAME}
+    tree=$(python3 -c 'import sys; from pathlib import Path; from overlay.engine.check import lay_variant
+print(lay_variant(Path(sys.argv[1]), Path(sys.argv[2])))' "${VARIANTS:-.device/variants}/$name.tar.gz" "/tmp/variants/$name") \
+      || { echo "device-bench-engine: cannot lay variant $name" >&2; exit 2; }
+    args+=(--b-tree "$tree" --b-label "$name")
+    shift 2
+  else
+    args+=("$1")
+    shift
+  fi
+done
+case " ${args[*]} " in
   *" --budget"*) ;;
   *) args+=(--budget "${BENCH_ENGINE_BUDGET:-480}") ;;
 esac

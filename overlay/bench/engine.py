@@ -643,6 +643,10 @@ class Settings:
     layers: int = 0
     deep_gemm_standin: bool = True
     extra_args: list[str] = field(default_factory=list)
+    # B runs this vLLM tree (first on its PYTHONPATH) instead of the flag off: A/B of two trees,
+    # VLLM_DCP_PROJECT_BEFORE_MERGE=1 on every server (e.g. engine.variants' mtp-as-prefills)
+    b_tree: str = ""
+    b_label: str = ""
 
     def server_args(self) -> list[str]:
         args = ["--tensor-parallel-size", str(self.tp), "--decode-context-parallel-size", str(self.dcp),
@@ -670,16 +674,29 @@ class Settings:
         env = dict(os.environ)
         env.update(SAFE_ENV)
         env["VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"] = "0"
-        env["VLLM_DCP_PROJECT_BEFORE_MERGE"] = FLAGS["A"] if self.null else FLAGS[side]
+        env["VLLM_DCP_PROJECT_BEFORE_MERGE"] = FLAGS["A"] if self.null or self.b_tree else FLAGS[side]
         if self.transport in ("direct", "a2a"):
             env["VLLM_USE_DIRECT_DCP_A2A"] = "1" if self.transport == "direct" else "0"
         paths = ([str(STANDIN)] if self.deep_gemm_standin else []) + [str(REPO)]
+        if self.b_tree and side == "B" and not self.null:
+            paths.insert(0, self.b_tree)
         env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
         env.setdefault("PYTHONUNBUFFERED", "1")
         slot = list(FLAGS).index(side)
         env["VLLM_PORT"] = str(PORT_BASE + slot * PORT_STRIDE)
         env["VLLM_CACHE_ROOT"] = str(out.parent / f"{out.name}-cache" / f"server-{side}")
         return env
+
+
+def comparison(settings: dict[str, Any], short: bool = False) -> str:
+    """What A and B differ in, for titles: the projection flag, another vLLM tree, or nothing (null)."""
+    if settings.get("null"):
+        return "A/A null run" if short else ("A/A null run, both VLLM_DCP_PROJECT_BEFORE_MERGE=1: the ratios are "
+                                             "the method's noise")
+    if settings.get("b_tree"):
+        b = settings.get("b_label") or settings["b_tree"]
+        return f"the series vs {b}" if short else f"A = the series vs B = {b} (VLLM_DCP_PROJECT_BEFORE_MERGE=1 on both)"
+    return "VLLM_DCP_PROJECT_BEFORE_MERGE 1 vs 0" if short else "VLLM_DCP_PROJECT_BEFORE_MERGE A=1 vs B=0"
 
 
 def kv_cache_bytes(tokens_per_gpu: int, layers: int) -> int:
@@ -808,8 +825,7 @@ def _runs_text(s: dict[str, Any]) -> str:
 def table(result: dict[str, Any]) -> str:
     """``engine.md``: the verdict per cell on its judged metric, then every metric per cell."""
     s = result.get("settings", {})
-    what = ("A/A null run, both VLLM_DCP_PROJECT_BEFORE_MERGE=1: the ratios are the method's noise"
-            if s.get("null") else "VLLM_DCP_PROJECT_BEFORE_MERGE A=1 vs B=0")
+    what = comparison(s)
     lines = [f"# bench-engine: {what}{' (partial)' if result.get('partial') else ''}",
              "",
              f"TP {s.get('tp')} x DCP {s.get('dcp')}, transport {s.get('transport')}, fp8_ds_mla, "
@@ -907,9 +923,10 @@ def plot(result: dict[str, Any], png: Path) -> None:
     vals = [v for v in judged + tpot if v] + [iv[k] for iv in intervals if iv for k in (0, 1)]
     vals += [iv[k] for n in names if (iv := cells[n].get("twin_interval")) for k in (0, 1)]
     ax.set_ylim(min([*vals, TARGET]) - 0.03, max([*vals, 1.0]) + 0.03)
-    ax.set(ylabel="ratio (> 1: project-before-merge faster)", xlabel="cell (batch x context), verdict")
     s = result.get("settings", {})
-    what = "A/A null run" if s.get("null") else "VLLM_DCP_PROJECT_BEFORE_MERGE 1 vs 0"
+    faster = "A (the series) faster" if s.get("b_tree") else "project-before-merge faster"
+    ax.set(ylabel=f"ratio (> 1: {faster})", xlabel="cell (batch x context), verdict")
+    what = comparison(s, short=True)
     ax.set_title(f"{what}: TP{s.get('tp')} x DCP{s.get('dcp')} "
                  f"{s.get('transport')}{' (partial)' if result.get('partial') else ''}", fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
@@ -1078,7 +1095,8 @@ def run(ns: argparse.Namespace) -> int:
         repeats=ns.repeats, cell_seconds=ns.cell_seconds, max_repeats=ns.max_repeats, null=ns.null,
         twin=not ns.no_twin, seed=ns.seed, mixed_batch=ns.mixed_batch, mixed_context=ns.mixed_context,
         mixed_interval=ns.mixed_interval, layers=layers, deep_gemm_standin=not ns.no_deep_gemm_standin,
-        extra_args=shlex.split(ns.server_args or ""))
+        extra_args=shlex.split(ns.server_args or ""),
+        b_tree=str(ns.b_tree.resolve()) if ns.b_tree else "", b_label=ns.b_label or "")
     st.kv_cache_memory_bytes = ns.kv_cache_memory_bytes or kv_cache_bytes(
         -(-largest_tokens(cells, ns.decode_tokens) // ns.dcp), max(layers, 1))
     result: dict[str, Any] = {
@@ -1204,6 +1222,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-deep-gemm-standin", action="store_true",
                     help="do not put tests/engine/standin (plain-torch DSA indexer logits) on PYTHONPATH")
     ap.add_argument("--server-args", help="more vllm serve arguments, for both servers")
+    ap.add_argument("--b-tree", type=Path,
+                    help="B runs this vLLM tree (first on its PYTHONPATH; e.g. engine.variants' mtp-as-prefills laid "
+                         "out by engine.check's lay_variant) instead of VLLM_DCP_PROJECT_BEFORE_MERGE=0; the flag is 1 "
+                         "on every server")
+    ap.add_argument("--b-label", help="how reports name B's tree (default: its path)")
     ap.add_argument("--vllm", default=os.environ.get("OVERLAY_VLLM", DEFAULT_VLLM),
                     help=f"the vLLM command line ({DEFAULT_VLLM!r}; env OVERLAY_VLLM)")
     ap.add_argument("--server-cmd", help="a whole server command instead of vllm serve (tests): "
@@ -1231,6 +1254,13 @@ def main(argv: list[str] | None = None) -> int:
         write_outputs(result, ns.out, json_too=source.resolve() != (ns.out / "engine.json").resolve())
         print(table(result), flush=True)
         return 0
+    if ns.b_tree is not None and not (ns.b_tree / "vllm").is_dir():
+        print(f"bench-engine: --b-tree {ns.b_tree}: not a vLLM tree (no vllm/ folder in it)", file=sys.stderr)
+        return 2
+    if ns.b_tree is not None and ns.null:
+        print("bench-engine: --b-tree and --null exclude each other (a null run compares A with itself)",
+              file=sys.stderr)
+        return 2
     if ns.repeats < 1 or ns.max_repeats < 1 or ns.decode_tokens < 2 or ns.cell_seconds < 0:
         print("bench-engine: --repeats and --max-repeats must be >= 1, --decode-tokens >= 2, --cell-seconds >= 0",
               file=sys.stderr)

@@ -22,7 +22,7 @@ from overlay.archive import tar_bytes
 from overlay.errors import ApplyError, OverlayError
 from overlay.fetch import fetch_wheel
 from overlay.pins import load_pin, pin_dir
-from overlay.series import Series
+from overlay.series import Patch, Series
 
 # The fix patches: what the engine check must see without each (the seed's bug reports), and
 # the case that shows it (None: cannot be shown on a machine without NVLink multicast).
@@ -30,10 +30,13 @@ EXPECT: dict[str, tuple[str, str, str | None]] = {
     "stock": ("crash:requires attention implementations to return the softmax LSE",
               "the engine refuses to start: FlashMLA-sparse returns no decode LSE",
               "dcp-a2a-direct-proj1-graph-mtp"),
+    # With interleave 1 MTP steps are decodes and FULL graphs capture them; with interleave > 1
+    # they are built as prefills, whose paths cannot be captured.
     "flashmla-sparse-dcp-spec-cudagraphs.patch": (
         "crash:operation not permitted when stream is capturing|previous error during capture",
-        "the engine dies capturing full CUDA graphs of MTP decodes under DCP (two H200s, 2026-11-30)",
-        "dcp-a2a-direct-proj1-graph-mtp"),
+        "the engine dies capturing full CUDA graphs of MTP prefill paths under DCP with interleave > 1 "
+        "(at interleave 1, two H200s, 2026-11-30, before MTP steps stayed decodes)",
+        "dcp-a2a-direct-proj1-graph-mtp-il16"),
     "sparse-mla-decode-metadata-guard.patch": ("crash:has no attribute 'decode'",
                                                "AttributeError on attn_metadata.decode",
                                                "dcp-a2a-direct-proj1-graph-mtp"),
@@ -45,7 +48,21 @@ EXPECT: dict[str, tuple[str, str, str | None]] = {
     "dcp-direct-a2a-fallback.patch": ("crash:token count exceeds symmetric buffer capacity",
                                       "the long prompt kills the engine in the direct A2A lse_reduce",
                                       "dcp-a2a-direct-proj1-graph"),
+    # DCP 1: shows on one GPU too (judged against ref-dcp1, the same engine without MTP)
+    "spec-decode-prompt-logprobs-graph-pool.patch": (
+        "mismatch", "MTP moves prompt logprobs: computed from drafter output in the CUDA-graph pool "
+        "(the first request, 92 of 100 positions, up to 11.3 nats at DCP 1 on two H200s, 2026-11-30)",
+        "ref-dcp1-mtp"),
 }
+
+
+# Trees for bench-engine's A/B, not bugs: the series plus a patch of ``variant_patches/`` that
+# brings an earlier behaviour back (``<version>-<name>.patch``). No case: nothing is expected of them.
+BENCH_VARIANTS: dict[str, str] = {
+    "mtp-as-prefills": "MTP steps built as prefills under DCP and spec decoding in PIECEWISE graphs "
+                       "(the series before 2026-12-01): bench-engine's B for the MTP graph-mode A/B",
+}
+VARIANT_PATCHES = Path(__file__).resolve().parent / "variant_patches"
 
 
 def build_variants(patches_root: Path, version: str, out: Path, *, base_wheel: Path | None = None) -> dict[str, Any]:
@@ -76,11 +93,18 @@ def build_variants(patches_root: Path, version: str, out: Path, *, base_wheel: P
                 reason = str(e).splitlines()[0]
                 plans.append((f"minus-{p.name.removesuffix('.patch')}", series.patches[:i],
                               f"the series up to {p.name} (without it a later patch does not apply: {reason})"))
+        for name, what in BENCH_VARIANTS.items():
+            extra = VARIANT_PATCHES / f"{version}-{name}.patch"
+            if extra.is_file():
+                plans.append((name, (*series.patches, Patch.load(extra)), what))
         for variant, patches, what in plans:
             files = tree(patches)
             (out / f"{variant}.tar.gz").write_bytes(tar_bytes(((n, d, 0o644) for n, d in files.items()), gz=True))
-            key = "stock" if variant == "stock" else f"{variant.removeprefix('minus-')}.patch"
-            expect, symptom, case = EXPECT[key]
+            if variant in BENCH_VARIANTS:
+                expect, symptom, case = "", "not a bug: " + what, None
+            else:
+                key = "stock" if variant == "stock" else f"{variant.removeprefix('minus-')}.patch"
+                expect, symptom, case = EXPECT[key]
             manifest["variants"][variant] = {"what": what, "patches": [p.name for p in patches],
                                              "expect": expect, "symptom": symptom, "case": case}
     (out / "variants.json").write_text(json.dumps(manifest, indent=2) + "\n")

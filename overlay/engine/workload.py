@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PROMPT_LENS = (100, 3000, 9000, 8, 16, 24, 40)
+# The long cases: one prompt of about 60,000 tokens, then DECODE_STEPS decode steps (upstream
+# #46145: a hang at the first decode after a ~131K-token prefill with FULL graphs and DCP > 1).
+LONG_PROMPT_LENS = (60000,)
 DECODE_STEPS = 64
 TOP_LOGPROBS = 5
 MAX_MODEL_LEN = 9216 + 128
@@ -68,6 +71,12 @@ class Case:
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     note: str = ""
     compare_to: str = ""  # the reference case it is compared with ("": the first reference)
+    interleave: int = 1  # cp_kv_cache_interleave_size (DCP only)
+    # the CUDA-graph mode its log must show (``engine.check.graph_mode``): "FULL" (decode steps,
+    # MTP's (1 + k)-token ones included, captured in FULL graphs), "PIECEWISE" (spec decoding
+    # resolved to piecewise), "" (not judged: eager)
+    graphs: str = ""
+    prompt_lens: tuple[int, ...] = PROMPT_LENS  # the workload's prompts (LONG_PROMPT_LENS: the long cases)
 
     def engine_kwargs(self, model: str) -> dict[str, Any]:
         kw: dict[str, Any] = {
@@ -75,7 +84,7 @@ class Case:
             "tokenizer": model,
             "tensor_parallel_size": self.tp,
             "kv_cache_dtype": "fp8_ds_mla",
-            "max_model_len": MAX_MODEL_LEN,
+            "max_model_len": self.max_model_len,
             "max_num_seqs": MAX_NUM_SEQS,
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "enable_prefix_caching": False,
@@ -90,26 +99,43 @@ class Case:
         if self.dcp > 1:
             kw["decode_context_parallel_size"] = self.dcp
             kw["dcp_comm_backend"] = self.backend
+            if self.interleave > 1:
+                kw["cp_kv_cache_interleave_size"] = self.interleave
         if self.mtp:
             kw["speculative_config"] = dict(MTP)
         return kw
+
+    @property
+    def max_model_len(self) -> int:
+        """MAX_MODEL_LEN, or the longest prompt + the decode steps + 128 for other prompts."""
+        if tuple(self.prompt_lens) == PROMPT_LENS:
+            return MAX_MODEL_LEN
+        return max(self.prompt_lens) + DECODE_STEPS + 128
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "role": self.role, "tp": self.tp, "dcp": self.dcp, "backend": self.backend,
                 "eager": self.eager, "mtp": self.mtp, "env": dict(self.env), "reverse": self.reverse,
                 "max_num_batched_tokens": self.max_num_batched_tokens, "note": self.note,
-                **({"compare_to": self.compare_to} if self.compare_to else {})}
+                **({"compare_to": self.compare_to} if self.compare_to else {}),
+                **({"interleave": self.interleave} if self.interleave > 1 else {}),
+                **({"graphs": self.graphs} if self.graphs else {}),
+                **({"prompt_lens": list(self.prompt_lens)} if tuple(self.prompt_lens) != PROMPT_LENS else {})}
 
 
 def _dcp(name: str, *, backend: str = "a2a", direct: bool = True, project: bool = True, eager: bool = False,
-         mtp: bool = False, sizing: str | None = None, tp: int = 2, dcp: int = 2) -> Case:
+         mtp: bool = False, sizing: str | None = None, tp: int = 2, dcp: int = 2, interleave: int = 1,
+         long: bool = False) -> Case:
     env = {"VLLM_DCP_PROJECT_BEFORE_MERGE": "1" if project else "0"}
     if backend == "a2a":
         env["VLLM_USE_DIRECT_DCP_A2A"] = "1" if direct else "0"
     if sizing:
         env["VLLM_DCP_DIRECT_WORKSPACE_SIZING"] = sizing
-    return Case(name, tp=tp, dcp=dcp, backend=backend, eager=eager, mtp=mtp, env=env,
-                compare_to="ref-dcp1-mtp" if mtp else "")
+    # MTP under DCP: (1 + k)-token steps are decodes in FULL graphs with interleave 1, prefills
+    # (spec decoding piecewise) with interleave > 1 (flashmla-sparse-dcp-spec-cudagraphs)
+    graphs = "" if eager or not mtp else ("FULL" if interleave == 1 else "PIECEWISE")
+    ref = ("ref-dcp1-mtp-long" if long else "ref-dcp1-mtp") if mtp else ""
+    return Case(name, tp=tp, dcp=dcp, backend=backend, eager=eager, mtp=mtp, env=env, compare_to=ref,
+                interleave=interleave, graphs=graphs, prompt_lens=LONG_PROMPT_LENS if long else PROMPT_LENS)
 
 
 def cases(tp: int = 2) -> list[Case]:
@@ -122,13 +148,18 @@ def cases(tp: int = 2) -> list[Case]:
         Case("ref-dcp1-rerun", role="spread", tp=tp, note="identical rerun: run-to-run noise"),
         Case("ref-dcp1-reordered", role="spread", tp=tp, reverse=True, max_num_batched_tokens=4096,
              note="prompts reversed, 4096-token steps: other batches, same math (rounding spread)"),
-        # The reference of the MTP cases: vLLM 0.28.0 with MTP moves the first request's prompt
+        # The reference of the MTP cases: vLLM 0.28.0 with MTP moved the first request's prompt
         # logprobs by up to 11 nats at DCP 1 already (two H200s, 2026-11-30), so MTP cases are held
-        # to DCP 1 + MTP; its deviation from ref-dcp1 is reported beside it.
-        Case("ref-dcp1-mtp", role="reference", tp=tp, mtp=True, note="MTP-5 (sequential drafting) at DCP 1"),
+        # to DCP 1 + MTP. With spec-decode-prompt-logprobs-graph-pool it must also agree with
+        # ref-dcp1 (prompt logprobs come from the target alone): judged against it.
+        Case("ref-dcp1-mtp", role="reference", tp=tp, mtp=True, graphs="FULL",
+             note="MTP-5 (sequential drafting) at DCP 1, FULL decode graphs"),
     ]
+    # MTP in graphs against MTP eager: the graph mode changes nothing but the speed
+    mtp_eager = Case("ref-dcp1-mtp-eager", tp=tp, mtp=True, eager=True, compare_to="ref-dcp1-mtp",
+                     note="MTP-5 at DCP 1, eager: the graph run must agree with it")
     if tp < 2:
-        return refs
+        return [*refs, mtp_eager]
     d = {"tp": tp, "dcp": tp}
     checks = [
         _dcp("dcp-a2a-direct-proj1-graph-mtp", mtp=True, **d),  # the production shape
@@ -144,6 +175,15 @@ def cases(tp: int = 2) -> list[Case]:
         _dcp("dcp-a2a-nccl-proj1-eager", direct=False, eager=True, **d),
         _dcp("dcp-agrs-proj1-eager", backend="ag_rs", eager=True, **d),
         _dcp("dcp-a2a-direct-proj0-eager", project=False, eager=True, **d),
+        # interleave > 1: MTP steps are prefills, spec decoding piecewise (the capture crash's shape)
+        _dcp("dcp-a2a-direct-proj1-graph-mtp-il16", mtp=True, interleave=16, **d),
+        mtp_eager,
+        # a ~60,000-token prefill, then decodes in FULL graphs, on each transport (#46145's hang)
+        Case("ref-dcp1-mtp-long", role="reference", tp=tp, mtp=True, graphs="FULL", prompt_lens=LONG_PROMPT_LENS,
+             note="one ~60,000-token prompt, MTP-5 at DCP 1: the long cases' reference"),
+        _dcp("dcp-a2a-direct-proj1-graph-mtp-long", mtp=True, long=True, **d),
+        _dcp("dcp-a2a-nccl-proj1-graph-mtp-long", direct=False, mtp=True, long=True, **d),
+        _dcp("dcp-agrs-proj1-graph-mtp-long", backend="ag_rs", mtp=True, long=True, **d),
     ]
     # the references, the production shape, a spread run (the tolerance), then by value
     return [refs[0], refs[3], checks[0], refs[2], checks[1], checks[2], checks[3], refs[1], *checks[4:]]

@@ -4,9 +4,11 @@ against two stand-in servers (``tests/regress/standin.py`` through ``standin_sid
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -275,6 +277,23 @@ def test_kv_cache_and_server_args(tmp_path: Path) -> None:
     joined = " ".join(engine.command(None, "vllm", agrs, 1, "B"))
     assert "--dcp-comm-backend ag_rs" in joined and "--no-enable-prefix-caching" in joined
     assert "--hf-overrides" not in joined and "VLLM_USE_DIRECT_DCP_A2A" not in agrs.env("A", tmp_path)
+
+
+def test_b_tree_compares_two_trees_with_the_flag_on(tmp_path: Path) -> None:
+    """--b-tree: B runs another vLLM tree (first on its PYTHONPATH); A and the twin do not; the
+    projection flag is on everywhere, so the trees are the only difference."""
+    tree = tmp_path / "mtp-as-prefills"
+    st = engine.Settings(model="/m", b_tree=str(tree), b_label="MTP as prefills (PIECEWISE)")
+    envs = {side: st.env(side, tmp_path / "out") for side in st.sides()}
+    assert {e["VLLM_DCP_PROJECT_BEFORE_MERGE"] for e in envs.values()} == {"1"}
+    assert envs["B"]["PYTHONPATH"].split(os.pathsep)[0] == str(tree)
+    assert all(str(tree) not in envs[side]["PYTHONPATH"] for side in ("A", "C"))
+    assert engine.comparison(asdict(st)) == ("A = the series vs B = MTP as prefills (PIECEWISE) "
+                                            "(VLLM_DCP_PROJECT_BEFORE_MERGE=1 on both)")
+    assert engine.comparison(asdict(engine.Settings(model="/m"))) == "VLLM_DCP_PROJECT_BEFORE_MERGE A=1 vs B=0"
+    assert engine.comparison({"null": True, "b_tree": "x"}, short=True) == "A/A null run"
+    null = engine.Settings(model="/m", b_tree=str(tree), null=True)
+    assert str(tree) not in null.env("B", tmp_path)["PYTHONPATH"]
 
 
 # ------------------------------------------------------------------------------- against the stand-ins

@@ -104,9 +104,27 @@ def test_cases_put_references_then_the_production_shape_first() -> None:
     names = [c.name for c in cases(2)]
     assert names[:4] == ["ref-dcp1", "ref-dcp1-mtp", "dcp-a2a-direct-proj1-graph-mtp", "ref-dcp1-reordered"]
     # MTP cases are held to DCP 1 + MTP, the others to the plain DCP 1 reference
-    assert {c.name: c.compare_to for c in cases(2) if c.mtp} == {
+    assert {c.name: c.compare_to for c in cases(2) if c.mtp and c.prompt_lens == PROMPT_LENS} == {
         "ref-dcp1-mtp": "", "dcp-a2a-direct-proj1-graph-mtp": "ref-dcp1-mtp",
-        "dcp-agrs-proj1-graph-mtp": "ref-dcp1-mtp"}
+        "dcp-agrs-proj1-graph-mtp": "ref-dcp1-mtp", "dcp-a2a-direct-proj1-graph-mtp-il16": "ref-dcp1-mtp",
+        "ref-dcp1-mtp-eager": "ref-dcp1-mtp"}
+    # MTP in graphs: FULL decode graphs of the (1 + 5)-token steps, DCP or not, except with
+    # interleave > 1 (prefill paths: piecewise); eager cases are not judged on graphs
+    assert {c.name: c.graphs for c in cases(2) if c.mtp and c.prompt_lens == PROMPT_LENS} == {
+        "ref-dcp1-mtp": "FULL", "dcp-a2a-direct-proj1-graph-mtp": "FULL", "dcp-agrs-proj1-graph-mtp": "FULL",
+        "dcp-a2a-direct-proj1-graph-mtp-il16": "PIECEWISE", "ref-dcp1-mtp-eager": ""}
+    # the long cases: one ~60,000-token prompt on each transport, against their own DCP 1 + MTP reference
+    long = {c.name: c for c in cases(2) if c.prompt_lens != PROMPT_LENS}
+    assert set(long) == {"ref-dcp1-mtp-long", "dcp-a2a-direct-proj1-graph-mtp-long",
+                         "dcp-a2a-nccl-proj1-graph-mtp-long", "dcp-agrs-proj1-graph-mtp-long"}
+    assert all(c.compare_to == "ref-dcp1-mtp-long" and c.graphs == "FULL" for n, c in long.items() if c.dcp > 1)
+    kw = long["dcp-agrs-proj1-graph-mtp-long"].engine_kwargs("/m")
+    assert kw["max_model_len"] == 60000 + 64 + 128 and kw["dcp_comm_backend"] == "ag_rs"
+    assert Case(**long["ref-dcp1-mtp-long"].to_dict()).to_dict()["prompt_lens"] == [60000]
+    il16 = next(c for c in cases(2) if c.interleave > 1).engine_kwargs("/m")
+    assert il16["cp_kv_cache_interleave_size"] == 16 and il16["decode_context_parallel_size"] == 2
+    assert [c.name for c in cases(1)] == ["ref-dcp1", "ref-dcp1-rerun", "ref-dcp1-reordered", "ref-dcp1-mtp",
+                                          "ref-dcp1-mtp-eager"]
     assert len(names) == len(set(names))
     prod = next(c for c in cases(2) if c.name == "dcp-a2a-direct-proj1-graph-mtp")
     kw = prod.engine_kwargs("/m")
@@ -193,10 +211,84 @@ def test_a_case_is_judged_against_its_own_reference(tmp_path: Path) -> None:
         r["case"]["compare_to"] = "ref-mtp"
     s = check.judge(recs, tmp_path, None)
     assert {r["case"]["name"]: r["verdict"] for r in recs} == {
-        "ref": "reference", "ref-mtp": "reference", "mtp-same": "pass", "mtp-off": "fail"}
-    assert recs[1]["problems"] and s["verdict"] == "fail"  # the second reference's deviation is reported
+        "ref": "reference", "ref-mtp": "fail", "mtp-same": "pass", "mtp-off": "fail"}
+    # the second reference is judged against the first (MTP must not move prompt logprobs)
+    assert recs[1]["problems"] and s["verdict"] == "fail"
     recs = _records(tmp_path, {"ref": ("reference", _ref()), "ref-mtp": ("reference", None),
                                "mtp": ("check", moved)})
     recs[2]["case"]["compare_to"] = "ref-mtp"
     check.judge(recs, tmp_path, None)
     assert recs[1]["verdict"] == "fail" and recs[2]["problems"] == ["its reference ref-mtp did not run"]
+
+
+# What vLLM 0.28.0 prints while capturing (tqdm bars end in \r) and when it falls back to piecewise.
+FULL_LOG = ("INFO [gpu_model_runner.py:5000] Graph capturing started\n"
+            "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%|##| 67/67 [00:07<00:00]\r"
+            "Capturing CUDA graphs (decode, FULL): 50%|#  | 10/20 [00:01<00:01]\r"
+            "Capturing CUDA graphs (decode, FULL): 100%|##| 20/20 [00:02<00:00]\n")
+PIECEWISE_LOG = ("(EngineCore pid=1) WARNING 12-01 02:20:31 [compilation.py:1459] CUDAGraphMode.FULL_AND_PIECEWISE "
+                 "is not supported with spec-decode for attention backend FlashMLASparseBackend (support: "
+                 "AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE); setting cudagraph_mode=PIECEWISE\n"
+                 "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 100%|##| 67/67 [00:07<00:00]\n")
+
+
+def test_graph_mode_reads_the_capture_lines() -> None:
+    from overlay.engine.check import graph_mode
+
+    full = graph_mode(FULL_LOG)
+    assert full["mode"] == "FULL" and "Capturing CUDA graphs (decode, FULL)" in full["lines"]
+    piecewise = graph_mode(PIECEWISE_LOG)
+    assert piecewise["mode"] == "PIECEWISE"
+    assert any("setting cudagraph_mode=PIECEWISE" in line for line in piecewise["lines"])
+    assert graph_mode("eager: nothing captured")["mode"] == ""
+
+
+def test_a_case_with_the_wrong_graph_mode_fails(tmp_path) -> None:
+    from overlay.engine.check import graph_mode, judge
+
+    docs = {"ref-dcp1": _ref(), "ref-dcp1-mtp": _ref(), "dcp-mtp": _ref()}
+    for name, doc in docs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    records = [
+        {"name": "ref-dcp1", "case": {"name": "ref-dcp1", "role": "reference"}, "status": "ok",
+         "graphs": graph_mode(FULL_LOG)},
+        {"name": "ref-dcp1-mtp", "case": {"name": "ref-dcp1-mtp", "role": "reference", "graphs": "FULL"},
+         "status": "ok", "graphs": graph_mode(FULL_LOG)},
+        {"name": "dcp-mtp", "case": {"name": "dcp-mtp", "role": "check", "graphs": "FULL",
+                                     "compare_to": "ref-dcp1-mtp"}, "status": "ok",
+         "graphs": graph_mode(PIECEWISE_LOG)},
+    ]
+    summary = judge(records, tmp_path, None)
+    assert [r["verdict"] for r in records] == ["reference", "reference", "fail"]
+    assert records[2]["problems"] == ["graphs: expected FULL decode graphs, the log shows PIECEWISE"]
+    assert summary["verdict"] == "fail"
+
+
+def test_the_mtp_reference_is_judged_against_dcp1(tmp_path) -> None:
+    """MTP must not move prompt logprobs (they come from the target alone)."""
+    from overlay.engine.check import judge
+
+    moved = _ref()
+    moved["requests"][0]["prompt_logprobs"][1] = -9.0
+    for name, doc in {"ref-dcp1": _ref(), "ref-dcp1-mtp": moved}.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    records = [{"name": "ref-dcp1", "case": {"name": "ref-dcp1", "role": "reference"}, "status": "ok"},
+               {"name": "ref-dcp1-mtp", "case": {"name": "ref-dcp1-mtp", "role": "reference"}, "status": "ok"}]
+    assert judge(records, tmp_path, None)["verdict"] == "fail"
+    assert records[1]["verdict"] == "fail" and records[1]["problems"]
+
+
+def test_the_long_reference_is_not_compared_with_the_short_workload(tmp_path) -> None:
+    from overlay.engine.check import judge
+
+    long_doc = _ref()
+    long_doc["requests"] = long_doc["requests"][:1]
+    for name, doc in {"ref-dcp1": _ref(), "ref-long": long_doc, "dcp-long": long_doc}.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    records = [{"name": "ref-dcp1", "case": {"name": "ref-dcp1", "role": "reference"}, "status": "ok"},
+               {"name": "ref-long", "case": {"name": "ref-long", "role": "reference", "prompt_lens": [60000]},
+                "status": "ok"},
+               {"name": "dcp-long", "case": {"name": "dcp-long", "role": "check", "prompt_lens": [60000],
+                                             "compare_to": "ref-long"}, "status": "ok"}]
+    assert judge(records, tmp_path, None)["verdict"] == "pass"
+    assert [r["verdict"] for r in records] == ["reference", "reference", "pass"]

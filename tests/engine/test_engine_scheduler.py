@@ -120,6 +120,11 @@ def test_variant_jobs_run_on_their_tree_and_must_fail_their_way(tmp_path: Path) 
     assert [r["verdict"] for r in recs] == ["reference", "expected-fail", "fail"] and summary["verdict"] == "fail"
     check.report(out, summary, recs, {"model": "m"})
     assert "variant, expect mismatch" in (out / "REPORT.md").read_text()
+    # one GPU (--tp 1): only variants of DCP 1 cases run; DCP 2 ones are named and left out
+    manifest = json.loads((variants / "variants.json").read_text())
+    manifest["variants"]["minus-x"]["case"] = "ref-dcp1-mtp"
+    (variants / "variants.json").write_text(json.dumps(manifest))
+    assert [j.name for j in check.variant_jobs(variants, 1, tmp_path / "run1")] == ["minus-x--ref-dcp1-mtp"]
 
 
 def test_a_dead_engine_that_does_not_exit_is_stopped_early(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

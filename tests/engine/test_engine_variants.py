@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from overlay.engine.check import lay_variant
-from overlay.engine.variants import EXPECT, build_variants
+from overlay.engine.variants import BENCH_VARIANTS, EXPECT, build_variants
 from overlay.fetch import fetch_wheel
 from overlay.pins import load_pin
 
@@ -31,9 +31,11 @@ def _files(tar: Path) -> dict[str, bytes]:
 def test_every_fix_has_a_variant_with_its_symptom(variants: tuple[Path, dict]) -> None:
     out, manifest = variants
     names = set(manifest["variants"])
-    assert names == {"stock"} | {f"minus-{p.removesuffix('.patch')}" for p in EXPECT if p != "stock"}
+    assert names == ({"stock"} | {f"minus-{p.removesuffix('.patch')}" for p in EXPECT if p != "stock"}
+                     | set(BENCH_VARIANTS))
     for name, v in manifest["variants"].items():
-        assert (out / f"{name}.tar.gz").is_file() and v["expect"] and v["symptom"]
+        assert (out / f"{name}.tar.gz").is_file() and v["symptom"]
+        assert bool(v["expect"]) == (name not in BENCH_VARIANTS)
     assert manifest["variants"]["stock"]["patches"] == []
     # a later patch builds on the decode guard: its variant is the series before it
     assert manifest["variants"]["minus-sparse-mla-decode-metadata-guard"]["patches"] == [
@@ -65,3 +67,15 @@ def test_lay_variant_swaps_files_and_links_the_rest(variants: tuple[Path, dict],
     mla = tree / MLA
     assert not mla.is_symlink() and b'getattr(attn_metadata, "decode"' not in mla.read_bytes()
     assert (tree / "vllm" / "__init__.py").is_symlink()
+
+
+def test_mtp_as_prefills_brings_the_old_graph_mode_back(variants: tuple[Path, dict]) -> None:
+    """bench-engine's B of the MTP A/B: the series, but MTP steps prefills and spec decoding piecewise."""
+    out, manifest = variants
+    sparse = "vllm/v1/attention/backends/mla/flashmla_sparse.py"
+    series = _files(out / "minus-dcp-direct-q-gather-fallback.tar.gz")[sparse]
+    old = _files(out / "mtp-as-prefills.tar.gz")[sparse]
+    assert b"supports_dcp_with_varlen=" in series and b"supports_dcp_with_varlen=" not in old
+    assert b"if parallel_config.decode_context_parallel_size > 1:" in old
+    assert manifest["variants"]["mtp-as-prefills"]["case"] is None
+    assert manifest["variants"]["mtp-as-prefills"]["patches"][:-1] == manifest["series"]

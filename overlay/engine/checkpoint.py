@@ -332,8 +332,53 @@ def generate(out: Path, spec: TinyGlm5Spec | None = None, seed: int = 0, *, forc
     return out
 
 
+# GLM-5's published shape (the GlmMoeDsa config): 78 layers (3 dense), hidden 6144, 64 heads,
+# 8 of 256 routed experts + 1 shared of 2048 a token, dense FFN 12288, vocab 154880.
+GLM5_LAYERS, GLM5_DENSE, GLM5_HIDDEN, GLM5_HEADS = 78, 3, 6144, 64
+GLM5_ACTIVE_EXPERT_FFN = (8 + 1) * 2048  # routed + shared intermediate rows a token passes through
+GLM5_DENSE_FFN, GLM5_VOCAB = 12288, 154880
+NVFP4_BYTES = 0.5625  # bytes per weight of NVFP4: 4 bits + one FP8 scale per 16
+
+
+def glm5_per_rank(tp: int, production_tp: int = 8, weight_bytes: float = NVFP4_BYTES) -> TinyGlm5Spec:
+    """GLM-5 as one rank of ``production_tp`` sees it, for a ``tp``-GPU timing run with dummy weights.
+
+    GLM-5's attention dimensions and depth, ``64 / production_tp`` heads per rank. The FFNs are
+    sized so that the weight bytes a token reads per rank match production's: production reads
+    ``GLM5_ACTIVE_EXPERT_FFN / production_tp`` expert rows of ``weight_bytes`` each (NVFP4 by
+    default), the dummy bf16 model (2 bytes) one routed expert of two plus the shared one, sharded
+    over ``tp``; likewise the dense FFN. The vocabulary is production's per-rank share times ``tp``.
+    """
+    scale = weight_bytes / 2.0
+    expert_rows = GLM5_ACTIVE_EXPERT_FFN / production_tp * scale / 2  # per rank, each of the 2 active experts
+
+    def rows(per_rank: float) -> int:  # whole multiples of 64 per rank, sharded over tp
+        return max(64, round(per_rank / 64) * 64) * tp
+
+    return TinyGlm5Spec(
+        tp=tp, heads_per_rank=GLM5_HEADS // production_tp, hidden_size=GLM5_HIDDEN, num_hidden_layers=GLM5_LAYERS,
+        first_k_dense_replace=GLM5_DENSE, intermediate_size=rows(GLM5_DENSE_FFN / production_tp * scale),
+        moe_intermediate_size=rows(expert_rows), n_routed_experts=2, n_shared_experts=1, num_experts_per_tok=1,
+        num_nextn_predict_layers=1, vocab_size=GLM5_VOCAB // production_tp * tp, q_lora_rank=2048,
+        max_position_embeddings=202752)
+
+
+def write_config_only(out: Path, spec: TinyGlm5Spec, *, force: bool = False) -> Path:
+    """``config.json`` and the byte tokenizer, no weights: a model for ``--load-format dummy``."""
+    spec.validate()
+    if out.exists() and not force:
+        raise OverlayError(f"{out}: exists; remove it or pass --force")
+    with replacing_dir(out) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config_dict(spec), indent=2, sort_keys=True) + "\n")
+        for fname, text in tokenizer_files(spec).items():
+            (tmp / fname).write_text(text)
+        (tmp / "checkpoint.json").write_text(json.dumps({"spec": asdict(spec), "weights": "none: --load-format dummy"},
+                                                        indent=2, sort_keys=True) + "\n")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m overlay.engine.checkpoint [--out DIR] [--seed N] [--tp N] [--layers N]``."""
+    """``python -m overlay.engine.checkpoint [--out DIR] [--seed N] [--tp N] [--layers N] [--glm5-per-rank]``."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m overlay.engine.checkpoint", description=__doc__.splitlines()[0])
@@ -342,7 +387,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=TinyGlm5Spec.tp, help="TP size the heads are sized for")
     ap.add_argument("--layers", type=int, default=TinyGlm5Spec.num_hidden_layers)
     ap.add_argument("--force", action="store_true", help="overwrite an existing folder")
+    ap.add_argument("--glm5-per-rank", action="store_true",
+                    help="GLM-5's depth and attention at production's per-rank shape (glm5_per_rank), config and "
+                         "tokenizer only: serve it with --load-format dummy (timing, not numbers)")
+    ap.add_argument("--production-tp", type=int, default=8, help="with --glm5-per-rank: production's TP (8)")
+    ap.add_argument("--weight-bytes", type=float, default=NVFP4_BYTES,
+                    help="with --glm5-per-rank: production's bytes per FFN weight (NVFP4 0.5625, FP8 1)")
     ns = ap.parse_args(argv)
+    if ns.glm5_per_rank:
+        if ns.out is None:
+            ap.error("--glm5-per-rank needs --out")
+        try:
+            write_config_only(ns.out, glm5_per_rank(ns.tp, ns.production_tp, ns.weight_bytes), force=ns.force)
+        except OverlayError as e:
+            print(f"error: {e}")
+            return 1
+        print(ns.out)
+        return 0
     spec = TinyGlm5Spec(tp=ns.tp, num_hidden_layers=ns.layers)
     out = ns.out or default_cache() / checkpoint_id(spec, ns.seed)
     try:

@@ -114,3 +114,29 @@ def test_tokenizer_is_byte_level_and_covers_the_vocabulary(tmp_path: Path) -> No
     assert len(tok) == SMALL.vocab_size
     assert tok.eos_token_id == 256
     assert tok.decode([299, 65], skip_special_tokens=True) == "A"  # reserved ids decode to nothing
+
+
+def test_glm5_per_rank_matches_production_bytes_per_rank(tmp_path: Path) -> None:
+    """GLM-5's depth and attention at TP8's 8 heads per rank; FFN bytes a token reads per rank as NVFP4's."""
+    from overlay.engine.checkpoint import (
+        GLM5_ACTIVE_EXPERT_FFN,
+        GLM5_HIDDEN,
+        NVFP4_BYTES,
+        glm5_per_rank,
+        write_config_only,
+    )
+
+    spec = glm5_per_rank(2)
+    assert (spec.num_hidden_layers, spec.first_k_dense_replace, spec.heads_per_rank, spec.num_heads) == (78, 3, 8, 16)
+    assert (spec.kv_lora_rank, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim) == (512, 192, 64, 256)
+    # bytes a token reads from the routed + shared experts, per rank and layer
+    ours = (spec.num_experts_per_tok + spec.n_shared_experts) * 3 * GLM5_HIDDEN * spec.moe_intermediate_size / 2 * 2
+    production = GLM5_ACTIVE_EXPERT_FFN / 8 * 3 * GLM5_HIDDEN * NVFP4_BYTES
+    assert abs(ours / production - 1) < 0.05
+    assert glm5_per_rank(1).vocab_size * 2 == spec.vocab_size == 154880 // 8 * 2
+    out = write_config_only(tmp_path / "glm5", spec)
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 78 and config["num_attention_heads"] == 16
+    assert not list(out.glob("*.safetensors")) and (out / "tokenizer.json").is_file()
+    with pytest.raises(OverlayError, match="exists"):
+        write_config_only(out, spec)

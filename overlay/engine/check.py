@@ -41,39 +41,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from overlay.engine.compare import FLOOR, SAFETY, compare, derive_tolerance
+from overlay.engine.env import PORT_BASE, PORT_STRIDE, REPO, SAFE_ENV, STANDIN, _strip_log_prefix, error_line
 from overlay.engine.workload import Case, cases
 
-REPO = Path(__file__).resolve().parents[2]
-STANDIN = REPO / "tests" / "engine" / "standin"
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-_ERROR_LINE = re.compile(r"(\b\w*(Error|Exception)\b[:(]|token count exceeds|Traceback)")
-
-
-def error_line(log: str) -> str:
-    """The most telling line of a failed run's log: the last exception line, else the last line."""
-    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
-    hits = [ln for ln in lines if _ERROR_LINE.search(ln) and not ln.startswith("Traceback")
-            and not re.search(r"\braise \w+\($", ln)]  # the source line of a multi-line raise
-    if hits:
-        # vLLM re-raises a worker's error in the engine core and the driver: the worker's line names
-        # the cause; else the last line that is not one of the generic wrappers.
-        worker = [h for h in hits if h.startswith("(Worker")]
-        generic = ("Engine core initialization failed", "EngineDeadError", "WorkerProc initialization failed",
-                   "Worker failed with error")
-        specific = [h for h in hits if not any(g in h for g in generic)]
-        return _strip_log_prefix((worker or specific or hits)[-1])[:400]
-    return lines[-1][:400] if lines else "(no output)"
-
-
-def _strip_log_prefix(line: str) -> str:
-    """``(Worker_TP0 pid=1) ERROR 11-30 13:03:01 [file.py:1] RuntimeError: x`` -> ``RuntimeError: x``."""
-    m = re.search(r"\b\w*(Error|Exception)\b[:(].*", line)
-    return m.group(0) if m else line
-
-
 RUN_CASE = "overlay.engine.run_case"  # the module each job runs (python -m)
-PORT_BASE = 21000  # slot k's engines take ports from PORT_BASE + k * PORT_STRIDE upward (VLLM_PORT)
-PORT_STRIDE = 400
 
 
 @dataclass

@@ -1,0 +1,219 @@
+"""bench-engine's servers: settings, the vllm serve command and environment, start, readiness, death."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from overlay.bench.engine.cells import Cell
+from overlay.bench.engine.common import (
+    FLAGS,
+    FP8_DS_MLA_BYTES,
+    INDEXER_BYTES,
+    SERVED_NAME,
+    SIDES,
+    TWIN,
+    BenchError,
+    progress,
+)
+from overlay.engine.env import PORT_BASE, PORT_STRIDE, REPO, SAFE_ENV, STANDIN, error_line
+from overlay.regress.server import Server
+
+
+@dataclass
+class Settings:
+    """Everything the two servers share (and the workload): recorded in ``engine.json``."""
+
+    model: str
+    tp: int = 2
+    dcp: int = 2
+    transport: str = "direct"
+    kv_cache_memory_bytes: int = 0
+    gpu_memory_utilization: float = 0.3
+    max_model_len: int = 0
+    max_position_embeddings: int | None = None
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int | None = None
+    prefix_caching: bool = True
+    max_cudagraph_capture_size: int = 64
+    decode_tokens: int = 128
+    repeats: int = 5  # measured runs per server and cell, at least
+    cell_seconds: float = 10.0  # more ABBA pairs until each server's measured runs took this long ...
+    max_repeats: int = 30  # ... up to this many runs per server
+    null: bool = False  # A/A: both servers VLLM_DCP_PROJECT_BEFORE_MERGE=1, the ratios are the method's noise
+    twin: bool = True  # a third server C with A's flag: A against C is the null of the same run
+    seed: int = 0
+    mixed_batch: int = 32
+    mixed_context: int = 4096
+    mixed_interval: float = 0.2
+    layers: int = 0
+    deep_gemm_standin: bool = True
+    extra_args: list[str] = field(default_factory=list)
+    # B runs this vLLM tree (first on its PYTHONPATH) instead of the flag off: A/B of two trees,
+    # VLLM_DCP_PROJECT_BEFORE_MERGE=1 on every server (e.g. engine.variants' mtp-as-prefills)
+    b_tree: str = ""
+    b_label: str = ""
+
+    def server_args(self) -> list[str]:
+        args = ["--tensor-parallel-size", str(self.tp), "--decode-context-parallel-size", str(self.dcp),
+                "--dcp-comm-backend", "ag_rs" if self.transport == "ag_rs" else "a2a",
+                "--kv-cache-dtype", "fp8_ds_mla", "--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes),
+                "--gpu-memory-utilization", str(self.gpu_memory_utilization),
+                "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
+                "--enable-prefix-caching" if self.prefix_caching else "--no-enable-prefix-caching",
+                "--compilation-config", json.dumps({"max_cudagraph_capture_size": self.max_cudagraph_capture_size}),
+                "--seed", str(self.seed), "--enable-prompt-tokens-details"]
+        if self.max_num_batched_tokens:
+            args += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        if self.max_position_embeddings and self.max_model_len > self.max_position_embeddings:
+            # the checkpoint's RoPE table ends at max_position_embeddings; a longer one covers the cells
+            args += ["--hf-overrides", json.dumps({"max_position_embeddings": self.max_model_len})]
+        return args + list(self.extra_args)
+
+    def sides(self) -> list[str]:
+        """The servers of the run: A and B, and A's twin C with ``twin``."""
+        return [*SIDES, *([TWIN] if self.twin else [])]
+
+    def env(self, side: str, out: Path) -> dict[str, str]:
+        """The environment of server ``side`` (A, B or the twin C): only VLLM_DCP_PROJECT_BEFORE_MERGE
+        differs, besides its own port range and compile cache."""
+        env = dict(os.environ)
+        env.update(SAFE_ENV)
+        env["VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"] = "0"
+        env["VLLM_DCP_PROJECT_BEFORE_MERGE"] = FLAGS["A"] if self.null or self.b_tree else FLAGS[side]
+        if self.transport in ("direct", "a2a"):
+            env["VLLM_USE_DIRECT_DCP_A2A"] = "1" if self.transport == "direct" else "0"
+        paths = ([str(STANDIN)] if self.deep_gemm_standin else []) + [str(REPO)]
+        if self.b_tree and side == "B" and not self.null:
+            paths.insert(0, self.b_tree)
+        env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        slot = list(FLAGS).index(side)
+        env["VLLM_PORT"] = str(PORT_BASE + slot * PORT_STRIDE)
+        env["VLLM_CACHE_ROOT"] = str(out.parent / f"{out.name}-cache" / f"server-{side}")
+        return env
+
+
+def comparison(settings: dict[str, Any], short: bool = False) -> str:
+    """What A and B differ in, for titles: the projection flag, another vLLM tree, or nothing (null)."""
+    if settings.get("null"):
+        return "A/A null run" if short else ("A/A null run, both VLLM_DCP_PROJECT_BEFORE_MERGE=1: the ratios are "
+                                             "the method's noise")
+    if settings.get("b_tree"):
+        b = settings.get("b_label") or settings["b_tree"]
+        return f"the series vs {b}" if short else f"A = the series vs B = {b} (VLLM_DCP_PROJECT_BEFORE_MERGE=1 on both)"
+    return "VLLM_DCP_PROJECT_BEFORE_MERGE 1 vs 0" if short else "VLLM_DCP_PROJECT_BEFORE_MERGE A=1 vs B=0"
+
+
+def kv_cache_bytes(tokens_per_gpu: int, layers: int) -> int:
+    """A KV cache per GPU for ``tokens_per_gpu`` tokens: fp8_ds_mla + indexer bytes, 25% + 256 MiB margin."""
+    return int(tokens_per_gpu * layers * (FP8_DS_MLA_BYTES + INDEXER_BYTES) * 1.25) + (256 << 20)
+
+
+def largest_tokens(cells: list[Cell], decode_tokens: int) -> int:
+    """The most tokens a cell keeps in the cache at once (prefix caching off; the mixed cell's
+    prefills counted at a few in flight)."""
+    per_cell = [(c.batch + (8 if c.mixed else 0)) * (c.context + decode_tokens + 256) for c in cells]
+    return max(per_cell, default=0)
+
+
+def command(template: str | None, vllm: str, settings: Settings, port: int, side: str) -> list[str]:
+    """The server's argv: ``vllm serve`` of the checkpoint, or ``--server-cmd`` with its placeholders
+    ({port}, {model}, {name}, {side}, {args}: the vLLM arguments, shell-quoted)."""
+    if template:
+        filled = template.format(port=port, model=shlex.quote(settings.model), name=SERVED_NAME, side=side,
+                                 args=shlex.join(settings.server_args()))
+        return shlex.split(filled)
+    return [*shlex.split(vllm), "serve", settings.model, "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", SERVED_NAME, *settings.server_args()]
+
+
+def launch(side: str, cmd: list[str], env: dict[str, str], log_path: Path, port: int) -> BenchServer:
+    """Start one server in its own process group (``Server.stop`` signals the group)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        log.write(("$ " + shlex.join(cmd) + "\n").encode())
+        log.flush()
+        try:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)
+        except FileNotFoundError:
+            raise BenchError(f"server {side}: {cmd[0]!r} not found (--vllm / --server-cmd)") from None
+    return BenchServer(side, f"http://127.0.0.1:{port}", proc, log_path)
+
+
+class BenchServer(Server):
+    """A launched server that knows which side (A or B) it is."""
+
+    def __init__(self, side: str, base_url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+        super().__init__(base_url, SERVED_NAME, proc, log_path)
+        self.side = side
+
+
+def _side(server: Server) -> str:
+    return getattr(server, "side", "?")
+
+
+def _death(server: Server) -> str | None:
+    """None while ``server`` lives; else the one-line error naming it and its log's telling line."""
+    if server.alive(attempts=2, pause_s=0.5):
+        return None
+    side = _side(server)
+    if server.proc is not None:
+        try:
+            server.proc.wait(timeout=5.0)  # a crashing server is usually gone within moments
+        except subprocess.TimeoutExpired:
+            pass
+    rc = server.exited()
+    how = f"exited with status {rc}" if rc is not None else "stopped answering /health"
+    log = server.log_path.read_text(encoding="utf-8", errors="replace") if server.log_path else ""
+    return (f"server {side} (VLLM_DCP_PROJECT_BEFORE_MERGE={FLAGS.get(side, '?')}) {how}; "
+            f"{server.log_path}: {error_line(log)}")
+
+
+def stop_all(servers: list[Server], grace_s: float = 15.0) -> None:
+    """Stop the servers side by side (SIGTERM to each group, SIGKILL after ``grace_s``)."""
+    import threading
+
+    threads = [threading.Thread(target=s.stop, kwargs={"grace_s": grace_s}) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def wait_ready(servers: list[Server], timeout_s: float) -> None:
+    """Until every server answers /health and lists the model; a server that exits ends it at once."""
+    start = time.monotonic()
+    pending = list(servers)
+    next_note = start + 30.0
+    while pending:
+        for server in list(pending):
+            if server.exited() is not None:
+                raise BenchError(_death(server) or f"server {_side(server)} exited")
+            try:
+                if server.client.health() and SERVED_NAME in server.client.models():
+                    progress(f"server {_side(server)} ready after {time.monotonic() - start:.0f} s")
+                    pending.remove(server)
+            except httpx.HTTPError:
+                pass
+        now = time.monotonic()
+        if pending and now - start > timeout_s:
+            names = ", ".join(_side(s) for s in pending)
+            raise BenchError(f"server {names} not ready after {timeout_s:.0f} s (--ready-timeout); "
+                             f"{pending[0].log_path}: {error_line(pending[0].log_tail(40))}")
+        if pending and now >= next_note:
+            progress(f"waiting for server {', '.join(_side(s) for s in pending)} ({now - start:.0f} s)")
+            next_note = now + 30.0
+        if pending:
+            time.sleep(1.0)
+
+

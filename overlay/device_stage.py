@@ -1,6 +1,6 @@
 """``make device-stage``: everything vLLM's engine needs on the GPU device machine, in carries.
 
-The device machine (DESIGN.md, "How the patched vLLM is tested without the real model") has
+The device machine (docs/ARCHITECTURE.md, "How the patched vLLM is tested without the real model") has
 Python 3.12, torch 2.11, Triton 3.6 and the packages listed in ``scripts/device-packages.txt``,
 but no vLLM and no network; one call to it brings at most 64 MiB, repository included. This
 module stages, from the patched wheel that ``make build`` wrote:
@@ -138,7 +138,7 @@ LEFT_OUT: tuple[tuple[str, str], ...] = (
      "FlashAttention 2 (308 MB, 2+ carries as .xz); Hopper uses FA3, and vLLM imports FA2 in a try"),
     ("vllm/third_party/deep_gemm/_C.",
      "vendored DeepGEMM extension: built against torch's C++ ABI, it does not load on the device's "
-     "torch 2.11 (DESIGN.md); a deep_gemm stand-in on PYTHONPATH takes its place"),
+     "torch 2.11 (docs/ARCHITECTURE.md); a deep_gemm stand-in on PYTHONPATH takes its place"),
 )
 
 

@@ -2,7 +2,7 @@
 
 On our CPU machines the environment holds the CPU build of torch 2.13.0, vLLM's other
 requirements, and the wheel itself. PyPI's torchvision, torchaudio and torchcodec are CUDA
-builds that break ``import vllm`` beside CPU torch (DESIGN.md, "Pins"), so they are left
+builds that break ``import vllm`` beside CPU torch (docs/ARCHITECTURE.md, "Pins"), so they are left
 out here; on a GPU machine the wheel installs with a plain ``pip install``.
 
 The wheel never goes into the live environment piece by piece: it is staged next to it and
@@ -50,7 +50,7 @@ from overlay import lock, swap
 from overlay.errors import OverlayError
 from overlay.wheel import dist_info_name, read_record, record_hash
 
-# CUDA-only builds on PyPI that fail to import beside the CPU torch (DESIGN.md, "Pins").
+# CUDA-only builds on PyPI that fail to import beside the CPU torch (docs/ARCHITECTURE.md, "Pins").
 CPU_SKIP = frozenset({"torchvision", "torchaudio", "torchcodec"})
 TORCH_CPU = "torch==2.13.0"
 DIST = "vllm"

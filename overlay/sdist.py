@@ -7,7 +7,7 @@ deleted and reported with both digests.
 
 pip cannot fetch vLLM's sdist by name on a machine without a GPU toolchain: preparing its
 metadata needs torch and a target device, and with ``VLLM_TARGET_DEVICE=empty`` the version
-becomes ``X+empty``, which pip rejects for a named requirement. The recipe that works (DESIGN.md
+becomes ``X+empty``, which pip rejects for a named requirement. The recipe that works (docs/ARCHITECTURE.md
 "Pins"): read the sdist's URL from a ``pip download -vv`` of the name, then ``pip download`` that
 URL with ``VLLM_TARGET_DEVICE=empty`` and no build isolation, in an environment that holds
 vLLM's build requirements (torch, setuptools<81, setuptools-scm, setuptools-rust, wheel, numpy,
@@ -67,7 +67,7 @@ def _last_line(text: str) -> str:
 
 
 def pip_download_sdist(version: str, filename: str, dest: Path, *, python: str | None = None) -> None:
-    """The DESIGN.md recipe: find the sdist's URL with pip, then download it by URL."""
+    """The recipe of docs/ARCHITECTURE.md ("Pins"): find the sdist's URL with pip, then download it by URL."""
     py = python or sys.executable
     probe = subprocess.run(
         [py, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",

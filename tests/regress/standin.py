@@ -6,7 +6,7 @@ Run as its own process (``python tests/regress/standin.py --port P --mode MODE``
 prompts: counting, ``a + b``, "translate hello to French", the long-context needle, GSM8K
 questions (looked up by question text in a GSM8K-format fixture), and random latency prompts.
 
-Modes, each the symptom of one reported failure (``../shared/seeds/000_81f8ab4c68e7e38a.txt``):
+Modes, each the symptom of one reported failure (the production report; docs/ARCHITECTURE.md, "The problem"):
 
 - ``healthy``: right answers, a healthy MTP acceptance curve.
 - ``repetition``: prompts longer than ``--long-tokens`` decode into a loop.

@@ -89,6 +89,31 @@ def wheel_name(pin: Pin, version: str) -> str:
     return f"vllm-{version}-" + pin.wheel[len(prefix):]
 
 
+@dataclass(frozen=True)
+class SeriesWheel:
+    """Which wheel the series of a release gives: its pin, series, local version and file name."""
+
+    pin: Pin
+    series: Series
+    tag: str
+
+    @property
+    def version(self) -> str:
+        return f"{self.pin.version}+{self.tag}"
+
+    @property
+    def filename(self) -> str:
+        return wheel_name(self.pin, self.version)
+
+
+def series_wheel(patches_root: Path, version: str) -> SeriesWheel:
+    """The wheel ``make build`` writes for release ``version``'s series (the build, the image plan and
+    the device staging all name it through this)."""
+    pin = load_pin(patches_root, version)
+    series = Series.load(pin_dir(patches_root, version))
+    return SeriesWheel(pin, series, series_tag(series, pin))
+
+
 def build(
     patches_root: Path,
     version: str,
@@ -104,8 +129,8 @@ def build(
     stage; without them a series with kernel patches is refused.
     """
     start = time.perf_counter()
-    pin = load_pin(patches_root, version)
-    series = Series.load(pin_dir(patches_root, version))
+    target_wheel = series_wheel(patches_root, version)
+    pin, series = target_wheel.pin, target_wheel.series
     if series.kernel_patches and not kernels:
         names = ", ".join(p.name for p in series.kernel_patches)
         raise KernelPatchError(
@@ -113,8 +138,7 @@ def build(
             "the overlay cannot change prebuilt kernels: use `make image`, which rebuilds them"
         )
     wheel = _check_base(base_wheel) or fetch_wheel(pin)
-    tag = series_tag(series, pin)
-    full_version = f"{pin.version}+{tag}"
+    tag, full_version = target_wheel.tag, target_wheel.version
     with _readable(wheel, given=base_wheel is not None), zipfile.ZipFile(wheel) as zf:
         read = wheel_reader(zf)
         # Kernel patches may carry Python changes too: those are overlaid; their compiled
@@ -131,7 +155,7 @@ def build(
                 raise WheelError(f"{binary}: {archive_path!r} is not a library of {wheel.name}; "
                                  "rebuilt kernels must replace existing ones")
             changed[archive_path] = binary.read_bytes()
-        target = write_into(dist, wheel_name(pin, full_version), lambda tmp: rewrite_wheel(
+        target = write_into(dist, target_wheel.filename, lambda tmp: rewrite_wheel(
             wheel, tmp, package="vllm", version=full_version, changed=changed,
             deleted=frozenset(applied.deleted), source=zf))
     elapsed = time.perf_counter() - start

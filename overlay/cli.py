@@ -219,7 +219,7 @@ def cmd_workspace_plan(ns: argparse.Namespace) -> int:
 
 
 def cmd_device_stage(ns: argparse.Namespace) -> int:
-    from overlay.device_stage import (
+    from overlay.device import (
         MIB,
         built_wheel,
         carry_limit,
@@ -395,7 +395,7 @@ def parser() -> argparse.ArgumentParser:
                             help="largest carry in MiB (default 60; less when the checkout and a carry would "
                                  "pass the 64 MiB of a device call)")
             sp.add_argument("--full", action="store_true", help="stage every requirement, also those an engine "
-                                                                "run does not import (device_stage.NOT_NEEDED)")
+                                                                "run does not import (device.settings.NOT_NEEDED)")
             sp.add_argument("--resolver-python", help="a CPython 3.12 with pip to resolve with "
                                                       "(default: python3.12, then pyenv's)")
             sp.add_argument("--no-resolution-cache", action="store_true",

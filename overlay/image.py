@@ -356,7 +356,7 @@ def plan_image(
 ) -> Plan:
     """Compute the image plan. ``cmake_files(pin, source)`` supplies the release's CMake files
     (default: read from the verified sdist) and is only called for a series with kernel patches."""
-    from overlay.build import series_tag, wheel_name
+    from overlay.build import series_wheel
 
     problems: list[str] = []
     if base_digest and not _DIGEST.match(base_digest):
@@ -372,19 +372,17 @@ def plan_image(
     if problems:
         raise ImageError("; ".join(problems))
 
-    pin = load_pin(patches_root, version)
-    series = Series.load(pin_dir(patches_root, version))
-    tag = series_tag(series, pin)
-    overlay_version = f"{pin.version}+{tag}"
+    target = series_wheel(patches_root, version)
+    pin, series, tag, overlay_version = target.pin, target.series, target.tag, target.version
     kernel_patches = tuple(p.name for p in series.kernel_patches)
     kernels = None
     if kernel_patches:
         source = str(pin_dir(patches_root, version) / "pin.toml")
         files = (cmake_files or sdist_cmake_files)(pin, source)
         kernels = resolve_targets(series.kernel_touched, read_kernel_map(files))
-        wheel = "dist/" + wheel_name(pin, overlay_version)  # written inside the kernel stage
+        wheel = "dist/" + target.filename  # written inside the kernel stage
     else:
-        wheel = (dist / wheel_name(pin, overlay_version)).as_posix()
+        wheel = (dist / target.filename).as_posix()
     ref = f"{image}:{overlay_version.replace('+', '-')}"
     return Plan(
         version=pin.version, tag=tag, overlay_version=overlay_version, wheel=wheel,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Stage the patched vLLM for the GPU device machine (no vLLM, no network there): a thin wrapper
-# over `python -m overlay device-stage` (what `make device-stage` runs; see overlay/device_stage.py).
+# over `python -m overlay device-stage` (what `make device-stage` runs; see overlay/device/).
 #
 #   scripts/device-stage.sh [NAME] [overlay device-stage options ...]
 #

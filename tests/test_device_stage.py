@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from overlay import device_stage as ds
+from overlay import device as ds
 from overlay.archive import TAR_MTIME
 from overlay.cli import main
+from overlay.device import staging
 from tests.wheelkit import make_release, make_wheel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -481,7 +482,7 @@ class StageRig:
         self.requires = ["numba==0.65.0", "setuptools<81,>=77"]
         self.packages = tmp_path / "device-packages.txt"
         self.write_packages(DEVICE)
-        real_resolve, real_requires = ds.resolve, ds.wheel_requires_dist
+        real_resolve, real_requires = staging.resolve, staging.wheel_requires_dist
 
         def counted(*args, **kwargs) -> ds.Resolution:
             self.resolves += 1
@@ -495,11 +496,14 @@ class StageRig:
                 staged.append(_staged(tmp_path, f"wheels/{w.filename}", f"{w.name}=={w.version}".encode()))
             return staged
 
-        monkeypatch.setattr(ds, "resolve", counted)
-        monkeypatch.setattr(ds, "wheel_requires_dist", lambda wheel: (real_requires(wheel)[0], list(self.requires)))
-        monkeypatch.setattr(ds, "find_resolver", lambda explicit=None: ds.Resolver(sys.executable, "scripted", True))
-        monkeypatch.setattr(ds, "pip_runner", lambda resolver, work, platforms=ds.PLATFORMS, wheelhouse=None: self.pip)
-        monkeypatch.setattr(ds, "download_wheels", fake_download)
+        monkeypatch.setattr(staging, "resolve", counted)
+        monkeypatch.setattr(staging, "wheel_requires_dist",
+                            lambda wheel: (real_requires(wheel)[0], list(self.requires)))
+        monkeypatch.setattr(staging, "find_resolver",
+                            lambda explicit=None: ds.Resolver(sys.executable, "scripted", True))
+        monkeypatch.setattr(staging, "pip_runner",
+                            lambda resolver, work, platforms=ds.PLATFORMS, wheelhouse=None: self.pip)
+        monkeypatch.setattr(staging, "download_wheels", fake_download)
         for key in ds.PIP_ENV_KEYS:
             monkeypatch.delenv(key, raising=False)
 
@@ -888,7 +892,7 @@ def test_harness_requirements_are_pinned_as_in_pyproject() -> None:
     """What overlay.bench.engine and overlay.regress import on the device is staged at our own pins."""
     import tomllib
 
-    from overlay.device_stage import HARNESS_REQUIREMENTS
+    from overlay.device import HARNESS_REQUIREMENTS
 
     doc = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
     pinned = {r.split(";")[0].strip() for group in doc["project"]["optional-dependencies"].values() for r in group}
@@ -896,7 +900,7 @@ def test_harness_requirements_are_pinned_as_in_pyproject() -> None:
 
 
 def test_carry_limit_leaves_room_for_the_checkout(tmp_path: Path) -> None:
-    from overlay.device_stage import MIB, DeviceStageError, carry_limit
+    from overlay.device import MIB, DeviceStageError, carry_limit
     from overlay.git import git, init_repo
 
     init_repo(tmp_path)

@@ -1,0 +1,228 @@
+"""The whole staging run (``make device-stage``): requirements, resolution (cached), downloads, vLLM's
+tree and kernels, carries, and the summary printed."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
+
+from overlay.device.carries import write_carries
+from overlay.device.files import download_wheels, stage_vllm
+from overlay.device.requirements import device_requirements, read_device_packages, wheel_requires_dist
+from overlay.device.resolution_cache import load_resolution, resolution_cache_file, resolution_key, save_resolution
+from overlay.device.resolve import Resolution, _requirement_name, find_resolver, pip_runner, resolve, sdist_builder
+from overlay.device.settings import (
+    _CLOCK,
+    CARRY_LIMIT,
+    DEVICE_ENV,
+    MIB,
+    NOT_NEEDED,
+    PLATFORMS,
+    TORCH_FAMILY,
+    DeviceStageError,
+    log,
+)
+from overlay.fetch import cache_dir, sha256_file
+
+
+@dataclass(frozen=True)
+class StageResult:
+    dest: Path
+    manifest: dict
+    seconds: float
+
+
+def extra_device_requirements(extras: Iterable[str],
+                              env: Mapping[str, str] = DEVICE_ENV) -> tuple[list[str], list[str]]:
+    """``--extra`` requirements as resolved for the device (marker-free, extras kept), and those left
+    out with why (a marker false for the device); the torch family is refused (the device's is used)."""
+    kept: list[str] = []
+    skipped: list[str] = []
+    for line in extras:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement as exc:
+            raise DeviceStageError(f"--extra {line!r}: not a requirement ({exc})") from None
+        if canonicalize_name(req.name) in TORCH_FAMILY:
+            raise DeviceStageError(f"--extra {line!r}: the device's own {req.name} is used, it is never staged")
+        if req.marker is not None and not req.marker.evaluate({**env, "extra": ""}):
+            skipped.append(f"{line}: marker false for the device (--extra)")
+            continue
+        req.marker = None
+        if str(req) not in kept:
+            kept.append(str(req))
+    return kept, skipped
+
+
+def _cached_resolve(cache: Path, key: str, use_cache: bool, what: str,
+                    run: Callable[[], Resolution]) -> tuple[Resolution, bool]:
+    """The resolution cached under ``key``, or ``run()``'s (then cached); whether it was cached."""
+    cached_file = resolution_cache_file(cache, key)
+    resolution = load_resolution(cached_file, key) if use_cache else None
+    if resolution is not None:
+        log(f"{what}resolution reused from the cache (key {key[:16]}): {cached_file}; "
+            "--no-resolution-cache resolves again")
+        return resolution, True
+    if not use_cache:
+        log(f"{what}resolution cache not used (--no-resolution-cache): resolving")
+    resolution = run()
+    try:
+        save_resolution(cached_file, key, resolution)
+    except OSError as exc:
+        log(f"  warning: resolution not cached ({exc})")
+    return resolution, False
+
+
+def check_no_downgrade(resolution: Resolution, base: Resolution, device: Mapping[str, str]) -> None:
+    """Refuse a resolution with extra requirements that stages a device package older than the
+    device's, where vLLM's own resolution (``base``) does not already."""
+    versions = {w.name: w.version for w in resolution.wheels}
+    already = {d.name for d in base.dropped}
+    for pin in resolution.dropped:
+        staged = versions.get(pin.name)
+        if pin.name in already or staged is None:
+            continue
+        try:
+            older = Version(staged) < Version(pin.device_version)
+        except InvalidVersion:
+            older = staged != pin.device_version
+        if older:
+            raise DeviceStageError(f"the extra requirements need {pin.name}=={staged}, older than the device's "
+                                   f"{pin.device_version} ({pin.reason}); it is not staged over the device's")
+
+
+def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: int = CARRY_LIMIT,
+          cache: Path | None = None, resolver_python: str | None = None, jobs: int = 2,
+          full: bool = False, resolution_cache: bool = True, extras: Sequence[str] = ()) -> StageResult:
+    """Resolve, fetch and compress everything, then write the carries and manifest under ``dest``.
+
+    The resolution is cached under ``cache/device-resolutions/<key>.json`` (:func:`resolution_key`);
+    ``resolution_cache=False`` resolves again (and refreshes the cached one).
+
+    ``extras`` (``lm-eval[api]==0.4.13``) are resolved with vLLM's requirements into one set, on top
+    of vLLM's own resolution (cached as without extras): the device pins that one dropped stay
+    dropped, and a device package is never staged in a version older than the device's because of
+    them. A package with no wheel for the device gets one built from its sdist, pure Python only
+    (:func:`sdist_builder`); otherwise the staging stops naming it.
+    """
+    start = _CLOCK["start"] = time.monotonic()
+    cache = cache or cache_dir()
+    if not wheel.is_file():
+        raise DeviceStageError(f"{wheel}: no such wheel (make build writes it)")
+    version, requires = wheel_requires_dist(wheel)
+    not_needed = {} if full else NOT_NEEDED
+    requirements, skipped = device_requirements(requires, not_needed=not_needed)
+    extra_reqs, extra_skipped = extra_device_requirements(extras)
+    skipped += extra_skipped
+    device = read_device_packages(device_packages)
+    resolver = find_resolver(resolver_python)
+    log(f"{wheel.name}: {len(requirements)} requirement(s) for the device, {len(skipped)} left out; "
+        f"{len(device)} device package(s); resolver {resolver.description}")
+    if extra_reqs:
+        log(f"extra requirement(s): {', '.join(extra_reqs)}")
+    if not resolver.exact:
+        log("  warning: the resolver is not CPython 3.12: dependencies' markers are evaluated for it")
+    wheelhouse = cache / "device-wheels" / "from-sdist"
+
+    def resolve_with(extra: Sequence[str], pins: Mapping[str, str]) -> Callable[[], Resolution]:
+        def run() -> Resolution:
+            with tempfile.TemporaryDirectory(prefix="device-stage-") as work:
+                wheelhouse.mkdir(parents=True, exist_ok=True)
+                return resolve(requirements, pins, pip_runner(resolver, Path(work), wheelhouse=wheelhouse),
+                               build=sdist_builder(resolver, wheelhouse), extra_requirements=extra)
+        return run
+
+    base_key = resolution_key(requirements, device, resolver)
+    key = resolution_key(requirements, device, resolver, extra_requirements=extra_reqs) if extra_reqs else base_key
+    resolution = load_resolution(resolution_cache_file(cache, key), key) if extra_reqs and resolution_cache else None
+    cached = resolution is not None
+    if resolution is not None:
+        log(f"resolution with the extras reused from the cache (key {key[:16]}): {resolution_cache_file(cache, key)}; "
+            "--no-resolution-cache resolves again")
+    else:
+        base, cached = _cached_resolve(cache, base_key, resolution_cache, "", resolve_with((), device))
+        if extra_reqs:
+            pins = {n: v for n, v in device.items() if canonicalize_name(n) not in {d.name for d in base.dropped}}
+            log(f"resolving the extra requirement(s) with vLLM's: {len(base.dropped)} device pin(s) stay dropped")
+            resolution, cached = resolve_with(extra_reqs, pins)(), False
+            resolution.dropped = sorted([*base.dropped, *resolution.dropped], key=lambda d: d.name)
+            resolution.restored = sorted({*base.restored, *resolution.restored})
+            resolution.rounds += base.rounds
+            check_no_downgrade(resolution, base, device)
+            try:
+                save_resolution(resolution_cache_file(cache, key), key, resolution)
+            except OSError as exc:
+                log(f"  warning: resolution not cached ({exc})")
+        else:
+            resolution = base
+    explicit = {_requirement_name(r) for r in extra_reqs}
+    not_needed = {k: v for k, v in not_needed.items() if k not in explicit}
+    unneeded = [w for w in resolution.wheels if w.name in not_needed]
+    resolution.wheels = [w for w in resolution.wheels if w.name not in not_needed]
+    skipped += [f"{w.name}=={w.version}: not needed on the device: {not_needed[w.name]}" for w in unneeded]
+    log(f"resolved: {len(resolution.wheels)} wheel(s) to stage, {len(resolution.dropped)} device pin(s) dropped"
+        f"{f', {len(unneeded)} not needed' if unneeded else ''}")
+    staged_wheels = download_wheels(resolution.wheels, cache / "device-wheels", resolver)
+    vllm_files, left_out = stage_vllm(wheel, cache / "device-xz", jobs)
+    files = [*vllm_files, *staged_wheels]
+    sizes = {f.path: f.size for f in staged_wheels}
+    extra = {
+        "vllm": {"wheel": wheel.name, "version": version, "sha256": sha256_file(wheel)},
+        "left_out": left_out,
+        "resolution": {
+            "target": {"python": "3.12", "implementation": "cp", "platforms": list(PLATFORMS)},
+            "resolver": resolver.description,
+            "requirements": requirements,
+            **({"extra_requirements": extra_reqs} if extra_reqs else {}),
+            "not_requested": skipped,
+            "device_packages": device_packages.name,
+            "dropped_device_pins": [asdict(d) for d in resolution.dropped],
+            "restored_device_pins": resolution.restored,
+            "rounds": resolution.rounds,
+            "cached": cached,
+            "cache_key": key,
+            **({"built_from_sdist": resolution.built} if resolution.built else {}),
+        },
+        "wheels": [{"name": w.name, "version": w.version, "file": w.filename, "url": w.url,
+                    "sha256": w.sha256, "size": sizes[f"wheels/{w.filename}"],
+                    "device_version": device.get(w.name), "required_by": resolution.required_by.get(w.name, [])}
+                   for w in resolution.wheels],
+    }
+    manifest = write_carries(dest, name, files, limit=limit, extra=extra)
+    seconds = time.monotonic() - start
+    log(f"wrote {len(manifest['carries'])} carries under {dest} ({seconds:.0f} s)")
+    return StageResult(dest, manifest, seconds)
+
+
+def format_summary(manifest: Mapping) -> str:
+    """Carries with sizes, the staged wheels, dropped pins: what a person checks before the device."""
+    lines = [f"{len(manifest['carries'])} carries, {sum(c['size'] for c in manifest['carries']) / MIB:.1f} MiB"]
+    for carry in manifest["carries"]:
+        lines.append(f"  {carry['name']}  {carry['size'] / MIB:6.1f} MiB  {len(carry['pieces'])} file(s)")
+    wheels = manifest.get("wheels", [])
+    lines.append(f"{len(wheels)} wheel(s), {sum(w['size'] for w in wheels) / MIB:.1f} MiB:")
+    lines += [f"  {w['name']}=={w['version']}  {w['size'] / MIB:.2f} MiB"
+              + (f"  (device has {w['device_version']})" if w.get("device_version") else "")
+              + (f"  <- {', '.join(w['required_by'])}" if w.get("required_by") else "") for w in wheels]
+    for d in manifest.get("resolution", {}).get("dropped_device_pins", []):
+        lines.append(f"dropped device pin {d['name']}=={d['device_version']}: {d['reason']}")
+    for pkg, built in sorted(manifest.get("resolution", {}).get("built_from_sdist", {}).items()):
+        lines.append(f"built from its sdist (pure Python): {pkg}: {built}")
+    return "\n".join(lines)
+
+
+def built_wheel(patches_root: Path, vllm: str, dist: Path) -> Path:
+    """The wheel ``make build`` writes for the current series of release ``vllm`` (it must be built)."""
+    from overlay.build import series_wheel
+
+    wheel = dist / series_wheel(patches_root, vllm).filename
+    if not wheel.is_file():
+        raise DeviceStageError(f"{wheel}: not built for the current series; run `make build VLLM={vllm}` first")
+    return wheel

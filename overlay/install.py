@@ -47,6 +47,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from overlay import lock, swap
+from overlay.distdir import umask as current_umask
 from overlay.errors import OverlayError
 from overlay.wheel import dist_info_name, read_record, record_hash
 
@@ -312,7 +313,7 @@ def _file_mode(info: zipfile.ZipInfo, umask: int) -> int:
 def _stage_incremental(zf: zipfile.ZipFile, new: _WheelView, old: _Installed, site: Path, scripts: Path,
                        stage: Path, wheel: Path, digest: _Digest) -> tuple[swap.Plan | None, int]:
     """Stage the new distribution from the installed one plus the changed members; None when nothing changed."""
-    umask = _umask()
+    umask = current_umask()
     written = 0
     made: set[str] = set()  # plain strings in this loop over ~7000 files: pathlib costs more than the links
 
@@ -420,12 +421,6 @@ def _read_or_none(path: Path) -> bytes | None:
         return path.read_bytes()
     except OSError:
         return None
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def _stage_with_pip(python: Path, wheel: Path, site: Path, stage: Path) -> swap.Plan:

@@ -49,8 +49,7 @@ def base_wheel() -> Path:
 @pytest.fixture
 def one_patch_release(tmp_path: Path) -> tuple[Path, Path]:
     """A synthetic release (patches root, base wheel) whose series holds one good patch."""
-    from tests.test_build import BASE_FILES, good_patch
-    from tests.wheelkit import make_release, make_wheel
+    from tests.wheelkit import BASE_FILES, good_patch, make_release, make_wheel
 
     d = tmp_path / "base"
     d.mkdir()

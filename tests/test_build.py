@@ -17,17 +17,10 @@ from overlay.build import build
 from overlay.distdir import LOCK_NAME
 from overlay.errors import ApplyError, KernelPatchError, SeriesError, WheelError
 from overlay.wheel import verify_record
-from tests.wheelkit import format_patch, make_release, make_wheel
+from tests.wheelkit import A_PY, BASE_FILES, format_patch, good_patch, make_release, make_wheel
+from tests.wheelkit import changed as _changed
 
 REPO = Path(__file__).resolve().parent.parent
-A_PY = b"".join(f"line_{i} = {i}\n".encode() for i in range(30))
-BASE_FILES = {"vllm/__init__.py": b"from vllm._version import __version__\n", "vllm/a.py": A_PY,
-              "vllm/_C.abi3.so": bytes(range(256)) * 400}
-
-
-def _changed(data: bytes, old: bytes, new: bytes) -> bytes:
-    assert old in data
-    return data.replace(old, new)
 
 
 @pytest.fixture
@@ -35,13 +28,6 @@ def wheel(tmp_path: Path) -> Path:
     d = tmp_path / "base"
     d.mkdir()
     return make_wheel(d, BASE_FILES)
-
-
-def good_patch(tmp_path: Path) -> bytes:
-    return format_patch({"vllm/a.py": A_PY},
-                        {"vllm/a.py": _changed(A_PY, b"line_5 = 5\n", b"line_5 = 50\n"),
-                         "vllm/new.py": b"NEW = True\n"},
-                        "Change line 5 and add new.py", work=tmp_path)
 
 
 def test_build_writes_a_versioned_verifiable_wheel(tmp_path: Path, wheel: Path) -> None:

@@ -6,13 +6,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_rebase import BASE, FROM, fill, lines, make_patch, series_dir
 
 from overlay.apply import apply_series
 from overlay.cherry_pick import CherryPickError, cherry_pick, cherry_pick_continue, web_url
 from overlay.errors import ApplyError
 from overlay.git import git, git_text, init_repo
 from overlay.series import Series
+from tests.rebasekit import BASE, FROM, fill, lines, make_patch, series_dir
 
 # Upstream's history: the release's files plus what the wheel does not ship (tests/, setup.py).
 UPSTREAM = {**BASE, "setup.py": "setup()\n", "tests/test_c.py": "def test_c():\n    pass\n"}
@@ -177,7 +177,7 @@ def test_web_url(remote: str, web: str | None) -> None:
 @pytest.mark.slow
 def test_real_release_change_as_upstream_pr(tmp_path: Path) -> None:
     """The 0.28.0 -> 0.29.0 change of one real file, as pull request 1 of a local remote."""
-    from test_rebase import cached_tree, copy_of
+    from tests.rebasekit import cached_tree, copy_of
 
     old, new = cached_tree("0.28.0"), cached_tree("0.29.0")
     if old is None or new is None:

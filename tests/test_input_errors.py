@@ -6,7 +6,6 @@ import re
 from pathlib import Path
 
 import pytest
-from test_rebase import BASE, FROM, fill, make_patch, series_dir
 
 from overlay.apply import apply_series
 from overlay.cherry_pick import CherryPickError, cherry_pick
@@ -16,6 +15,7 @@ from overlay.pins import Pin, load_pin
 from overlay.series import Patch, Series
 from overlay.workspace import create, export, slug
 from overlay.workspace_plan import ServingConfig, build_config
+from tests.rebasekit import BASE, FROM, fill, make_patch, series_dir
 from tests.wheelkit import format_patch, make_release, make_wheel
 
 A = b"".join(f"a{i} = {i}\n".encode() for i in range(20))

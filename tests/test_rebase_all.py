@@ -8,7 +8,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_rebase import BASE, FROM, TARGET, TARGET_PIN, TO, fill, lines, make_patch, series_dir
 
 from overlay.apply import apply_series
 from overlay.rebase import pytest_runner, resume, start
@@ -16,6 +15,7 @@ from overlay.rebase_resolve import take_side
 from overlay.rebase_stale import later_pin_notes, sha256_of
 from overlay.series import Series
 from overlay.status import PatchStatus, format_table
+from tests.rebasekit import BASE, FROM, TARGET, TARGET_PIN, TO, fill, lines, make_patch, series_dir
 
 A30 = {"vllm/a.py": lines("a", 40, l30="a_30 = 'patched'")}
 A2 = {"vllm/a.py": lines("a", 40, l30="a_30 = 'patched'", l20="a_20 = 'patched'")}

@@ -95,3 +95,23 @@ def format_patch(files_before: dict[str, bytes], files_after: dict[str, bytes], 
         git("commit", "-q", "-F", "-", input=f"{subject}\n\nWhy it is needed.\n\n{trailers}\n".encode())
         return git("format-patch", "-1", "--stdout", "--zero-commit", "--full-index", "--no-signature",
                    "--keep-subject", "--no-stat")
+
+
+# A small base release every build test can start from, and a patch that applies to it.
+A_PY = b"".join(f"line_{i} = {i}\n".encode() for i in range(30))
+BASE_FILES = {"vllm/__init__.py": b"from vllm._version import __version__\n", "vllm/a.py": A_PY,
+              "vllm/_C.abi3.so": bytes(range(256)) * 400}
+
+
+def changed(data: bytes, old: bytes, new: bytes) -> bytes:
+    """``data`` with ``old`` (which must be there) replaced by ``new``."""
+    assert old in data
+    return data.replace(old, new)
+
+
+def good_patch(tmp_path: Path) -> bytes:
+    """A patch of ``BASE_FILES``: line 5 of ``vllm/a.py`` changed, ``vllm/new.py`` added."""
+    return format_patch({"vllm/a.py": A_PY},
+                        {"vllm/a.py": changed(A_PY, b"line_5 = 5\n", b"line_5 = 50\n"),
+                         "vllm/new.py": b"NEW = True\n"},
+                        "Change line 5 and add new.py", work=tmp_path)

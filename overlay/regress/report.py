@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from overlay.regress import plots
 from overlay.regress.profiles import GSM8K_METRICS
-
-if TYPE_CHECKING:
-    from overlay.regress.runner import RunReport
+from overlay.regress.results import RunReport
 
 _ICON = {"pass": "PASS", "fail": "FAIL", "error": "ERROR", "skipped": "skipped"}
 

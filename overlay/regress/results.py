@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from overlay.regress.profiles import Profile
+
 Kind = Literal["regression", "harness"]
 Status = Literal["pass", "fail", "error", "skipped"]
 
@@ -82,3 +84,19 @@ class Progress:
         elapsed = int(time.monotonic() - self.start)
         stream = self.stream or sys.stderr
         print(f"[regress {elapsed // 60:02d}:{elapsed % 60:02d}] {message}", file=stream, flush=True)
+
+
+@dataclass
+class RunReport:
+    """A whole run: the profile, the server it judged, every step's result and the verdict."""
+
+    profile: Profile
+    base_url: str
+    attached: bool
+    out_dir: Path
+    started: str
+    steps: list[StepResult] = field(default_factory=list)
+    verdict: str = ""
+    exit_code: int = 2
+    server_log: str | None = None
+    seconds: float = 0.0

@@ -12,7 +12,6 @@ from __future__ import annotations
 import shlex
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -22,24 +21,19 @@ import httpx
 from overlay.regress import acceptance, differential, gsm8k, latency, longctx
 from overlay.regress.errors import RegressError, ServerDied
 from overlay.regress.profiles import GSM8K_METRICS, Profile
-from overlay.regress.results import Finding, Progress, StepResult, step_status, verdict, write_verdict
+from overlay.regress.report import write_report
+from overlay.regress.results import (
+    Finding,
+    Progress,
+    RunReport,
+    StepResult,
+    step_status,
+    verdict,
+    write_verdict,
+)
 from overlay.regress.server import Server
 
 StepFn = Callable[[Profile, Server, Path, Callable[[str], None]], tuple[dict[str, Any], list[Finding]]]
-
-
-@dataclass
-class RunReport:
-    profile: Profile
-    base_url: str
-    attached: bool
-    out_dir: Path
-    started: str
-    steps: list[StepResult] = field(default_factory=list)
-    verdict: str = ""
-    exit_code: int = 2
-    server_log: str | None = None
-    seconds: float = 0.0
 
 
 def _long_context(profile: Profile, server: Server, out: Path, progress: Callable[[str], None]) -> tuple[
@@ -170,7 +164,6 @@ def run(profile: Profile, out_dir: Path, base_url: str | None = None,
                                                 findings=[Finding("record-baseline", "harness", str(exc))]))
     report.verdict, report.exit_code = verdict(report.steps)
     report.seconds = time.monotonic() - start
-    from overlay.regress.report import write_report
 
     paths = write_report(report)
     write_verdict(out_dir, report.exit_code, [_line(f) for s in report.steps for f in s.findings], paths[0])

@@ -5,7 +5,7 @@ the ``rebase.json`` files that ``make rebase`` wrote for later releases (the fir
 where the patch was found ``upstream`` or ``upstream-by-behaviour``; ``partly <release>`` when
 only part of it was). Each row also says when a later pin (one whose ``rebase.json`` says it
 was rebased from this one) carries an older version of the patch, or lacks it
-(:mod:`overlay.rebase_stale`).
+(:mod:`overlay.rebase.stale`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from overlay.apply import apply_series, wheel_reader
 from overlay.errors import ApplyError
 from overlay.fetch import fetch_wheel
 from overlay.pins import load_pin, pin_dir
-from overlay.rebase_stale import later_pin_notes
+from overlay.rebase.stale import later_pin_notes
 from overlay.series import Series
 
 

@@ -18,15 +18,8 @@ import pytest
 
 from overlay.cli import main, parser
 from overlay.errors import FetchError, PinError
-from overlay.image import (
-    ImageError,
-    docker_engine,
-    format_plan,
-    is_cmake_source,
-    plan_image,
-    read_kernel_map,
-    resolve_targets,
-)
+from overlay.image import ImageError, docker_engine, format_plan, plan_image
+from overlay.kernels import KernelMapError, is_cmake_source, read_kernel_map, resolve_targets
 from overlay.pins import Pin
 from overlay.sdist import fetch_sdist, find_sdist_url, read_sources
 from tests.wheelkit import format_patch, make_release, make_wheel, sha256
@@ -247,7 +240,7 @@ def test_kernel_map_skips_branches_a_cuda_build_never_takes() -> None:
 
 
 def test_kernel_map_needs_cmakelists() -> None:
-    with pytest.raises(ImageError, match=r"^source tree has no CMakeLists\.txt: cannot tell"):
+    with pytest.raises(KernelMapError, match=r"^source tree has no CMakeLists\.txt: cannot tell"):
         read_kernel_map({"cmake/utils.cmake": ""})
 
 

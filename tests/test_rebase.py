@@ -320,7 +320,7 @@ def test_a_prepared_target_folder_is_filled(tmp_path: Path, prepared: str) -> No
 def test_make_rebase_takes_a_prepared_pin_instead_of_the_index(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     import overlay.fetch
-    import overlay.rebase
+    import overlay.rebase.release
 
     root = tmp_path / "patches"
     series_dir(root, {"a.patch": make_patch(tmp_path, "a", CASES["applied"][0])})
@@ -330,8 +330,8 @@ def test_make_rebase_takes_a_prepared_pin_instead_of_the_index(tmp_path: Path,
     monkeypatch.setattr(overlay.fetch, "fetch_wheel", lambda pin: fetched.append(pin.version) or tmp_path / pin.wheel)
     monkeypatch.setattr(overlay.fetch, "fetch_release", lambda v: pytest.fail("asked the index"))
     given: list[Pin] = []
-    monkeypatch.setattr(overlay.rebase, "start", lambda root, frm, pin, *a, **k: given.append(pin))
-    overlay.rebase.rebase_release(root, FROM, TO, work_root=tmp_path / "w", run_tests=False)
+    monkeypatch.setattr(overlay.rebase.release, "start", lambda root, frm, pin, *a, **k: given.append(pin))
+    overlay.rebase.release.rebase_release(root, FROM, TO, work_root=tmp_path / "w", run_tests=False)
     assert fetched == [FROM, TO] and given == [TARGET_PIN]
 
 

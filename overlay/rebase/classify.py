@@ -1,48 +1,23 @@
-"""``make rebase TO=x.y.z``: carry the series onto another vLLM release, and say what upstream took.
-
-A scratch repository ``.work/rebase-<to>/`` gets the history the replay needs: the base
-release's text files (tag ``base``), the series on top as commits (branch ``old``), and the
-target release as a commit on top of the base (tag ``target``, branch ``new``). Each patch is
-then classified, in series order, on ``new``:
-
-``upstream``
-    it reverse-applies to the target, or the 3-way merge leaves nothing to commit;
-``upstream-by-behaviour``
-    its own tests (``tests/patches/test_<name>.py``) fail on the old base and pass on the
-    target without it: upstream fixed the bug its own way, the patch is dropped;
-``applied``
-    it applies exactly (the file is carried verbatim);
-``refreshed``
-    it applies after a 3-way merge with rename detection (the refreshed patch is exported);
-``partly-upstream``
-    carried, but part of it is already there (hunks the target has, or tests that already pass);
-``conflict`` / ``conflict-resolved``
-    the merge stopped: the run reports the hunks and leaves the worktree for plain git;
-    ``make rebase-continue`` picks up after a person resolved it.
-
-Nothing is written under ``patches/<to>/`` until every patch is classified: the folder is
-written under a temporary name and renamed. Tests drive :func:`start` and :func:`resume`
-with tree-filling callables and a fake test runner; the CLI uses :func:`rebase_release`.
-"""
+"""The rebase run: prepare the scratch repository, then classify each patch in series order
+(upstream, by behaviour, applied, refreshed, partly upstream, conflict), resolving where tests can."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shutil
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-from overlay.errors import KernelPatchError, OverlayError
+from overlay.errors import KernelPatchError
 from overlay.git import git, git_text
-from overlay.pins import Pin, load_pin, pin_dir
-from overlay.rebase_resolve import abort, pick, try_candidates
-from overlay.rebase_stale import later_pin_notes, sha256_of
+from overlay.pins import Pin, pin_dir
+from overlay.rebase.report import _finish, _write_report
+from overlay.rebase.resolve import abort, pick, try_candidates
+from overlay.rebase.stale import sha256_of
+from overlay.rebase.state import Outcome, RebaseError, Result, State, prepared_pin
+from overlay.rebase.testrun import TestRun, TestRunner
 from overlay.replay import (
     ConflictHunk,
     TreeSource,
@@ -55,182 +30,8 @@ from overlay.replay import (
     unmerged,
 )
 from overlay.series import Patch, Series
-from overlay.swap import exchange
-from overlay.workspace import extract_text_tree, format_patch
+from overlay.workspace import format_patch
 
-STATE = "overlay-rebase.json"  # inside the scratch repository's .git: survives git commands
-
-
-class RebaseError(OverlayError):
-    """A rebase cannot start or continue (state missing, unresolved paths, target exists)."""
-
-
-@dataclass(frozen=True)
-class TestRun:
-    """One run of a patch's own tests against one tree."""
-
-    __test__ = False  # not a pytest test class, whatever its name
-
-    status: str  # "passed" (rc 0), "failed" (rc 1: tests ran, some failed), "error" (did not run)
-    passed: tuple[str, ...] = ()
-    failed: tuple[str, ...] = ()
-    summary: str = ""
-    reasons: tuple[str, ...] = ()  # per failed test, the first line of its failure message
-
-    def to_dict(self) -> dict[str, object]:
-        return {"status": self.status, "passed": list(self.passed), "failed": list(self.failed),
-                "summary": self.summary, "reasons": list(self.reasons)}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> TestRun:
-        return cls(d["status"], tuple(d["passed"]), tuple(d["failed"]), d["summary"], tuple(d.get("reasons", ())))
-
-
-TestRunner = Callable[[Patch, Path], TestRun | None]
-"""``run(patch, tree)`` runs the patch's tests with ``import vllm`` resolving to ``tree``;
-``None`` when the patch has no tests."""
-
-
-def test_file(tests_dir: Path, patch_name: str) -> Path:
-    """``tests/patches/test_<name>.py`` for ``<name>.patch`` (dashes become underscores)."""
-    return tests_dir / f"test_{patch_name.removesuffix('.patch').replace('-', '_')}.py"
-
-
-def test_files(tests_dir: Path, patch_name: str) -> list[Path]:
-    """A patch's test files: ``test_<name>.py`` and its parts ``test_<name>__<part>.py``."""
-    main = test_file(tests_dir, patch_name)
-    return [main, *sorted(main.parent.glob(f"{main.stem}__*.py"))]
-
-
-def pytest_runner(tests_dir: Path, *, cwd: Path | None = None, timeout: float = 900) -> TestRunner:
-    """Run a patch's :func:`test_files` in a subprocess with ``OVERLAY_VLLM_TREE=<tree>``.
-
-    Like ``tests/test_patches_against_base.py``: the repository's ``conftest.py`` puts the
-    tree first on ``sys.path``; ``PYTHONPATH`` does the same for test folders without it.
-    """
-    import subprocess
-
-    def run(patch: Patch, tree: Path) -> TestRun | None:
-        files = test_files(tests_dir, patch.name)
-        if not files[0].is_file():
-            return None
-        env = dict(os.environ)
-        env["OVERLAY_VLLM_TREE"] = str(tree)
-        env["PYTHONPATH"] = os.pathsep.join([str(tree), *filter(None, [env.get("PYTHONPATH")])])
-        env["PYTHONDONTWRITEBYTECODE"] = "1"  # never leave __pycache__ in a tree under test
-        with tempfile.TemporaryDirectory(prefix="overlay-tests-") as tmp:
-            junit = Path(tmp) / "junit.xml"
-            cmd = [sys.executable, "-m", "pytest", *map(str, files), "-m", "not gpu", "-q", "-p", "no:cacheprovider",
-                   "-o", "addopts=", f"--junitxml={junit}"]
-            try:
-                proc = subprocess.run(cmd, cwd=cwd or tests_dir, env=env, capture_output=True, text=True,
-                                      check=False, timeout=timeout)
-            except subprocess.TimeoutExpired:
-                return TestRun("error", summary=f"timed out after {timeout:.0f} s")
-            passed, failed, reasons = _junit(junit)
-        tail = [ln for ln in (proc.stdout + proc.stderr).strip().splitlines() if ln.strip()]
-        summary = tail[-1] if tail else f"pytest exited {proc.returncode}"
-        status = {0: "passed", 1: "failed"}.get(proc.returncode, "error")
-        if status == "error":
-            summary = f"rc={proc.returncode}: " + " | ".join(tail[-3:])
-        return TestRun(status, passed, failed, summary, reasons)
-
-    return run
-
-
-def _junit(path: Path) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
-    if not path.exists():
-        return (), (), ()
-    passed: list[str] = []
-    failed: list[str] = []
-    reasons: list[str] = []
-    for case in ET.parse(path).getroot().iter("testcase"):
-        name = case.get("name", "?")
-        bad = case.find("failure")
-        bad = bad if bad is not None else case.find("error")
-        if bad is not None:
-            failed.append(name)
-            reasons.append(_reason(bad.get("message") or "", bad.text or ""))
-        elif case.find("skipped") is None:
-            passed.append(name)
-    return tuple(passed), tuple(failed), tuple(reasons)
-
-
-_EXC = re.compile(r"^\s*(?:E\s+)?([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b.*)$")
-
-
-def _reason(message: str, text: str) -> str:
-    """One line saying why a test failed: the innermost exception, else the message's first line."""
-    found = [m[1] for line in (message + "\n" + text).splitlines() if (m := _EXC.match(line))]
-    found = [f for f in found if not f.startswith("AssertionError: Traceback")]
-    first = message.strip().splitlines()
-    return (found[-1] if found else first[0] if first else "")[:200]
-
-
-@dataclass
-class Result:
-    """The classification of one patch."""
-
-    name: str
-    outcome: str
-    evidence: str
-    still_needed: list[str] = field(default_factory=list)
-    absorbed: list[str] = field(default_factory=list)
-    behaviour: dict[str, dict] = field(default_factory=dict)  # "old-base" / "target" -> TestRun
-    conflicts: list[dict] = field(default_factory=list)
-    carried: bool = False  # the patch is in the new series
-    candidates: list[dict] = field(default_factory=list)  # resolution attempts (rebase_resolve.Attempt)
-    source_sha256: str = ""  # the source patch file this result was classified from
-
-
-@dataclass
-class State:
-    """Everything ``make rebase-continue`` needs, stored in the scratch repository."""
-
-    from_version: str
-    to_version: str
-    pin: dict
-    patches_root: str
-    tests_dir: str
-    names: list[str]
-    old_commits: list[str]
-    index: int = 0
-    results: list[dict] = field(default_factory=list)
-    exported: dict[str, str] = field(default_factory=dict)  # name -> "verbatim" | commit id
-    pending: dict = field(default_factory=dict)  # the patch stopped at: head before, behaviour
-
-    def save(self, work: Path) -> None:
-        path = work / ".git" / STATE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
-        os.replace(tmp, path)
-
-    @classmethod
-    def load(cls, work: Path) -> State:
-        path = work / ".git" / STATE
-        if not path.is_file():
-            raise RebaseError(f"{work}: no rebase in progress there (no .git/{STATE})")
-        return cls(**json.loads(path.read_text()))
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What a run (or a continue) ended with."""
-
-    done: bool
-    out_dir: Path | None
-    results: list[Result]
-    conflict: list[ConflictHunk]
-    work: Path
-    message: str
-
-
-def work_dir(to_version: str, root: Path = Path(".work")) -> Path:
-    """The worktree a rebase to ``to_version`` uses and leaves behind on a conflict."""
-    return root / f"rebase-{to_version}"
-
-
-# --- the run ------------------------------------------------------------------------------
 
 def start(
     patches_root: Path,
@@ -273,22 +74,6 @@ def start(
         raise
 
 
-def prepared_pin(patches_root: Path, to: str) -> Pin | None:
-    """What may wait in ``patches/<to>/`` before a rebase onto ``to``: nothing, an empty folder, or only
-    ``pin.toml`` (the target pinned by hand: its wheel and digest are used instead of the index's).
-
-    Anything else is an earlier rebase's result, which a new one must not overwrite.
-    """
-    out = pin_dir(patches_root, to)
-    if not out.exists():
-        return None
-    if not out.is_dir():
-        raise RebaseError(f"{out}: is a file, not a release folder; remove it to rebase onto {to}")
-    other = sorted(p.name for p in out.iterdir() if p.name != "pin.toml")
-    if other:
-        raise RebaseError(f"{out}: already exists (holds {', '.join(other[:3])}{', ...' if len(other) > 3 else ''}); "
-                          f"remove it to rebase onto {to} again")
-    return load_pin(patches_root, to) if (out / "pin.toml").exists() else None
 
 
 def _keep_partial_report(work: Path, exc: BaseException) -> None:
@@ -459,7 +244,7 @@ def _differently(old: TestRun, new: TestRun) -> str:
 def _run(work: Path, state: State, series: Series, runner: TestRunner | None) -> Outcome:
     """Classify every patch from ``state.index`` on; a conflict is set aside and the run goes on.
 
-    A conflicting patch first gets its mechanical candidates (:mod:`overlay.rebase_resolve`);
+    A conflicting patch first gets its mechanical candidates (:mod:`overlay.rebase.resolve`);
     when none passes its tests it is set aside (``conflict``) and the later patches are
     classified on the target plus what was carried so far. With nothing set aside the release
     folder is written. Otherwise the report goes into ``work`` and the worktree is put back on
@@ -658,197 +443,3 @@ def _conflict_message(work: Path, patch: Patch, hunks: list[ConflictHunk], resul
     return "\n".join(lines)
 
 
-# --- writing the release folder ------------------------------------------------------------
-
-def _finish(work: Path, state: State, series: Series, results: list[Result]) -> Path:
-    patches_root = Path(state.patches_root)
-    out = pin_dir(patches_root, state.to_version)
-    try:
-        prepared = prepared_pin(patches_root, state.to_version)
-    except RebaseError as exc:
-        raise RebaseError(f"{out}: changed while the rebase ran; not overwriting it ({exc})") from None
-    pin = Pin.from_dict(state.pin, f"target pin of the rebase onto {state.to_version}")
-    tmp = Path(tempfile.mkdtemp(prefix=f".rebase-{state.to_version}-", dir=patches_root))
-    try:
-        names: list[str] = []
-        for patch, res in zip(series.patches, results, strict=True):
-            how = state.exported.get(patch.name)
-            if not res.carried or how is None:
-                continue
-            raw = patch.raw if how == "verbatim" else format_patch(work, how)
-            Patch.from_bytes(patch.name, raw, tmp / patch.name)  # refuse to write a broken file
-            (tmp / patch.name).write_bytes(raw)
-            names.append(patch.name)
-        (tmp / "series").write_text(Series.render(names, header_from=(
-            f"# Patch series for vLLM {state.to_version}, applied in this order by `make build`.\n"
-            f"# Rebased from {state.from_version} by `make rebase` (see REBASE.md).\n")))
-        if prepared is not None:  # the person's own file, comments and all
-            shutil.copy2(out / "pin.toml", tmp / "pin.toml")
-        else:
-            (tmp / "pin.toml").write_text(pin.to_toml())
-        _write_report(tmp, state, results, work)
-        os.chmod(tmp, 0o755)
-        if out.exists():  # prepared by a person (empty, or only pin.toml): swapped in one step
-            exchange(tmp, out)
-        else:
-            os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    return out
-
-
-def _write_report(dest: Path, state: State, results: list[Result], work: Path, *,
-                  pending: list[str] | None = None, unclassified: list[str] | None = None) -> None:
-    """``rebase.json`` and ``REBASE.md`` into ``dest`` (the release folder, or the worktree);
-    ``unclassified``: the run is still going and these patches are not classified yet."""
-    doc: dict[str, object] = {
-        "from": state.from_version,
-        "to": state.to_version,
-        "target": state.pin,
-        "trust": _TRUST,
-        "pending": pending or [],
-        "patches": [{"name": r.name, "outcome": r.outcome, "evidence": r.evidence, "carried": r.carried,
-                     "still_needed": r.still_needed, "absorbed": r.absorbed, "behaviour": r.behaviour,
-                     "conflicts": r.conflicts, "candidates": r.candidates, "source_sha256": r.source_sha256}
-                    for r in results],
-    }
-    if unclassified is not None:
-        doc["in_progress"] = {"classified": len(results), "unclassified": unclassified}
-    (dest / "rebase.json").write_text(json.dumps(doc, indent=2) + "\n")
-    (dest / "REBASE.md").write_text(report_markdown(state, results, work=work, pending=pending,
-                                                    unclassified=unclassified))
-    if dest == work:  # keep the report out of `git status` / `git add -A` there
-        exclude = work / ".git" / "info" / "exclude"
-        exclude.parent.mkdir(parents=True, exist_ok=True)
-        have = exclude.read_text() if exclude.is_file() else ""
-        if "/REBASE.md" not in have.split():
-            exclude.write_text(have + "/REBASE.md\n/rebase.json\n")
-
-
-_TRUST = ("the target wheel's sha256 is the digest PyPI publishes for it (read through pip's "
-          "resolver report); pip checked the download against it and the tool hashed the file again")
-
-_MEANING = {
-    "applied": "applies exactly; carried verbatim",
-    "refreshed": "applies after a 3-way merge; carried as the refreshed patch",
-    "upstream": "upstream has the same change; dropped",
-    "upstream-by-behaviour": "upstream fixed it its own way (its tests pass without it); dropped",
-    "partly-upstream": "part of it is upstream; the rest is carried",
-    "conflict": "set aside: needs a person",
-    "conflict-resolved": "conflicted; resolved by a person",
-    "auto-resolved": ("conflicted; a mechanical candidate was accepted because the patch's own tests pass on "
-                      "the target with it and the later patches still merge"),
-}
-
-
-def report_markdown(state: State, results: list[Result], *, work: Path | None = None,
-                    pending: list[str] | None = None, unclassified: list[str] | None = None) -> str:
-    """``REBASE.md``: a table, the resolution steps when patches need a person, the reasoning per
-    patch, and what other pins rebased from the same base carry (``unclassified``: a run still going)."""
-    lines = [f"# Rebase of the series from vLLM {state.from_version} to {state.to_version}", ""]
-    if unclassified is not None:
-        lines += [f"**In progress** (or stopped): {len(results)} of {len(results) + len(unclassified)} "
-                  f"patches classified; not yet: {', '.join(unclassified) or 'none'}.", ""]
-    lines += [
-        f"Target wheel `{state.pin['wheel']}`, sha256 `{state.pin['sha256']}`: {_TRUST}.",
-        "",
-        "| patch | outcome | carried | evidence |",
-        "| --- | --- | --- | --- |",
-    ]
-    for r in results:
-        short = r.evidence.split("; ")[0]
-        depends = re.search(r"(?:depends on|rests on lines written by) set-aside ([\w.-]+)", r.evidence)
-        if depends:
-            short += f" (depends on set-aside `{depends[1]}`)"
-        short = short.replace("|", "\\|")
-        lines.append(f"| `{r.name}` | {r.outcome} | {'yes' if r.carried else 'no'} | {short} |")
-    if pending:
-        lines += ["", f"## To resolve: {len(pending)} patch(es) need a person", "",
-                  f"`{pending[0]}` waits in `{work}` mid-cherry-pick, its conflicts staged as in any git merge.",
-                  "",
-                  "1. Resolve there with plain git (edit, `git add <file>`), or make the patch empty "
-                  "(`git checkout HEAD -- .`) to drop it.",
-                  f"2. `make rebase-continue TO={state.to_version}`: it records the patch as conflict-resolved and "
-                  "classifies the later patches again on top of it (candidates included), stopping at the next "
-                  "patch that still needs a person.",
-                  f"3. When nothing is left, `patches/{state.to_version}/` is written with the final report.",
-                  "", "Set aside in this run: " + ", ".join(f"`{n}`" for n in pending) + "."]
-    lines += ["", "## Reasoning", ""]
-    for r in results:
-        lines += [f"### `{r.name}`: {r.outcome}", "", f"{_MEANING[r.outcome]}. {r.evidence}.", ""]
-        if r.still_needed:
-            lines += ["Still needed: " + ", ".join(f"`{s}`" for s in r.still_needed) + ".", ""]
-        if r.absorbed:
-            lines += ["Already upstream: " + ", ".join(f"`{s}`" for s in r.absorbed) + ".", ""]
-        for label, run in r.behaviour.items():
-            lines.append(f"- its tests on the {label.replace('-', ' ')}: {run['status']} ({run['summary']})")
-            if label == "target":
-                for test, why in list(zip(run["failed"], run.get("reasons", []), strict=False))[:5]:
-                    lines.append(f"  - still failing there: `{test}`: {why}")
-        for c in r.conflicts:
-            lines.append(f"- conflict: {ConflictHunk(**c).describe()}")
-        for a in r.candidates:
-            verdict = "accepted" if a["accepted"] else "rejected"
-            lines.append(f"- candidate {a['name']} ({a['description']}): {verdict}: {a['why']}"
-                         + (f" [commit {a['commit'][:12]}; files {', '.join(a['files'])}]" if a["commit"] else ""))
-        if r.source_sha256:
-            lines.append(f"- rebased from the source patch with sha256 `{r.source_sha256}`")
-        if r.behaviour or r.conflicts or r.candidates or r.source_sha256:
-            lines.append("")
-    lines += _other_pins(state)
-    return "\n".join(lines).rstrip() + "\n"
-
-
-def _other_pins(state: State) -> list[str]:
-    """Other pins rebased from the same base that carry an older version of a patch, or lack one."""
-    try:
-        notes = later_pin_notes(Path(state.patches_root), state.from_version)
-    except OverlayError:
-        return []
-    rows = [f"- `{name}`: {n.describe()}" for name, found in notes.items() for n in found
-            if n.pin != state.to_version]
-    if not rows:
-        return []
-    return ["## Other pins rebased from " + state.from_version, "", *rows, ""]
-
-
-# --- the CLI entry points -------------------------------------------------------------------
-
-def rebase_release(patches_root: Path, from_version: str, to_version: str, *,
-                   work_root: Path = Path(".work"), tests_dir: Path = Path("tests/patches"),
-                   run_tests: bool = True) -> Outcome:
-    """``make rebase TO=...``: fetch and verify both wheels, then :func:`start`."""
-    from overlay.fetch import fetch_release, fetch_wheel
-
-    base_pin = load_pin(patches_root, from_version)
-    base_wheel = fetch_wheel(base_pin)
-    prepared = prepared_pin(patches_root, to_version)
-    if prepared is not None:
-        target_pin, target_wheel = prepared, fetch_wheel(prepared)
-    else:
-        target_pin, target_wheel = fetch_release(to_version)
-    runner = pytest_runner(tests_dir, cwd=Path.cwd()) if run_tests else None
-    return start(patches_root, from_version, target_pin,
-                 lambda d: _extract(base_wheel, d), lambda d: _extract(target_wheel, d),
-                 work=work_dir(to_version, work_root), tests_dir=tests_dir, runner=runner)
-
-
-def continue_release(to_version: str | None = None, *, work_root: Path = Path(".work"),
-                     tests_dir: Path = Path("tests/patches"), run_tests: bool = True) -> Outcome:
-    """``make rebase-continue``: the one rebase in progress (or the one onto ``to_version``)."""
-    if to_version:
-        work = work_dir(to_version, work_root)
-    else:
-        found = sorted(p for p in work_root.glob("rebase-*") if (p / ".git" / STATE).is_file())
-        if not found:
-            raise RebaseError(f"no rebase in progress under {work_root}/")
-        if len(found) > 1:
-            raise RebaseError(f"several rebases in progress ({', '.join(p.name for p in found)}); pass TO=")
-        work = found[0]
-    runner = pytest_runner(tests_dir, cwd=Path.cwd()) if run_tests else None
-    return resume(work, runner=runner)
-
-
-def _extract(wheel: Path, dest: Path) -> None:
-    extract_text_tree(wheel, dest)

@@ -1,0 +1,51 @@
+"""The CLI's entry points: ``make rebase`` (fetch and verify both releases, then run) and
+``make rebase-continue``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from overlay.pins import load_pin
+from overlay.rebase.classify import resume, start
+from overlay.rebase.state import STATE, Outcome, RebaseError, prepared_pin, work_dir
+from overlay.rebase.testrun import pytest_runner
+from overlay.workspace import extract_text_tree
+
+
+def rebase_release(patches_root: Path, from_version: str, to_version: str, *,
+                   work_root: Path = Path(".work"), tests_dir: Path = Path("tests/patches"),
+                   run_tests: bool = True) -> Outcome:
+    """``make rebase TO=...``: fetch and verify both wheels, then :func:`start`."""
+    from overlay.fetch import fetch_release, fetch_wheel
+
+    base_pin = load_pin(patches_root, from_version)
+    base_wheel = fetch_wheel(base_pin)
+    prepared = prepared_pin(patches_root, to_version)
+    if prepared is not None:
+        target_pin, target_wheel = prepared, fetch_wheel(prepared)
+    else:
+        target_pin, target_wheel = fetch_release(to_version)
+    runner = pytest_runner(tests_dir, cwd=Path.cwd()) if run_tests else None
+    return start(patches_root, from_version, target_pin,
+                 lambda d: _extract(base_wheel, d), lambda d: _extract(target_wheel, d),
+                 work=work_dir(to_version, work_root), tests_dir=tests_dir, runner=runner)
+
+
+def continue_release(to_version: str | None = None, *, work_root: Path = Path(".work"),
+                     tests_dir: Path = Path("tests/patches"), run_tests: bool = True) -> Outcome:
+    """``make rebase-continue``: the one rebase in progress (or the one onto ``to_version``)."""
+    if to_version:
+        work = work_dir(to_version, work_root)
+    else:
+        found = sorted(p for p in work_root.glob("rebase-*") if (p / ".git" / STATE).is_file())
+        if not found:
+            raise RebaseError(f"no rebase in progress under {work_root}/")
+        if len(found) > 1:
+            raise RebaseError(f"several rebases in progress ({', '.join(p.name for p in found)}); pass TO=")
+        work = found[0]
+    runner = pytest_runner(tests_dir, cwd=Path.cwd()) if run_tests else None
+    return resume(work, runner=runner)
+
+
+def _extract(wheel: Path, dest: Path) -> None:
+    extract_text_tree(wheel, dest)

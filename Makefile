@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
-VLLM ?= 0.28.0
+VLLM ?= $(shell head -n 1 patches/DEFAULT)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTHON ?= python3

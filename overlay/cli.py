@@ -15,7 +15,6 @@ from pathlib import Path
 
 from overlay.errors import OverlayError
 
-DEFAULT_VLLM = "0.28.0"
 Handler = Callable[[argparse.Namespace], int]
 
 
@@ -293,7 +292,7 @@ def parser() -> argparse.ArgumentParser:
     for name, (help_text, handler) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
         sp.set_defaults(handler=handler)
-        sp.add_argument("--vllm", default=DEFAULT_VLLM, help="pinned vLLM release (default %(default)s)")
+        sp.add_argument("--vllm", help="pinned vLLM release (default: patches/DEFAULT)")
         if name == "build":
             sp.add_argument("--dist", default="dist")
             sp.add_argument("--install", metavar="VENV", help="install the wheel into this environment")
@@ -433,6 +432,12 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
     try:
+        if getattr(ns, "vllm", "") is None:
+            from overlay.pins import DEFAULT_FILE, default_version
+
+            # a patches folder without its own DEFAULT (a synthetic one) takes the repository's
+            root = _root(ns) if (_root(ns) / DEFAULT_FILE).exists() else Path(__file__).resolve().parents[1] / "patches"
+            ns.vllm = default_version(root)
         return ns.handler(ns)
     except OverlayError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -104,6 +104,22 @@ class Pin:
         return "\n".join(lines) + "\n"
 
 
+DEFAULT_FILE = "DEFAULT"  # patches/DEFAULT: the release the tools use when none is named
+
+
+def default_version(patches_root: Path) -> str:
+    """The default release: the one line of ``<patches_root>/DEFAULT`` (read by the CLI, the
+    Makefile, the engine variants and the tests; the Dockerfile's ``VLLM_VERSION`` default matches it)."""
+    path = patches_root / DEFAULT_FILE
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise PinError(f"{path}: cannot read the default release ({exc.strerror or exc})") from None
+    if not _VERSION.match(text):
+        raise PinError(f"{path}: expected one release like 0.28.0, got {text[:40]!r}")
+    return text
+
+
 def pin_dir(patches_root: Path, version: str) -> Path:
     """The folder holding a release's ``pin.toml``, ``series`` and patches."""
     return patches_root / version

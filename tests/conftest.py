@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from overlay.pins import default_version
+
 REPO = Path(__file__).resolve().parent.parent
 PATCHES = REPO / "patches"
-DEFAULT_VLLM = "0.28.0"
+DEFAULT_VLLM = default_version(PATCHES)
 
 _tree = os.environ.get("OVERLAY_VLLM_TREE")
 if _tree:

@@ -47,3 +47,17 @@ def test_the_guides_the_readme_points_to_exist() -> None:
     for path in set(re.findall(r"`(docs/[^`*<>]+?)`", README)):
         assert (REPO / path).exists(), f"README points to {path}, which is not there"
     assert (REPO / "docs" / "ARCHITECTURE.md").is_file()
+
+
+def test_one_default_release_everywhere() -> None:
+    """patches/DEFAULT is the default of the CLI (read at run time), the Makefile (read by make) and the
+    Dockerfile's VLLM_VERSION (which cannot read files: it must say the same)."""
+    from overlay.pins import default_version
+
+    default = default_version(REPO / "patches")
+    assert (REPO / "patches" / default / "pin.toml").is_file()
+    assert "VLLM ?= $(shell head -n 1 patches/DEFAULT)" in MAKEFILE
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    assert f"ARG VLLM_VERSION={default}\n" in dockerfile
+    ns = cli.parser().parse_args(["status"])
+    assert ns.vllm is None  # resolved from patches/DEFAULT in cli.main

@@ -21,7 +21,7 @@ from overlay.apply import apply_series, wheel_reader
 from overlay.archive import tar_bytes
 from overlay.errors import ApplyError, OverlayError
 from overlay.fetch import fetch_wheel
-from overlay.pins import load_pin, pin_dir
+from overlay.pins import default_version, load_pin, pin_dir
 from overlay.series import Patch, Series
 
 # The fix patches: what the engine check must see without each (the seed's bug reports), and
@@ -116,11 +116,11 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m overlay.engine.variants", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--vllm", default="0.28.0")
+    ap.add_argument("--vllm", help="the release (default: patches/DEFAULT)")
     ap.add_argument("--patches", type=Path, default=Path("patches"))
     ns = ap.parse_args(argv)
     try:
-        m = build_variants(ns.patches, ns.vllm, ns.out)
+        m = build_variants(ns.patches, ns.vllm or default_version(ns.patches), ns.out)
     except OverlayError as e:
         print(f"error: {e}")
         return 1

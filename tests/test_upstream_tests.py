@@ -185,3 +185,19 @@ def test_report_json_roundtrip(tmp_path: Path) -> None:
     assert r.verdict == "fail"
     assert json.loads(json.dumps(r.to_dict()))["verdict"] == "fail"
     assert "## Stale expected failures (fail the gate)" in format_markdown(r)
+
+
+def test_the_tests_run_without_the_model_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test that would download a hub model fails at once (HF_HUB_OFFLINE) instead of retrying the
+    network for a minute; a value the user set is kept."""
+    files = {**FAKE_TESTS, "tests/ops/test_hub.py": (
+        "import os\nfrom vllm.ops import dcp\n\n"
+        "def test_offline():\n    assert os.environ.get('HF_HUB_OFFLINE') == '1'\n")}
+    root = make_tests_tree(_sdist(tmp_path, files), "ef" * 32, "9.9.9", tmp_path / "cache")
+    (tmp_path / "site" / "vllm" / "ops").mkdir(parents=True)
+    for rel, text in (("__init__.py", ""), ("ops/__init__.py", ""), ("ops/dcp.py", "X = 1\n")):
+        (tmp_path / "site" / "vllm" / rel).write_text(text)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    got = run_pytest(root, ["tests/ops/test_hub.py"], timeout=60, extra_path=[tmp_path / "site"],
+                     results=tmp_path / "r.jsonl")
+    assert got["tests/ops/test_hub.py::test_offline"].outcome == "passed"

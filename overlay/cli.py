@@ -433,11 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
     try:
         if getattr(ns, "vllm", "") is None:
-            from overlay.pins import DEFAULT_FILE, default_version
+            from overlay.pins import default_version
 
-            # a patches folder without its own DEFAULT (a synthetic one) takes the repository's
-            root = _root(ns) if (_root(ns) / DEFAULT_FILE).exists() else Path(__file__).resolve().parents[1] / "patches"
-            ns.vllm = default_version(root)
+            ns.vllm = default_version(_root(ns))
         return ns.handler(ns)
     except OverlayError as exc:
         print(f"error: {exc}", file=sys.stderr)

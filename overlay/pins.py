@@ -107,10 +107,16 @@ class Pin:
 DEFAULT_FILE = "DEFAULT"  # patches/DEFAULT: the release the tools use when none is named
 
 
+REPO_PATCHES = Path(__file__).resolve().parent.parent / "patches"
+
+
 def default_version(patches_root: Path) -> str:
     """The default release: the one line of ``<patches_root>/DEFAULT`` (read by the CLI, the
-    Makefile, the engine variants and the tests; the Dockerfile's ``VLLM_VERSION`` default matches it)."""
+    Makefile, the engine variants and the tests; the Dockerfile's ``VLLM_VERSION`` default matches it).
+    A patches folder without its own ``DEFAULT`` (a synthetic one) takes the repository's."""
     path = patches_root / DEFAULT_FILE
+    if not path.exists():
+        path = REPO_PATCHES / DEFAULT_FILE
     try:
         text = path.read_text(encoding="utf-8").strip()
     except OSError as exc:

@@ -294,6 +294,13 @@ def default_cache() -> Path:
     return Path(os.environ.get("VLLM_OVERLAY_CACHE", Path.home() / ".cache" / "vllm-overlay")) / "checkpoints"
 
 
+def write_config_and_tokenizer(folder: Path, spec: TinyGlm5Spec) -> None:
+    """``config.json`` and the byte-level tokenizer files of ``spec`` into ``folder``."""
+    (folder / "config.json").write_text(json.dumps(config_dict(spec), indent=2, sort_keys=True) + "\n")
+    for fname, text in tokenizer_files(spec).items():
+        (folder / fname).write_text(text)
+
+
 def generate(out: Path, spec: TinyGlm5Spec | None = None, seed: int = 0, *, force: bool = False) -> Path:
     """Write the checkpoint into ``out`` (atomically: a temporary sibling renamed into place).
 
@@ -321,9 +328,7 @@ def generate(out: Path, spec: TinyGlm5Spec | None = None, seed: int = 0, *, forc
         tensors = dict(sorted(tensors.items()))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "model.safetensors").chmod(0o644)
-        (tmp / "config.json").write_text(json.dumps(config_dict(spec), indent=2, sort_keys=True) + "\n")
-        for fname, text in tokenizer_files(spec).items():
-            (tmp / fname).write_text(text)
+        write_config_and_tokenizer(tmp, spec)
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
         params = sum(t.numel() for t in tensors.values())
         manifest_doc = {"id": cid, "format": FORMAT_VERSION, "seed": seed, "spec": asdict(spec),
@@ -369,9 +374,7 @@ def write_config_only(out: Path, spec: TinyGlm5Spec, *, force: bool = False) -> 
     if out.exists() and not force:
         raise OverlayError(f"{out}: exists; remove it or pass --force")
     with replacing_dir(out) as tmp:
-        (tmp / "config.json").write_text(json.dumps(config_dict(spec), indent=2, sort_keys=True) + "\n")
-        for fname, text in tokenizer_files(spec).items():
-            (tmp / fname).write_text(text)
+        write_config_and_tokenizer(tmp, spec)
         (tmp / "checkpoint.json").write_text(json.dumps({"spec": asdict(spec), "weights": "none: --load-format dummy"},
                                                         indent=2, sort_keys=True) + "\n")
     return out

@@ -280,6 +280,16 @@ def make_impl(vllm_config: Any, num_heads: int, topk_buffer: torch.Tensor,
         )
 
 
+def make_manager(vllm_config: Any, impl: Any, heads: int, device: str = "cpu") -> Any:
+    """vLLM's ``MLADCPManager`` for ``impl`` (``heads`` per rank), built under ``vllm_config``."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(vllm_config):
+        return compat.symbol("dcp", "MLADCPManager")(
+            vllm_config, torch.device(device), heads, D_QK, D_V, torch.bfloat16, torch.bfloat16, None,
+            impl.lse_base_on_e, False)
+
+
 def make_layer(impl: Any, dcp_manager: Any = None) -> Any:
     """A registered attention layer holding ``impl`` (what ``MLAAttention`` exposes)."""
     base = compat.symbol("attention_layer_base", "AttentionLayerBase")
@@ -436,16 +446,9 @@ def mtp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _split(vllm_config: Any, dcp: int, query_lens: list[int], seq_lens: list[int]) -> Any:
     """The real FlashMLA-sparse builder (rank 0 of ``dcp``) and its metadata for one batch."""
-    from vllm.config import set_current_vllm_config
-
     topk = torch.full((256, TOPK), -1, dtype=torch.int32)
     impl = make_impl(vllm_config, NUM_HEADS_TOTAL // dcp, topk)
-    manager = None
-    if dcp > 1:
-        with set_current_vllm_config(vllm_config):
-            manager = compat.symbol("dcp", "MLADCPManager")(
-                vllm_config, torch.device("cpu"), NUM_HEADS_TOTAL // dcp, D_QK, D_V, torch.bfloat16,
-                torch.bfloat16, None, impl.lse_base_on_e, False)
+    manager = make_manager(vllm_config, impl, NUM_HEADS_TOTAL // dcp) if dcp > 1 else None
     batch = Batch(seq_lens, query_lens, torch.zeros((sum(query_lens), TOPK), dtype=torch.int32),
                   [r for r, q in enumerate(query_lens) for _ in range(q)])
     blocks = math.ceil(max(seq_lens) / BLOCK)
@@ -608,13 +611,7 @@ def test_dcp_forward_merges_to_single_rank_result(
         vc = make_vllm_config(model_dir, dcp=dcp, interleave=interleave)
         impl = make_impl(vc, NUM_HEADS_TOTAL // dcp, buffer())
         assert impl.fp8_decode_padded_heads == 64
-        manager_cls = compat.symbol("dcp", "MLADCPManager")
-        from vllm.config import set_current_vllm_config
-
-        with set_current_vllm_config(vc):
-            manager = manager_cls(vc, torch.device("cpu"), NUM_HEADS_TOTAL // dcp, D_QK, D_V,
-                                  torch.bfloat16, torch.bfloat16, None, impl.lse_base_on_e,
-                                  False)
+        manager = make_manager(vc, impl, NUM_HEADS_TOTAL // dcp)
         meta = build_metadata(vc, make_layer(impl, manager), batch, dcp_table, "cpu")
         assert meta.fp8_use_mixed_batch
         out, lse = impl.forward_mqa(q, shards[rank], meta, None)
@@ -666,7 +663,6 @@ def _gpu_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) 
     from vllm.v1.worker.workspace import init_workspace_manager
 
     fs = compat.module("flashmla_sparse")
-    manager_cls = compat.symbol("dcp", "MLADCPManager")
     a2a_nccl = compat.symbol("dcp_alltoall", "dcp_a2a_lse_reduce")
     twin = compat.symbol("sparse_utils", "torch_filter_and_convert_dcp_index")
     triton_filter = compat.symbol("sparse_utils", "triton_filter_and_convert_dcp_index")
@@ -688,12 +684,7 @@ def _gpu_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) 
                                    backend=b, device="cuda") for b in ("ag_rs", "a2a")}
         buf = torch.full((512, TOPK), -1, dtype=torch.int32, device=device)
         impl = make_impl(vcs["ag_rs"], heads, buf)
-        managers = {}
-        for b, vc in vcs.items():
-            with set_current_vllm_config(vc):
-                managers[b] = manager_cls(vc, torch.device(device), heads, D_QK, D_V,
-                                          torch.bfloat16, torch.bfloat16, None,
-                                          impl.lse_base_on_e, False)
+        managers = {b: make_manager(vc, impl, heads, device) for b, vc in vcs.items()}
         combines = {
             "ag_rs": managers["ag_rs"].combine,
             "a2a": managers["a2a"].combine,  # direct symmetric-memory A2A when available

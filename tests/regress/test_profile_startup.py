@@ -19,13 +19,12 @@ reads the draft model's ``mask_hidden`` buffer for ``parallel_drafting``
 from __future__ import annotations
 
 import inspect
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from overlay.engine.checkpoint import TinyGlm5Spec, config_dict, tokenizer_files
+from overlay.engine.checkpoint import TinyGlm5Spec, write_config_only
 from overlay.regress.profiles import load_profile, shipped_profiles
 
 # Flags whose objects need the real tokenizer's special tokens (checked by the CLI only).
@@ -36,11 +35,7 @@ TOKENIZER_BOUND = {"--enable-auto-tool-choice": 0, "--tool-call-parser": 1, "--r
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """GLM-5's architecture with one MTP layer, 64 heads (TP8 divides them) and its 202752 positions."""
     spec = TinyGlm5Spec(tp=8, heads_per_rank=8, max_position_embeddings=202752, num_nextn_predict_layers=1)
-    root = tmp_path_factory.mktemp("glm5-standin")
-    (root / "config.json").write_text(json.dumps(config_dict(spec)))
-    for name, text in tokenizer_files(spec).items():
-        (root / name).write_text(text)
-    return root
+    return write_config_only(tmp_path_factory.mktemp("glm5-standin") / "model", spec)
 
 
 @pytest.fixture(autouse=True)

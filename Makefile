@@ -87,16 +87,27 @@ regress: $(TOOL_STAMP) ## differential vs a reference, long context, GSM8K, acce
 	@rm -f $(REGRESS_OUT)/verdict $(REGRESS_OUT)/verdict.json
 	@$(if $(ATTACH_TIMEOUT),REGRESS_ATTACH_TIMEOUT=$(ATTACH_TIMEOUT) )$(OVERLAY) regress --profile $(or $(PROFILE),glm5.2-fp8-tp8-dcp8) --out $(REGRESS_OUT)$(if $(BASE_URL), --base-url $(BASE_URL))$(if $(REF_URL), --ref-url $(REF_URL)) $(ARGS) || { rc=$$?; echo "make regress: verdict $$(cat $(REGRESS_OUT)/verdict 2>/dev/null || echo harness) (overlay regress exit $$rc); details in $(REGRESS_OUT)/verdict.json" >&2; exit $$rc; }
 
-.PHONY: engine-check engine-variants
+.PHONY: engine-check engine-variants engine-checkpoint engine-plot regress-verdicts
 engine-check: ## GPUs: real vLLM engine, tiny GLM-5 checkpoint, every DCP case vs DCP 1 [OUT=engine-check TP=2 CASES= TIMEOUT=420 PARALLEL=1 VARIANTS= VARIANT= EXPECT=]
-	$(PYTHON) -m overlay.engine.check --out $(or $(OUT),engine-check) --tp $(or $(TP),2)$(if $(CASES), --cases $(CASES))$(if $(TIMEOUT), --timeout $(TIMEOUT))$(if $(PARALLEL), --parallel $(PARALLEL))$(if $(VARIANTS), --variants $(VARIANTS))$(if $(VARIANT), --variant $(VARIANT))$(if $(EXPECT), --expect '$(EXPECT)')
+	$(PYTHON) -m overlay engine-check --out $(or $(OUT),engine-check) --tp $(or $(TP),2)$(if $(CASES), --cases $(CASES))$(if $(TIMEOUT), --timeout $(TIMEOUT))$(if $(PARALLEL), --parallel $(PARALLEL))$(if $(VARIANTS), --variants $(VARIANTS))$(if $(VARIANT), --variant $(VARIANT))$(if $(EXPECT), --expect '$(EXPECT)')
 
 .PHONY: bench-engine
 bench-engine: ## GPUs: vllm serve of the tiny GLM-5 (TP2 x DCP2), VLLM_DCP_PROJECT_BEFORE_MERGE 1 vs 0 plus a twin of 1 (the null), judged per cell with an interval and verdict [OUT=bench-engine BATCHES=1,8,64 CONTEXTS=4096,16384,65536 CELLS= REPEATS=5 CELL_SECONDS=10 DECODE=128 TRANSPORT=direct BUDGET= PLOT=engine.json REANALYZE=engine.json ARGS=]
-	$(PYTHON) -m overlay.bench.engine --out $(or $(OUT),bench-engine)$(if $(BATCHES), --batches $(BATCHES))$(if $(CONTEXTS), --contexts $(CONTEXTS))$(if $(CELLS), --cells $(CELLS))$(if $(REPEATS), --repeats $(REPEATS))$(if $(CELL_SECONDS), --cell-seconds $(CELL_SECONDS))$(if $(DECODE), --decode-tokens $(DECODE))$(if $(TRANSPORT), --transport $(TRANSPORT))$(if $(BUDGET), --budget $(BUDGET))$(if $(PLOT), --plot $(PLOT))$(if $(REANALYZE), --reanalyze $(REANALYZE)) $(ARGS)
+	$(PYTHON) -m overlay bench-engine --out $(or $(OUT),bench-engine)$(if $(BATCHES), --batches $(BATCHES))$(if $(CONTEXTS), --contexts $(CONTEXTS))$(if $(CELLS), --cells $(CELLS))$(if $(REPEATS), --repeats $(REPEATS))$(if $(CELL_SECONDS), --cell-seconds $(CELL_SECONDS))$(if $(DECODE), --decode-tokens $(DECODE))$(if $(TRANSPORT), --transport $(TRANSPORT))$(if $(BUDGET), --budget $(BUDGET))$(if $(PLOT), --plot $(PLOT))$(if $(REANALYZE), --reanalyze $(REANALYZE)) $(ARGS)
 
 engine-variants: $(TOOL_STAMP) ## the seed-bug variant trees (series minus each fix, stock) for engine-check [OUT=.device/variants]
-	$(PY) -m overlay.engine.variants --vllm $(VLLM) --out $(or $(OUT),.device/variants)
+	$(OVERLAY) engine-variants --vllm $(VLLM) --out $(or $(OUT),.device/variants)
+
+engine-checkpoint: ## the tiny GLM-5 checkpoint engine-check and bench-engine serve (deterministic), or GLM-5's per-rank config [OUT= ARGS=--glm5-per-rank]
+	$(PYTHON) -m overlay engine-checkpoint$(if $(OUT), --out $(OUT)) $(ARGS)
+
+engine-plot: $(TOOL_STAMP) ## one PNG of engine-check results side by side [RESULTS="a/results.json b/results.json" OUT=engine.png]
+	@test -n "$(RESULTS)" || { echo "usage: make engine-plot RESULTS='DIR/results.json ...' [OUT=engine.png]" >&2; exit 1; }
+	$(OVERLAY) engine-plot $(RESULTS) --out $(or $(OUT),engine.png)
+
+regress-verdicts: $(TOOL_STAMP) ## did each regress run under ROOT reach its expected verdict? [ROOT=runs EXPECT="full=pass minus-x=regression:differential"]
+	@test -n "$(ROOT)" -a -n "$(EXPECT)" || { echo "usage: make regress-verdicts ROOT=DIR EXPECT='NAME=pass NAME=regression:CHECK ...'" >&2; exit 1; }
+	$(OVERLAY) regress-verdicts $(ROOT) $(EXPECT)
 
 .PHONY: workspace-plan
 workspace-plan: $(TOOL_STAMP) ## direct DCP q-gather/A2A workspace capacity and bytes per GPU, both sizing modes [PROFILE= ARGS=]

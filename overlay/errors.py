@@ -13,6 +13,12 @@ class OverlayError(Exception):
     exit_code = 1
 
 
+class UsageError(OverlayError):
+    """Options that cannot make a run, found after parsing (argparse's own refusals exit 2 too)."""
+
+    exit_code = 2
+
+
 class PinError(OverlayError):
     """A ``pin.toml`` is missing, malformed or names an unknown release."""
 

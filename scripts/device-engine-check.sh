@@ -3,7 +3,7 @@
 #
 #   bash scripts/device-run.sh .device/engine -- bash scripts/device-engine-check.sh NAME [CHECK ARGS ...]
 #
-# Runs `python3 -m overlay.engine.check --out /tmp/engine/NAME CHECK ARGS` (outputs stay on the
+# Runs `python3 -m overlay engine-check --out /tmp/engine/NAME CHECK ARGS` (outputs stay on the
 # machine while it is warm, so a later call can pass `--reuse /tmp/engine/NAME`), then copies
 # three files into $OUT (a call brings back at most 8): NAME.md (the report), NAME.json (results)
 # and NAME-logs.tar.gz (every case's log and outputs). Exits with the check's status.
@@ -11,7 +11,7 @@ set -uo pipefail
 NAME=${1:?NAME}; shift
 DIR=/tmp/engine/$NAME
 mkdir -p "$DIR"
-python3 -m overlay.engine.check --out "$DIR" "$@"
+python3 -m overlay engine-check --out "$DIR" "$@"
 rc=$?
 if [ -n "${OUT:-}" ]; then
   mkdir -p "$OUT"

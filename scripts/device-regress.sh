@@ -56,7 +56,7 @@ touch "$VENV/.overlay-tool"
 model=$(python3 -c 'from overlay.regress.profiles import load_profile
 print(load_profile("tiny-glm5-tp2-dcp1-mtp5").server.model_path)')
 if [ ! -d "$model" ]; then
-  python3 -m overlay.engine.checkpoint >&2 || { say "checkpoint generation failed"; exit 2; }
+  python3 -m overlay engine-checkpoint >&2 || { say "checkpoint generation failed"; exit 2; }
   [ -d "$model" ] || { say "the generated checkpoint is not the profiles' server.model $model"; exit 2; }
 fi
 
@@ -146,7 +146,7 @@ PYEOF
     TREE=$trees/minus-a2a-fallback regress minus-a2a-fallback 3 "$ROOT/profiles/tiny-glm5-tp2-dcp2-mtp5.yaml" \
       "${ref[@]}" &
     wait
-    python3 -m overlay.regress.verdicts "$ROOT" \
+    python3 -m overlay regress-verdicts "$ROOT" \
       series=pass minus-forced-mqa=regression:differential minus-a2a-fallback=regression:server-died
     rc=$?
     bring_back

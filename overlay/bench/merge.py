@@ -29,7 +29,6 @@ drawn from an earlier run's JSON, e.g. on a machine without matplotlib next to t
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -409,26 +408,3 @@ def run(out_dir: Path, *, tokens: list[int] | None = None, replays: int = 50,
              nprocs=ranks)
     write_outputs(json.loads(json_path.read_text()), out_dir)
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("bench-merge"))
-    ap.add_argument("--tokens", type=int, nargs="+", default=None)
-    ap.add_argument("--replays", type=int, default=50)
-    ap.add_argument("--plot", type=Path, default=None, help="only draw table + plot from this JSON")
-    ap.add_argument("--ranks", type=int, default=2,
-                    help="DCP = TP ranks, one GPU each, 8 heads per rank (2; 4 and 8 as in production)")
-    ap.add_argument("--bounds", choices=["decode", "none"], default="decode",
-                    help="sequence bounds handed to the merge: decode (as the engine does: one row per "
-                         "sequence, local KV lengths) or none (nothing to mask)")
-    ap.add_argument("--profile-eager", type=int, nargs="*", default=[], metavar="T",
-                    help="at these token counts also profile 20 eager calls of each order (torch.profiler "
-                         "tables in OUT/profile/, host us per call in the JSON)")
-    ns = ap.parse_args(argv)
-    return run(ns.out, tokens=ns.tokens, replays=ns.replays, plot_from=ns.plot, ranks=ns.ranks,
-               bounds=ns.bounds, profile_tokens=tuple(ns.profile_eager))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """The engine check: run the cases of ``engine.workload`` as real vLLM engines, compare, report.
 
-``python -m overlay.engine.check --out DIR [--model DIR] [--tp 2] [--cases a,b] [--timeout S]
+``overlay engine-check --out DIR [--model DIR] [--tp 2] [--cases a,b] [--timeout S]
 [--budget S] [--parallel N] [--variants DIR] [--tree DIR] [--expect KIND[:REGEX]]`` on a GPU
 machine where the patched vLLM imports (the device: ``scripts/device-run.sh``). Each case runs
 in its own process group (``engine.run_case``) under a timeout, with the test-only ``deep_gemm``
@@ -27,7 +27,6 @@ it measured), and each case's log as ``DIR/<case>.log``. Exit 0: every case as e
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -43,6 +42,7 @@ from typing import IO, Any
 from overlay.engine.compare import FLOOR, SAFETY, compare, derive_tolerance
 from overlay.engine.env import PORT_BASE, PORT_STRIDE, REPO, SAFE_ENV, STANDIN, _strip_log_prefix, error_line
 from overlay.engine.workload import Case, cases
+from overlay.errors import UsageError
 
 RUN_CASE = "overlay.engine.run_case"  # the module each job runs (python -m)
 
@@ -396,24 +396,33 @@ def report(out: Path, summary: dict[str, Any], records: list[dict[str, Any]], me
     (out / "REPORT.md").write_text("\n".join(lines) + "\n")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m overlay.engine.check", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--model", type=Path, help="checkpoint folder (generated there when missing)")
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--cases", help="comma-separated case names (default: all for --tp, in order)")
-    ap.add_argument("--timeout", type=float, default=420, help="seconds per case")
-    ap.add_argument("--budget", type=float, default=0, help="stop starting cases after this many seconds (0: none)")
-    ap.add_argument("--parallel", type=int, default=1, help="engines at once on the same GPUs (default 1)")
-    ap.add_argument("--tree", type=Path, help="a vLLM tree to put first on the children's PYTHONPATH")
-    ap.add_argument("--rejudge", action="store_true", help="judge the cases already in --out again (no runs)")
-    ap.add_argument("--reuse", type=Path, help="take the reference and spread results of an earlier --out here")
-    ap.add_argument("--variant", type=Path, help="a variant tarball (engine.variants): lay it over vllm, use as --tree")
-    ap.add_argument("--variants", type=Path, help="engine.variants' folder: add one job per seed-bug variant")
-    ap.add_argument("--expect", help="crash:REGEX or mismatch: the checked cases must fail so (seed-bug variants)")
-    ns = ap.parse_args(argv)
+class EngineCheckError(UsageError):
+    """The check cannot start: an unknown case, a missing variants folder (nothing ran; exit 2)."""
+
+
+@dataclass
+class CheckOptions:
+    """What a person chose for one engine check (``overlay engine-check``'s options, by name)."""
+
+    out: Path
+    model: Path | None = None
+    tp: int = 2
+    cases: str | None = None
+    timeout: float = 420
+    budget: float = 0
+    parallel: int = 1
+    tree: Path | None = None
+    rejudge: bool = False
+    reuse: Path | None = None
+    variant: Path | None = None
+    variants: Path | None = None
+    expect: str | None = None
+
+
+def run_check(ns: CheckOptions) -> int:
+    """Every case (or ``ns.cases``) on the engine, judged against DCP 1; 0 pass, 1 fail, 2 not judged."""
     if ns.parallel < 1:
-        ap.error(f"--parallel must be at least 1, not {ns.parallel}")
+        raise EngineCheckError(f"--parallel must be at least 1, not {ns.parallel}")
     ns.out.mkdir(parents=True, exist_ok=True)
     if ns.rejudge:
         return rejudge(ns.out, ns.expect)
@@ -430,8 +439,7 @@ def main(argv: list[str] | None = None) -> int:
         wanted = ns.cases.split(",")
         unknown = sorted(set(wanted) - {c.name for c in todo})
         if unknown:
-            print(f"error: unknown case(s) for --tp {ns.tp}: {', '.join(unknown)}", file=sys.stderr)
-            return 2
+            raise EngineCheckError(f"unknown case(s) for --tp {ns.tp}: {', '.join(unknown)}")
         todo = [c for c in todo if c.name in wanted]
     # --tree applies to the checked cases: references and spread runs stay on the installed series
     jobs = [Job(c, c.name, tree=ns.tree if c.role == "check" else None) for c in todo]
@@ -488,7 +496,3 @@ def _reuse(job: Job, earlier: Path, out: Path, model: Path) -> dict[str, Any] | 
 def _typical(records: list[dict[str, Any]]) -> float:
     walls = [r["wall_s"] for r in records if r.get("status") != "skipped" and not r.get("reused")]
     return max(walls) if walls else 0.0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -13,6 +13,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 STANDIN = REPO / "tests" / "engine" / "standin"
+TRANSPORTS = ("direct", "a2a", "ag_rs")  # bench-engine --transport: DCP's combine paths
+DEFAULT_VLLM = "python3 -m vllm.entrypoints.cli.main"  # the vLLM command line bench-engine starts
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 _ERROR_LINE = re.compile(r"(\b\w*(Error|Exception)\b[:(]|token count exceeds|Traceback)")
 

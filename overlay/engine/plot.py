@@ -1,6 +1,6 @@
 """Draw an engine check's results: each case's largest logprob deviation against the tolerance.
 
-``python -m overlay.engine.plot RESULTS.json [MORE.json ...] --out engine.png`` (matplotlib, Agg;
+``overlay engine-plot RESULTS.json [MORE.json ...] --out engine.png`` (matplotlib, Agg;
 run where matplotlib is, e.g. here after the device brought ``results.json`` back). Two bars per
 case (the largest deviation from the DCP 1 reference where the context fits index_topk, the
 90th percentile beyond it; log scale), the derived tolerances as lines, crashed or hung cases
@@ -9,8 +9,6 @@ marked; several result files (the main matrix and the seed-bug variants) side by
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -59,17 +57,3 @@ def draw(docs: list[tuple[str, dict[str, Any]]], out: Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m overlay.engine.plot", description=__doc__.splitlines()[0])
-    ap.add_argument("results", type=Path, nargs="+")
-    ap.add_argument("--out", type=Path, required=True)
-    ns = ap.parse_args(argv)
-    docs = [(p.stem, json.loads(p.read_text())) for p in ns.results]
-    print(draw(docs, ns.out))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

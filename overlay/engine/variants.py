@@ -7,7 +7,8 @@ unpatched base. For each, this writes ``<variant>.tar.gz`` holding every file th
 touches, with that variant's contents (the base's where the variant leaves a file alone), and
 ``variants.json`` naming what each variant is and what the check must see (the bug report's
 symptom). On the device, ``scripts/device-variants.sh`` lays each variant over the staged tree
-as a symlink farm (``/tmp/variants/<variant>/vllm``), and ``engine.check --tree`` runs it.
+as a symlink farm (``/tmp/variants/<variant>/vllm``), and ``overlay engine-check --tree`` runs it
+(``overlay engine-variants`` writes them).
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ from typing import Any
 
 from overlay.apply import apply_series, wheel_reader
 from overlay.archive import tar_bytes
-from overlay.errors import ApplyError, OverlayError
+from overlay.errors import ApplyError
 from overlay.fetch import fetch_wheel
-from overlay.pins import default_version, load_pin, pin_dir
+from overlay.pins import load_pin, pin_dir
 from overlay.series import Patch, Series
 
 # The fix patches: what the engine check must see without each (the seed's bug reports), and
@@ -109,25 +110,3 @@ def build_variants(patches_root: Path, version: str, out: Path, *, base_wheel: P
                                              "expect": expect, "symptom": symptom, "case": case}
     (out / "variants.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m overlay.engine.variants", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--vllm", help="the release (default: patches/DEFAULT)")
-    ap.add_argument("--patches", type=Path, default=Path("patches"))
-    ns = ap.parse_args(argv)
-    try:
-        m = build_variants(ns.patches, ns.vllm or default_version(ns.patches), ns.out)
-    except OverlayError as e:
-        print(f"error: {e}")
-        return 1
-    for name, v in m["variants"].items():
-        print(f"{name}: {v['what']}; expect {v['expect']} on {v['case'] or '(not on this machine)'}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

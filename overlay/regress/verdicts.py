@@ -10,7 +10,7 @@ for the right reason. Each expectation is ``NAME=VERDICT[:REASON]`` for the run 
 - ``regression:CHECK``: a regression found by ``CHECK`` (e.g. ``differential``, ``acceptance``),
   the server still alive.
 
-``python -m overlay.regress.verdicts ROOT NAME=EXPECT ...`` writes ``ROOT/verdicts.md`` (a table
+``overlay regress-verdicts ROOT NAME=EXPECT ...`` (:func:`judge_runs`) writes ``ROOT/verdicts.md`` (a table
 with every run's findings) and ``ROOT/verdicts.json`` and exits 0 when every run met its
 expectation, 1 otherwise.
 """
@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from overlay.atomic import write_file
+from overlay.regress.errors import RegressError
 
 DIED = "server died"
 
@@ -76,32 +77,26 @@ def markdown(outcomes: list[Outcome]) -> str:
     return "\n".join([*lines, "", f"{met} of {len(outcomes)} runs reached their expected verdict.", ""])
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) < 2:
-        print("usage: python -m overlay.regress.verdicts ROOT NAME=EXPECT ...", file=sys.stderr)
-        return 2
-    root = Path(args[0])
+def judge_runs(root: Path, expectations: list[str]) -> int:
+    """Judge each ``NAME=EXPECT`` against ``root/NAME/verdict.json``; write ``verdicts.md`` and ``.json``.
+
+    Returns 0 when every run met its expectation, 1 otherwise; a malformed expectation or an unreadable
+    ``verdict.json`` is a :class:`RegressError` (exit 2): the proof itself could not be read.
+    """
     outcomes = []
-    for arg in args[1:]:
+    for arg in expectations:
         try:
             name, verdict, reason = parse_expectation(arg)
         except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            raise RegressError(str(exc)) from None
         path = root / name / "verdict.json"
         try:
             doc = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
         except (OSError, ValueError) as exc:
-            print(f"error: {path}: {exc}", file=sys.stderr)
-            return 2
+            raise RegressError(f"{path}: {exc}") from None
         outcomes.append(judge(name, verdict, reason, doc))
     text = markdown(outcomes)
     write_file(root / "verdicts.md", text)
     write_file(root / "verdicts.json", json.dumps([asdict(o) for o in outcomes], indent=2) + "\n")
     sys.stdout.write(text)
     return 0 if all(o.met for o in outcomes) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

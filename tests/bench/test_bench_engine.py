@@ -309,7 +309,7 @@ def model_dir(tmp_path: Path) -> Path:
 
 def bench(tmp_path: Path, model: Path, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     a, b, c = free_ports(3)
-    cmd = [sys.executable, "-m", "overlay.bench.engine", "--out", str(tmp_path / "out"), "--model", str(model),
+    cmd = [sys.executable, "-m", "overlay", "bench-engine", "--out", str(tmp_path / "out"), "--model", str(model),
            "--server-cmd", f"{sys.executable} {SIDE} --port {{port}} --model-name {{name}} --side {{side}}",
            "--ports", f"{a},{b},{c}", "--ready-timeout", "30", "--request-timeout", "30", *extra]
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
@@ -381,7 +381,7 @@ def test_whole_run_against_standins(tmp_path: Path, model_dir: Path, monkeypatch
         return
     assert (out / "engine.png").stat().st_size > 0
     redraw = tmp_path / "redraw"
-    rc = subprocess.run([sys.executable, "-m", "overlay.bench.engine", "--plot", str(out / "engine.json"),
+    rc = subprocess.run([sys.executable, "-m", "overlay", "bench-engine", "--plot", str(out / "engine.json"),
                          "--out", str(redraw)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert rc.returncode == 0, rc.stderr
     assert (redraw / "engine.md").read_text() == md and (redraw / "engine.png").exists()

@@ -1,6 +1,6 @@
 """The engine check on real GPUs (device): the patched engine matches DCP 1; each seed-bug variant fails.
 
-Runs ``python -m overlay.engine.check`` where the patched vLLM imports (``scripts/device-run.sh``).
+Runs ``python -m overlay engine-check`` where the patched vLLM imports (``scripts/device-run.sh``).
 Two GPUs run the DCP cases; one GPU runs the DCP 1 cases only (references, spread, MTP).
 """
 
@@ -26,7 +26,7 @@ def _gpus() -> int:
 
 
 def _check(out: Path, *args: str, timeout: float = 3 * 3600) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, "-m", "overlay.engine.check", "--out", str(out), *args],
+    proc = subprocess.run([sys.executable, "-m", "overlay", "engine-check", "--out", str(out), *args],
                           cwd=REPO, timeout=timeout)
     return proc.returncode, json.loads((out / "results.json").read_text())
 

@@ -81,7 +81,8 @@ it and its log's telling line (exit 1); what was measured is written first.
 The package's rooms: ``common`` (constants, definitions, ``BenchError``), ``cells`` (cells and the
 rounds' order), ``stream`` (streamed requests, ``/metrics``), ``stats`` (summaries, ratios, intervals,
 verdicts), ``servers`` (settings, command, start, readiness), ``report`` (engine.json/md/png,
-``--reanalyze``) and ``run`` (the rounds on the servers, the command line).
+``--reanalyze``) and ``run`` (the rounds on the servers, ``RunOptions``); the command line is
+``overlay.commands.bench``.
 """
 
 from __future__ import annotations
@@ -96,10 +97,11 @@ from overlay.bench.engine.common import (
     TARGET,
     TWIN,
     BenchError,
+    BenchUsageError,
     progress,
 )
 from overlay.bench.engine.report import load_result, plot, reanalyze, table, write_outputs
-from overlay.bench.engine.run import main, parser, run, run_cell
+from overlay.bench.engine.run import RunOptions, check_options, redraw, run, run_cell
 from overlay.bench.engine.servers import Settings, command, comparison, kv_cache_bytes, largest_tokens
 from overlay.bench.engine.stats import (
     Request,
@@ -114,10 +116,48 @@ from overlay.bench.engine.stats import (
 from overlay.bench.engine.stream import _stream, itl_ms_between, itl_totals, run_once, scrape_itl
 
 __all__ = [
-    "DEFAULT_VLLM", "DEFINITIONS", "FLAGS", "METRICS", "SIDES", "TARGET", "TWIN", "BenchError", "Cell",
-    "Request", "Settings", "_stream", "abba", "cell_prompts", "cell_summary", "command", "comparison",
-    "flags", "fresh_prompt", "itl_ms_between", "itl_totals", "kv_cache_bytes", "largest_tokens",
-    "load_result", "main", "parse_cells", "parser", "plot", "progress", "ratio_interval", "reanalyze",
-    "round_order", "run", "run_cell", "run_once", "scrape_itl", "steady_intervals", "summarize", "table",
-    "twins_differ", "verdict", "write_outputs",
+    "DEFAULT_VLLM",
+    "DEFINITIONS",
+    "FLAGS",
+    "METRICS",
+    "SIDES",
+    "TARGET",
+    "TWIN",
+    "BenchError",
+    "BenchUsageError",
+    "Cell",
+    "Request",
+    "RunOptions",
+    "Settings",
+    "_stream",
+    "abba",
+    "cell_prompts",
+    "cell_summary",
+    "check_options",
+    "command",
+    "comparison",
+    "flags",
+    "fresh_prompt",
+    "itl_ms_between",
+    "itl_totals",
+    "kv_cache_bytes",
+    "largest_tokens",
+    "load_result",
+    "parse_cells",
+    "plot",
+    "progress",
+    "ratio_interval",
+    "reanalyze",
+    "redraw",
+    "round_order",
+    "run",
+    "run_cell",
+    "run_once",
+    "scrape_itl",
+    "steady_intervals",
+    "summarize",
+    "table",
+    "twins_differ",
+    "verdict",
+    "write_outputs",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from overlay.engine.env import DEFAULT_VLLM, TRANSPORTS  # noqa: F401  (declared beside the command line's other engine facts)
 from overlay.errors import OverlayError
 
 PREFIX = "[bench-engine]"
@@ -57,12 +58,16 @@ FLAGS = {**SIDES, TWIN: "1"}
 # six orders in turn, so each server is as often first, second and last, and after each of the others.
 ORDERS = {2: (("A", "B"), ("B", "A")),
           3: (("A", "B", "C"), ("B", "C", "A"), ("C", "A", "B"), ("C", "B", "A"), ("B", "A", "C"), ("A", "C", "B"))}
-TRANSPORTS = ("direct", "a2a", "ag_rs")
-DEFAULT_VLLM = "python3 -m vllm.entrypoints.cli.main"
 
 
 class BenchError(OverlayError):
     """The run cannot go on (a server died, a request failed); the message is one line."""
+
+
+class BenchUsageError(BenchError):
+    """The options or an input file cannot make a run; nothing was started."""
+
+    exit_code = 2
 
 
 

@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from overlay.bench.engine.cells import Cell, cell_prompts, parse_cells, round_order
 from overlay.bench.engine.common import (
-    DEFAULT_VLLM,
     DEFINITIONS,
     FLAGS,
     MODEL_LEN_MARGIN,
     TARGET,
-    TRANSPORTS,
     BenchError,
+    BenchUsageError,
     _fmt,
     progress,
 )
@@ -99,43 +97,84 @@ def run_cell(cell: Cell, servers: dict[str, Server], st: Settings, timeout_s: fl
     return records
 
 
-def run(ns: argparse.Namespace) -> int:
-    out: Path = ns.out
+@dataclass
+class RunOptions:
+    """What a person chose for one run: the command line's options (``overlay bench-engine``), by name."""
+
+    out: Path
+    model: str | None
+    batches: list[int]
+    contexts: list[int]
+    cells: str | None
+    no_mixed: bool
+    decode_tokens: int
+    repeats: int
+    cell_seconds: float
+    max_repeats: int
+    null: bool
+    no_twin: bool
+    seed: int
+    mixed_batch: int
+    mixed_context: int
+    mixed_interval: float
+    transport: str
+    tp: int
+    dcp: int
+    kv_cache_memory_bytes: int
+    gpu_memory_utilization: float
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int | None
+    max_cudagraph_capture_size: int
+    no_prefix_caching: bool
+    no_deep_gemm_standin: bool
+    server_args: str | None
+    b_tree: Path | None
+    b_label: str | None
+    vllm: str
+    server_cmd: str | None
+    ports: tuple[int, ...]
+    ready_timeout: float
+    request_timeout: float
+    budget: float
+
+
+def run(opts: RunOptions) -> int:
+    """One whole run: cells parsed, servers started, cells measured round by round, results written."""
+    out: Path = opts.out
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     try:
-        cells = parse_cells(ns.cells, ns.batches, ns.contexts, mixed_batch=ns.mixed_batch,
-                            mixed_context=ns.mixed_context, mixed=not ns.no_mixed)
+        cells = parse_cells(opts.cells, opts.batches, opts.contexts, mixed_batch=opts.mixed_batch,
+                            mixed_context=opts.mixed_context, mixed=not opts.no_mixed)
     except ValueError as exc:
-        print(f"bench-engine: {exc}", file=sys.stderr)
-        return 2
-    model = Path(os.path.expanduser(ns.model)) if ns.model else None
+        raise BenchUsageError(str(exc)) from None
+    model = Path(os.path.expanduser(opts.model)) if opts.model else None
     if model is None:
         from overlay.engine.checkpoint import TinyGlm5Spec, checkpoint_id, default_cache
 
         model = default_cache() / checkpoint_id(TinyGlm5Spec(), 0)
     try:
-        config = _model_config(model, generate=not ns.model or ns.server_cmd is None)
+        config = _model_config(model, generate=not opts.model or opts.server_cmd is None)
     except BenchError as exc:
-        print(f"bench-engine: {exc}", file=sys.stderr)
-        return 2
+        raise BenchUsageError(str(exc)) from None
     layers = int(config.get("num_hidden_layers") or 0)  # the MTP layer is not loaded without spec decode
-    biggest = max(c.context for c in cells) + ns.decode_tokens + MODEL_LEN_MARGIN
+    biggest = max(c.context for c in cells) + opts.decode_tokens + MODEL_LEN_MARGIN
     st = Settings(
-        model=str(model), tp=ns.tp, dcp=ns.dcp, transport=ns.transport,
-        gpu_memory_utilization=ns.gpu_memory_utilization,
-        max_model_len=ns.max_model_len or biggest,
+        model=str(model), tp=opts.tp, dcp=opts.dcp, transport=opts.transport,
+        gpu_memory_utilization=opts.gpu_memory_utilization,
+        max_model_len=opts.max_model_len or biggest,
         max_position_embeddings=config.get("max_position_embeddings"),
-        max_num_seqs=ns.max_num_seqs or max(max(c.batch for c in cells), ns.mixed_batch + 16),
-        max_num_batched_tokens=ns.max_num_batched_tokens, prefix_caching=not ns.no_prefix_caching,
-        max_cudagraph_capture_size=ns.max_cudagraph_capture_size, decode_tokens=ns.decode_tokens,
-        repeats=ns.repeats, cell_seconds=ns.cell_seconds, max_repeats=ns.max_repeats, null=ns.null,
-        twin=not ns.no_twin, seed=ns.seed, mixed_batch=ns.mixed_batch, mixed_context=ns.mixed_context,
-        mixed_interval=ns.mixed_interval, layers=layers, deep_gemm_standin=not ns.no_deep_gemm_standin,
-        extra_args=shlex.split(ns.server_args or ""),
-        b_tree=str(ns.b_tree.resolve()) if ns.b_tree else "", b_label=ns.b_label or "")
-    st.kv_cache_memory_bytes = ns.kv_cache_memory_bytes or kv_cache_bytes(
-        -(-largest_tokens(cells, ns.decode_tokens) // ns.dcp), max(layers, 1))
+        max_num_seqs=opts.max_num_seqs or max(max(c.batch for c in cells), opts.mixed_batch + 16),
+        max_num_batched_tokens=opts.max_num_batched_tokens, prefix_caching=not opts.no_prefix_caching,
+        max_cudagraph_capture_size=opts.max_cudagraph_capture_size, decode_tokens=opts.decode_tokens,
+        repeats=opts.repeats, cell_seconds=opts.cell_seconds, max_repeats=opts.max_repeats, null=opts.null,
+        twin=not opts.no_twin, seed=opts.seed, mixed_batch=opts.mixed_batch, mixed_context=opts.mixed_context,
+        mixed_interval=opts.mixed_interval, layers=layers, deep_gemm_standin=not opts.no_deep_gemm_standin,
+        extra_args=shlex.split(opts.server_args or ""),
+        b_tree=str(opts.b_tree.resolve()) if opts.b_tree else "", b_label=opts.b_label or "")
+    st.kv_cache_memory_bytes = opts.kv_cache_memory_bytes or kv_cache_bytes(
+        -(-largest_tokens(cells, opts.decode_tokens) // opts.dcp), max(layers, 1))
     result: dict[str, Any] = {
         "format": 1, "partial": True, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "settings": asdict(st), "cells_planned": [c.name for c in cells], "versions": versions(),
@@ -144,32 +183,32 @@ def run(ns: argparse.Namespace) -> int:
     }
     gpus = result["versions"].get("gpus") or []
     result["gpu"] = f"{len(gpus)}x {gpus[0].split(',')[0]}" if gpus else ""
-    ports = dict(zip(FLAGS, [*ns.ports, max(ns.ports) + 1][:3], strict=True))
+    ports = dict(zip(FLAGS, [*opts.ports, max(opts.ports) + 1][:3], strict=True))
     servers: dict[str, Server] = {}
     signal.signal(signal.SIGTERM, _interrupt)  # `timeout`, a job scheduler: write what was measured, stop all
     rc = 0
     try:
         for side in st.sides():
-            cmd = command(ns.server_cmd, ns.vllm, st, ports[side], side)
+            cmd = command(opts.server_cmd, opts.vllm, st, ports[side], side)
             result.setdefault("commands", {})[side] = shlex.join(cmd)
             servers[side] = launch(side, cmd, st.env(side, out), out / f"server-{side}.log", ports[side])
         progress(f"started servers {', '.join(f'{k} (pid {v.proc.pid})' for k, v in servers.items())}; logs "
                  f"{out}/server-<A|B|C>.log; KV cache {st.kv_cache_memory_bytes / 2**30:.2f} GiB, "
                  f"max-model-len {st.max_model_len}, {len(cells)} cell(s)")
-        wait_ready(list(servers.values()), ns.ready_timeout)
+        wait_ready(list(servers.values()), opts.ready_timeout)
         result["ready_s"] = time.monotonic() - t_start
         durations: list[float] = []
         for i, cell in enumerate(cells):
             elapsed = time.monotonic() - t_start
             estimate = max(durations) * 1.5 + 10.0 if durations else 0.0
-            if ns.budget and elapsed + estimate > ns.budget:
+            if opts.budget and elapsed + estimate > opts.budget:
                 result["skipped"] = [c.name for c in cells[i:]]
-                progress(f"budget: {ns.budget - elapsed:.0f} s left, a cell takes ~{estimate:.0f} s: "
+                progress(f"budget: {opts.budget - elapsed:.0f} s left, a cell takes ~{estimate:.0f} s: "
                          f"not starting {', '.join(result['skipped'])}")
                 break
             progress(f"cell {cell.name} ({i + 1}/{len(cells)})")
             t = time.monotonic()
-            records = run_cell(cell, servers, st, ns.request_timeout)
+            records = run_cell(cell, servers, st, opts.request_timeout)
             durations.append(time.monotonic() - t)
             result["runs"] += records
             summary = cell_summary(records, expect_cached=st.prefix_caching, mixed=cell.mixed, name=cell.name)
@@ -208,100 +247,25 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+def redraw(source: Path, out: Path, *, recompute: bool) -> int:
+    """``--plot`` / ``--reanalyze``: an earlier ``engine.json`` (or ``.gz``) drawn again, or recomputed first."""
+    try:
+        result = load_result(source)
+    except (OSError, ValueError, EOFError) as exc:
+        raise BenchUsageError(f"{source}: cannot read an engine.json ({exc})") from None
+    if recompute:
+        result = reanalyze(result, source.name)
+    out.mkdir(parents=True, exist_ok=True)
+    write_outputs(result, out, json_too=source.resolve() != (out / "engine.json").resolve())
+    print(table(result), flush=True)
+    return 0
 
 
-def _ports(text: str) -> tuple[int, ...]:
-    values = _ints(text)
-    if len(values) not in (2, 3) or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError("want two or three different ports, A,B[,C] (C: the twin; default B + 1)")
-    return tuple(values)
-
-
-def parser() -> argparse.ArgumentParser:
-    package_doc = sys.modules["overlay.bench.engine"].__doc__ or ""
-    ap = argparse.ArgumentParser(prog="python -m overlay.bench.engine", description=package_doc.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("bench-engine"))
-    ap.add_argument("--plot", type=Path, help="only redraw engine.md and engine.png from this engine.json (or .gz)")
-    ap.add_argument("--reanalyze", type=Path,
-                    help="recompute every run and cell of this engine.json (or .gz) from its raw chunk arrivals "
-                         "with today's definitions; engine.json, .md and .png into --out")
-    ap.add_argument("--model", help="checkpoint folder (default: the generated tiny GLM-5, made when missing)")
-    ap.add_argument("--batches", type=_ints, default=[1, 8, 64], help="comma-separated (1,8,64)")
-    ap.add_argument("--contexts", type=_ints, default=[4096, 16384, 65536], help="comma-separated prompt tokens")
-    ap.add_argument("--cells", help="a subset instead, e.g. 1x4096,8x16384,mixed")
-    ap.add_argument("--no-mixed", action="store_true", help="without --cells: leave the mixed cell out")
-    ap.add_argument("--decode-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=5, help="measured runs per server and cell (ABBA), at least")
-    ap.add_argument("--cell-seconds", type=float, default=10.0,
-                    help="more ABBA pairs until each server's measured runs of the cell took this long (10)")
-    ap.add_argument("--max-repeats", type=int, default=30, help="runs per server and cell, at most (30)")
-    ap.add_argument("--null", action="store_true",
-                    help="A/A: both servers VLLM_DCP_PROJECT_BEFORE_MERGE=1; the ratios are then the method's "
-                         "noise (run it where the A/B is to be read)")
-    ap.add_argument("--no-twin", action="store_true",
-                    help="two servers only: no twin C of A (flag on too), so no null of the same run")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--mixed-batch", type=int, default=32)
-    ap.add_argument("--mixed-context", type=int, default=4096)
-    ap.add_argument("--mixed-interval", type=float, default=0.2, help="seconds between arriving prefills")
-    ap.add_argument("--transport", choices=TRANSPORTS, default="direct")
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--dcp", type=int, default=2)
-    ap.add_argument("--kv-cache-memory-bytes", type=int, default=0, help="per GPU (default: sized from the cells)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    ap.add_argument("--max-model-len", type=int, default=0, help="default: largest context + decode + 64")
-    ap.add_argument("--max-num-seqs", type=int, default=0, help="default: max(largest batch, mixed batch + 16)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's")
-    ap.add_argument("--max-cudagraph-capture-size", type=int, default=64)
-    ap.add_argument("--no-prefix-caching", action="store_true",
-                    help="if the engine refuses prefix caching: every run then prefills its whole prompts")
-    ap.add_argument("--no-deep-gemm-standin", action="store_true",
-                    help="do not put tests/engine/standin (plain-torch DSA indexer logits) on PYTHONPATH")
-    ap.add_argument("--server-args", help="more vllm serve arguments, for both servers")
-    ap.add_argument("--b-tree", type=Path,
-                    help="B runs this vLLM tree (first on its PYTHONPATH; e.g. engine.variants' mtp-as-prefills laid "
-                         "out by engine.check's lay_variant) instead of VLLM_DCP_PROJECT_BEFORE_MERGE=0; the flag is 1 "
-                         "on every server")
-    ap.add_argument("--b-label", help="how reports name B's tree (default: its path)")
-    ap.add_argument("--vllm", default=os.environ.get("OVERLAY_VLLM", DEFAULT_VLLM),
-                    help=f"the vLLM command line ({DEFAULT_VLLM!r}; env OVERLAY_VLLM)")
-    ap.add_argument("--server-cmd", help="a whole server command instead of vllm serve (tests): "
-                                         "{port} {model} {name} {side} {args} are filled in")
-    ap.add_argument("--ports", type=_ports, default=(8100, 8101, 8102),
-                    help="HTTP ports of A,B[,C] (8100,8101,8102)")
-    ap.add_argument("--ready-timeout", type=float, default=900.0)
-    ap.add_argument("--request-timeout", type=float, default=1800.0)
-    ap.add_argument("--budget", type=float, default=0.0, help="seconds: start no cell that would end later")
-    return ap
-
-
-def main(argv: list[str] | None = None) -> int:
-    ns = parser().parse_args(argv)
-    if ns.plot is not None or ns.reanalyze is not None:
-        source: Path = ns.plot if ns.plot is not None else ns.reanalyze
-        try:
-            result = load_result(source)
-        except (OSError, ValueError) as exc:
-            print(f"bench-engine: {source}: cannot read an engine.json ({exc})", file=sys.stderr)
-            return 2
-        if ns.reanalyze is not None:
-            result = reanalyze(result, source.name)
-        ns.out.mkdir(parents=True, exist_ok=True)
-        write_outputs(result, ns.out, json_too=source.resolve() != (ns.out / "engine.json").resolve())
-        print(table(result), flush=True)
-        return 0
-    if ns.b_tree is not None and not (ns.b_tree / "vllm").is_dir():
-        print(f"bench-engine: --b-tree {ns.b_tree}: not a vLLM tree (no vllm/ folder in it)", file=sys.stderr)
-        return 2
-    if ns.b_tree is not None and ns.null:
-        print("bench-engine: --b-tree and --null exclude each other (a null run compares A with itself)",
-              file=sys.stderr)
-        return 2
-    if ns.repeats < 1 or ns.max_repeats < 1 or ns.decode_tokens < 2 or ns.cell_seconds < 0:
-        print("bench-engine: --repeats and --max-repeats must be >= 1, --decode-tokens >= 2, --cell-seconds >= 0",
-              file=sys.stderr)
-        return 2
-    return run(ns)
-
+def check_options(opts: RunOptions) -> None:
+    """Refuse choices that cannot make a run before any server starts."""
+    if opts.b_tree is not None and not (opts.b_tree / "vllm").is_dir():
+        raise BenchUsageError(f"--b-tree {opts.b_tree}: not a vLLM tree (no vllm/ folder in it)")
+    if opts.b_tree is not None and opts.null:
+        raise BenchUsageError("--b-tree and --null exclude each other (a null run compares A with itself)")
+    if opts.repeats < 1 or opts.max_repeats < 1 or opts.decode_tokens < 2 or opts.cell_seconds < 0:
+        raise BenchUsageError("--repeats and --max-repeats must be >= 1, --decode-tokens >= 2, --cell-seconds >= 0")

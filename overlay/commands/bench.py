@@ -1,0 +1,136 @@
+"""Benchmarks that print numbers: ``bench-build`` (CPU), ``bench-merge`` and ``bench-engine`` (GPUs)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from overlay.commands.common import add_vllm, root
+
+
+def configure_parser(sub: argparse._SubParsersAction) -> None:
+    text = "time a rebuild from the cached wheel against a plain copy of it, and edit -> installed"
+    sp = sub.add_parser("bench-build", help=text, description=text)
+    add_vllm(sp)
+    sp.add_argument("--repeat", type=int, default=5)
+    sp.add_argument("--json-out")
+    sp.set_defaults(handler=cmd_bench_build)
+
+    text = ("GPUs: DCP merge + W_UV projection, merge-then-project vs project-then-merge, "
+            "per transport (table, JSON, PNG)")
+    sp = sub.add_parser("bench-merge", help=text, description=text)
+    add_vllm(sp)
+    sp.add_argument("--out", default="bench-merge", help="folder for merge.json/.txt/.png")
+    sp.add_argument("--tokens", type=int, nargs="+", help="token counts (default 1 16 128 768 8192)")
+    sp.add_argument("--replays", type=int, default=50, help="timed CUDA-graph replays (>= 50)")
+    sp.add_argument("--plot", help="only draw the table and plot from this merge.json")
+    sp.add_argument("--ranks", type=int, default=2,
+                    help="DCP ranks, one GPU each, 8 heads per rank (2; 4 and 8 need as many GPUs)")
+    sp.add_argument("--bounds", choices=["decode", "none"], default="decode",
+                    help="sequence bounds handed to the merge: decode (as the engine passes them: one "
+                         "row per sequence, local KV lengths) or none (nothing to mask)")
+    sp.add_argument("--profile-eager", type=int, nargs="*", default=[], metavar="T",
+                    help="also profile 20 eager calls of each order at these token counts "
+                         "(torch.profiler tables in OUT/profile/, host us per call in merge.json)")
+    sp.set_defaults(handler=cmd_bench_merge)
+
+    _configure_bench_engine(sub)
+
+
+def cmd_bench_build(ns: argparse.Namespace) -> int:
+    from overlay.bench.build import run
+
+    return run(root(ns), ns.vllm, repeat=ns.repeat, json_out=Path(ns.json_out) if ns.json_out else None)
+
+
+def cmd_bench_merge(ns: argparse.Namespace) -> int:
+    from overlay.bench.merge import run
+
+    return run(Path(ns.out), tokens=ns.tokens, replays=ns.replays,
+               plot_from=Path(ns.plot) if ns.plot else None, ranks=ns.ranks, bounds=ns.bounds,
+               profile_tokens=tuple(ns.profile_eager))
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _ports(text: str) -> tuple[int, ...]:
+    values = _ints(text)
+    if len(values) not in (2, 3) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError("want two or three different ports, A,B[,C] (C: the twin; default B + 1)")
+    return tuple(values)
+
+
+def _configure_bench_engine(sub: argparse._SubParsersAction) -> None:
+    from overlay.engine.env import DEFAULT_VLLM, TRANSPORTS  # standard library only: the device needs no venv
+
+    text = ("GPUs: vllm serve of the tiny GLM-5 (TP2 x DCP2), VLLM_DCP_PROJECT_BEFORE_MERGE 1 vs 0 plus a twin "
+            "of 1 (the null), judged per cell with an interval and verdict (engine.json, .md, .png)")
+    ap = sub.add_parser("bench-engine", help=text, description=text)
+    ap.add_argument("--out", type=Path, default=Path("bench-engine"))
+    ap.add_argument("--plot", type=Path, help="only redraw engine.md and engine.png from this engine.json (or .gz)")
+    ap.add_argument("--reanalyze", type=Path,
+                    help="recompute every run and cell of this engine.json (or .gz) from its raw chunk arrivals "
+                         "with today's definitions; engine.json, .md and .png into --out")
+    ap.add_argument("--model", help="checkpoint folder (default: the generated tiny GLM-5, made when missing)")
+    ap.add_argument("--batches", type=_ints, default=[1, 8, 64], help="comma-separated (1,8,64)")
+    ap.add_argument("--contexts", type=_ints, default=[4096, 16384, 65536], help="comma-separated prompt tokens")
+    ap.add_argument("--cells", help="a subset instead, e.g. 1x4096,8x16384,mixed")
+    ap.add_argument("--no-mixed", action="store_true", help="without --cells: leave the mixed cell out")
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5, help="measured runs per server and cell (ABBA), at least")
+    ap.add_argument("--cell-seconds", type=float, default=10.0,
+                    help="more ABBA pairs until each server's measured runs of the cell took this long (10)")
+    ap.add_argument("--max-repeats", type=int, default=30, help="runs per server and cell, at most (30)")
+    ap.add_argument("--null", action="store_true",
+                    help="A/A: both servers VLLM_DCP_PROJECT_BEFORE_MERGE=1; the ratios are then the method's "
+                         "noise (run it where the A/B is to be read)")
+    ap.add_argument("--no-twin", action="store_true",
+                    help="two servers only: no twin C of A (flag on too), so no null of the same run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mixed-batch", type=int, default=32)
+    ap.add_argument("--mixed-context", type=int, default=4096)
+    ap.add_argument("--mixed-interval", type=float, default=0.2, help="seconds between arriving prefills")
+    ap.add_argument("--transport", choices=TRANSPORTS, default="direct")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--dcp", type=int, default=2)
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=0, help="per GPU (default: sized from the cells)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    ap.add_argument("--max-model-len", type=int, default=0, help="default: largest context + decode + 64")
+    ap.add_argument("--max-num-seqs", type=int, default=0, help="default: max(largest batch, mixed batch + 16)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's")
+    ap.add_argument("--max-cudagraph-capture-size", type=int, default=64)
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="if the engine refuses prefix caching: every run then prefills its whole prompts")
+    ap.add_argument("--no-deep-gemm-standin", action="store_true",
+                    help="do not put tests/engine/standin (plain-torch DSA indexer logits) on PYTHONPATH")
+    ap.add_argument("--server-args", help="more vllm serve arguments, for both servers")
+    ap.add_argument("--b-tree", type=Path,
+                    help="B runs this vLLM tree (first on its PYTHONPATH; e.g. engine-variants' mtp-as-prefills "
+                         "laid out by engine-check's lay_variant) instead of VLLM_DCP_PROJECT_BEFORE_MERGE=0; the "
+                         "flag is 1 on every server")
+    ap.add_argument("--b-label", help="how reports name B's tree (default: its path)")
+    ap.add_argument("--vllm", default=os.environ.get("OVERLAY_VLLM", DEFAULT_VLLM),
+                    help=f"the vLLM command line ({DEFAULT_VLLM!r}; env OVERLAY_VLLM)")
+    ap.add_argument("--server-cmd", help="a whole server command instead of vllm serve (tests): "
+                                         "{port} {model} {name} {side} {args} are filled in")
+    ap.add_argument("--ports", type=_ports, default=(8100, 8101, 8102),
+                    help="HTTP ports of A,B[,C] (8100,8101,8102)")
+    ap.add_argument("--ready-timeout", type=float, default=900.0)
+    ap.add_argument("--request-timeout", type=float, default=1800.0)
+    ap.add_argument("--budget", type=float, default=0.0, help="seconds: start no cell that would end later")
+    ap.set_defaults(handler=cmd_bench_engine)
+
+
+def cmd_bench_engine(ns: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from overlay.bench.engine.run import RunOptions, check_options, redraw, run
+
+    if ns.plot is not None or ns.reanalyze is not None:
+        return redraw(ns.plot if ns.plot is not None else ns.reanalyze, ns.out, recompute=ns.reanalyze is not None)
+    opts = RunOptions(**{f.name: getattr(ns, f.name) for f in fields(RunOptions)})
+    check_options(opts)
+    return run(opts)

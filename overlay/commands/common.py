@@ -1,0 +1,53 @@
+"""What every verb shares: the release option, the patches folder, and checked number types.
+
+Numbers a person types are checked by the parser (argparse prints ``usage`` and one line, exit 2),
+so a run never starts with a value it cannot use.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+
+def root(ns: argparse.Namespace) -> Path:
+    """The folder holding ``patches/<version>/`` (``overlay --patches``)."""
+    return Path(ns.patches)
+
+
+def add_vllm(sp: argparse.ArgumentParser) -> None:
+    """``--vllm``: the pinned release; ``None`` here is resolved from ``patches/DEFAULT`` by ``overlay.cli``."""
+    sp.add_argument("--vllm", help="pinned vLLM release (default: patches/DEFAULT)")
+
+
+def _bounded(kind: Callable[[str], int | float], name: str, low: float, *, strict: bool = False,
+             high: float | None = None) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {name}, got {text!r}") from None
+        if value < low or (strict and value == low) or (high is not None and value > high):
+            where = f"> {low}" if strict else f">= {low}"
+            raise argparse.ArgumentTypeError(
+                f"expected {name} {where}{'' if high is None else f' and <= {high}'}, got {text}")
+        return value
+
+    parse.__name__ = name  # argparse names the type in its messages
+    return parse
+
+
+def at_least(low: int, high: int | None = None) -> Callable[[str], int | float]:
+    """An integer ``>= low`` (and ``<= high``)."""
+    return _bounded(int, "an integer", low, high=high)
+
+
+def positive(name: str = "a number") -> Callable[[str], int | float]:
+    """A number ``> 0``."""
+    return _bounded(float, name, 0.0, strict=True)
+
+
+def non_negative(name: str = "seconds") -> Callable[[str], int | float]:
+    """A number ``>= 0`` (where the option says so, 0 means "none")."""
+    return _bounded(float, name, 0.0)

@@ -1,0 +1,78 @@
+"""Carrying the series: ``rebase`` onto a new release, ``rebase-continue`` after a conflict, ``cherry-pick``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from overlay.commands.common import add_vllm, root
+
+
+def configure_parser(sub: argparse._SubParsersAction) -> None:
+    for name, text, handler in (
+        ("rebase", "carry the series onto release --to: every patch classified in one run; patches/<to>/ with "
+                   "REBASE.md, or exit 2 with the report in .work/rebase-<to>/ when some need a person", cmd_rebase),
+        ("rebase-continue", "take up a rebase stopped at a conflict after it was resolved with git",
+         cmd_rebase_continue),
+    ):
+        sp = sub.add_parser(name, help=text, description=text)
+        add_vllm(sp)
+        sp.add_argument("--to", required=name == "rebase", help="target release x.y.z")
+        sp.add_argument("--tests", default="tests/patches", help="the patches' own tests (default %(default)s)")
+        sp.add_argument("--no-tests", action="store_true", help="skip the upstream-by-behaviour test runs")
+        sp.set_defaults(handler=handler)
+
+    text = "add an upstream PR number, commit or patch file to the series; exit 2 at a conflict"
+    sp = sub.add_parser("cherry-pick", help=text, description=text)
+    add_vllm(sp)
+    sp.add_argument("ref", nargs="?", help="upstream PR number, commit, or patch file")
+    sp.add_argument("--remote", help="vLLM git remote (default $VLLM_REMOTE or GitHub)")
+    sp.add_argument("--name", help="patch file name (default: from the subject)")
+    sp.add_argument("--after", help="place after this patch (default: at the end)")
+    sp.add_argument("--before", help="place before this patch")
+    sp.add_argument("--origin", help="Origin: for a patch file that has none")
+    sp.add_argument("--continue", dest="continue_", action="store_true",
+                    help="finish a cherry-pick stopped at a conflict")
+    sp.set_defaults(handler=cmd_cherry_pick)
+
+
+def _print_outcome(message: str, done: bool) -> int:
+    print(message, file=sys.stderr)
+    return 0 if done else 2  # 2: stopped at a conflict, a person's turn
+
+
+def cmd_rebase(ns: argparse.Namespace) -> int:
+    from overlay.rebase import rebase_release
+
+    out = rebase_release(root(ns), ns.vllm, ns.to, tests_dir=Path(ns.tests), run_tests=not ns.no_tests)
+    if out.done:
+        print(out.out_dir)
+    return _print_outcome(out.message, out.done)
+
+
+def cmd_rebase_continue(ns: argparse.Namespace) -> int:
+    from overlay.rebase import continue_release
+
+    out = continue_release(ns.to or None, tests_dir=Path(ns.tests), run_tests=not ns.no_tests)
+    if out.done:
+        print(out.out_dir)
+    return _print_outcome(out.message, out.done)
+
+
+def cmd_cherry_pick(ns: argparse.Namespace) -> int:
+    from overlay.cherry_pick import cherry_pick_continue, cherry_pick_release
+
+    if ns.continue_:
+        out = cherry_pick_continue(Path(".work") / f"cherry-pick-{ns.vllm}")
+    elif not ns.ref:
+        print("error: cherry-pick needs REF (a PR number, a commit or a patch file)", file=sys.stderr)
+        return 1
+    else:
+        out = cherry_pick_release(root(ns), ns.vllm, ns.ref, remote=ns.remote or None, name=ns.name or None,
+                                  after=ns.after or None, before=ns.before or None, origin=ns.origin or None)
+    for path in out.left_out:
+        print(f"left out (not in the wheel): {path}", file=sys.stderr)
+    if out.done:
+        print(out.patch)
+    return _print_outcome(out.message, out.done)

@@ -1,0 +1,61 @@
+"""The series itself: ``status`` (each patch, does it apply), ``workspace`` and ``export`` (patches as commits)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from overlay.commands.common import add_vllm, root
+
+
+def configure_parser(sub: argparse._SubParsersAction) -> None:
+    text = "each patch: subject, origin, kind, files, applies to the pinned base"
+    sp = sub.add_parser("status", help=text, description=text)
+    add_vllm(sp)
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(handler=cmd_status)
+
+    text = "git tree of the base with the series as commits, for editing patches"
+    sp = sub.add_parser("workspace", help=text, description=text)
+    add_vllm(sp)
+    sp.add_argument("--dest")
+    sp.set_defaults(handler=cmd_workspace)
+
+    text = "write the workspace's commits back as the series (deterministic)"
+    sp = sub.add_parser("export", help=text, description=text)
+    add_vllm(sp)
+    sp.add_argument("--src")
+    sp.add_argument("--allow-dirty", action="store_true",
+                    help="export the commits although the workspace has uncommitted changes (they stay out)")
+    sp.set_defaults(handler=cmd_export)
+
+
+def cmd_status(ns: argparse.Namespace) -> int:
+    from overlay.status import format_table, series_status
+
+    rows = series_status(root(ns), ns.vllm)
+    if ns.json:
+        print(json.dumps([r.to_dict() for r in rows], indent=2))
+    else:
+        sys.stdout.write(format_table(rows, ns.vllm))
+    return 0 if all(r.applies for r in rows) else 1
+
+
+def cmd_workspace(ns: argparse.Namespace) -> int:
+    from overlay.workspace import create
+
+    dest = Path(ns.dest or f".work/{ns.vllm}")
+    create(root(ns), ns.vllm, dest)
+    print(dest)
+    return 0
+
+
+def cmd_export(ns: argparse.Namespace) -> int:
+    from overlay.workspace import export
+
+    src = Path(ns.src or f".work/{ns.vllm}")
+    names = export(src, root(ns), ns.vllm, allow_dirty=ns.allow_dirty)
+    print(f"exported {len(names)} patch(es) to {root(ns) / ns.vllm}", file=sys.stderr)
+    return 0

@@ -11,7 +11,6 @@ download that matches the fixed pin is taken without a download).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -21,6 +20,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from overlay import digest
 from overlay.errors import FetchError
 from overlay.pins import Pin
 
@@ -38,9 +38,8 @@ def cache_dir() -> Path:
 
 
 def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, streamed."""
-    with path.open("rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
+    """Hex sha256 of a file, streamed (:func:`overlay.digest.of_file`)."""
+    return digest.of_file(path)
 
 
 def pip_download_wheel(requirement: str, dest: Path) -> None:

@@ -22,7 +22,6 @@ next install finishes or drops what was left. Two ways to stage:
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import json
 import os
@@ -46,7 +45,7 @@ from packaging.metadata import parse_email
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from overlay import lock, swap
+from overlay import digest, lock, swap
 from overlay.distdir import umask as current_umask
 from overlay.errors import OverlayError
 from overlay.wheel import dist_info_name, read_record, record_hash
@@ -155,14 +154,14 @@ def install(wheel: Path, env_dir: Path, *, with_deps: bool = True) -> InstallRes
 
 
 def _install(wheel: Path, python: Path, site: Path, scripts: Path, *, with_deps: bool) -> InstallResult:
-    digest = _Digest(wheel)  # the wheel's sha256 (direct_url.json) is computed beside the staging
+    wheel_hash = _Digest(wheel)  # the wheel's sha256 (direct_url.json) is computed beside the staging
     with zipfile.ZipFile(wheel) as zf:
         new = _WheelView.read(zf, wheel)
         old, why = _installed(site, zf, new)
         if old is not None:
             stage = swap.new_stage(site)
             try:
-                plan, written = _stage_incremental(zf, new, old, site, scripts, stage, wheel, digest)
+                plan, written = _stage_incremental(zf, new, old, site, scripts, stage, wheel, wheel_hash)
             except BaseException:
                 shutil.rmtree(stage, ignore_errors=True)
                 raise
@@ -200,8 +199,7 @@ class _Digest:
 
     def _run(self, path: Path) -> None:
         try:
-            with path.open("rb") as fh:
-                self._hex = hashlib.file_digest(fh, "sha256").hexdigest()
+            self._hex = digest.of_file(path)
         except BaseException as exc:  # handed to the caller of hexdigest()
             self._error = exc
 
@@ -311,7 +309,7 @@ def _file_mode(info: zipfile.ZipInfo, umask: int) -> int:
 
 
 def _stage_incremental(zf: zipfile.ZipFile, new: _WheelView, old: _Installed, site: Path, scripts: Path,
-                       stage: Path, wheel: Path, digest: _Digest) -> tuple[swap.Plan | None, int]:
+                       stage: Path, wheel: Path, wheel_hash: _Digest) -> tuple[swap.Plan | None, int]:
     """Stage the new distribution from the installed one plus the changed members; None when nothing changed."""
     umask = current_umask()
     written = 0
@@ -356,7 +354,7 @@ def _stage_incremental(zf: zipfile.ZipFile, new: _WheelView, old: _Installed, si
             extract_these.append(name)
             if name.endswith(".py"):
                 compile_these.append(name)
-    direct_url = _direct_url(wheel, digest.hexdigest())
+    direct_url = _direct_url(wheel, wheel_hash.hexdigest())
     if not extract_these and not compile_these and new.dist_info == old.dist_info and \
             _read_or_none(site / old.dist_info / "direct_url.json") == direct_url:
         return None, 0

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from overlay import digest
 from overlay.errors import SeriesError
 
 TRAILER_KEYS = ("Origin", "Bug", "Applied-Upstream", "Last-Update", "Rebased-From")
@@ -239,7 +240,7 @@ class Patch:
             raise SeriesError(f"{source}: contains no 'diff --git' section")
         return cls(
             name=name, path=path, subject=subject, author=author, body=body.strip(),
-            trailers=trailers, files=files, sha256=hashlib.sha256(raw).hexdigest(), raw=raw,
+            trailers=trailers, files=files, sha256=digest.of_bytes(raw), raw=raw,
         )
 
     @classmethod

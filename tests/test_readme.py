@@ -39,8 +39,27 @@ def test_make_commands_in_the_readme_name_real_targets() -> None:
 
 
 def test_the_makefile_calls_only_verbs_the_cli_has() -> None:
-    verbs = set(re.findall(r"\$\(OVERLAY\) ([a-z-]+)", MAKEFILE))
+    verbs = set(re.findall(r"(?:\$\(OVERLAY\)|-m overlay) ([a-z-]+)", MAKEFILE))
     assert verbs and verbs <= set(cli.verbs()), verbs - set(cli.verbs())
+
+
+def test_every_verb_has_its_make_target() -> None:
+    """The CLI's verbs and the Makefile's targets are one list (cherry-pick-continue is cherry-pick --continue)."""
+    assert set(cli.verbs()) <= make_targets(), set(cli.verbs()) - make_targets()
+    extra = make_targets() - set(cli.verbs())
+    assert extra == {"test", "lint", "cherry-pick-continue"}, extra
+
+
+def test_the_extending_table_names_real_files_and_symbols() -> None:
+    section = README.split("## Extending", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| ---")][1:]
+    assert len(rows) >= 5
+    for row in rows:
+        where = row.split("|")[2]
+        path, _, symbol = re.search(r"`([^`]+)`", where).group(1).partition(":")
+        assert (REPO / path).exists(), f"README Extending: {path} is not there"
+        if symbol:
+            assert re.search(rf"\b{re.escape(symbol)}\b", (REPO / path).read_text()), f"{path} has no {symbol}"
 
 
 def test_the_guides_the_readme_points_to_exist() -> None:

@@ -3,12 +3,12 @@ each with a copy of the manifest; the device calls that bring them."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from overlay import digest
 from overlay.atomic import replacing_dir
 from overlay.device.files import StagedFile
 from overlay.device.settings import CALL_LIMIT, CARRY_LIMIT, MANIFEST_RESERVE, MIB, DeviceStageError
@@ -95,7 +95,7 @@ def build_manifest(name: str, files: Sequence[StagedFile], carries: Sequence[Seq
 def _piece_sha(file: StagedFile, piece: Piece) -> str:
     with file.source.open("rb") as fh:
         fh.seek(piece.offset)
-        return hashlib.sha256(fh.read(piece.size)).hexdigest()
+        return digest.of_bytes(fh.read(piece.size))
 
 
 def write_carries(dest: Path, name: str, files: Sequence[StagedFile], *, limit: int = CARRY_LIMIT,

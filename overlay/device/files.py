@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import lzma
 import os
 import shutil
@@ -16,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from overlay import digest
 from overlay.archive import tar_bytes
 from overlay.device.requirements import pip_error_tail
 from overlay.device.resolve import ResolvedWheel, Resolver, target_args
@@ -106,7 +106,7 @@ def summarize_left_out(zf: zipfile.ZipFile, members: Iterable[str]) -> list[dict
 def xz_cached(data: bytes, cache: Path) -> Path:
     """``data`` compressed with xz preset :data:`XZ_PRESET` (CRC64), cached by the sha256 of ``data``."""
     cache.mkdir(parents=True, exist_ok=True)
-    target = cache / f"{hashlib.sha256(data).hexdigest()}.p{XZ_PRESET}.xz"
+    target = cache / f"{digest.of_bytes(data)}.p{XZ_PRESET}.xz"
     if not target.exists():
         tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         tmp.write_bytes(lzma.compress(data, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, preset=XZ_PRESET))
@@ -147,7 +147,7 @@ def stage_vllm(wheel: Path, xz_cache: Path, jobs: int = 2) -> tuple[list[StagedF
         size = xz.stat().st_size
         log(f"xz {path}: {len(data) / MIB:.1f} -> {size / MIB:.1f} MiB ({time.monotonic() - t0:.0f} s)")
         return StagedFile(path, kind, xz, size, sha256_file(xz), target,
-                          hashlib.sha256(data).hexdigest() if target else None)
+                          digest.of_bytes(data) if target else None)
 
     # lzma releases the GIL: the largest first, in parallel.
     order = sorted(jobs_in, key=lambda j: (-len(j[2]), j[0]))

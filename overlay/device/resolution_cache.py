@@ -3,7 +3,6 @@ index settings are the same."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -12,6 +11,7 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
+from overlay import digest
 from overlay.atomic import write_file
 from overlay.device.resolve import RESOLVE_MAX_ROUNDS, DroppedPin, Resolution, ResolvedWheel, Resolver, target_args
 from overlay.device.settings import DEVICE_ENV, PLATFORMS, STUB_LABEL, TORCH_FAMILY, log
@@ -48,7 +48,7 @@ def resolution_key(requirements: Sequence[str], device: Mapping[str, str], resol
         inputs["extra_requirements"] = list(extra_requirements)
         inputs["extra_policy"] = EXTRA_POLICY
     text = json.dumps(inputs, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()
+    return digest.of_text(text)
 
 
 def resolution_cache_file(cache: Path, key: str) -> Path:

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from overlay import digest
 from overlay.atomic import replacing_dir
 from overlay.errors import OverlayError
 from overlay.fetch import sha256_file
@@ -217,8 +218,8 @@ def weight_recipes(spec: TinyGlm5Spec) -> dict[str, Recipe]:
 
 
 def _tensor_seed(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    raw = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(raw[:8], "little") & ((1 << 63) - 1)
 
 
 def shared_weights(spec: TinyGlm5Spec) -> dict[str, str]:
@@ -287,7 +288,7 @@ def tokenizer_files(spec: TinyGlm5Spec) -> dict[str, str]:
 def checkpoint_id(spec: TinyGlm5Spec, seed: int) -> str:
     """A short name for (format, spec, seed): the cache folder's name."""
     blob = json.dumps({"format": FORMAT_VERSION, "spec": asdict(spec), "seed": seed}, sort_keys=True)
-    return "tiny-glm5-" + hashlib.sha256(blob.encode()).hexdigest()[:12]
+    return "tiny-glm5-" + digest.of_text(blob)[:12]
 
 
 def default_cache() -> Path:

@@ -14,12 +14,12 @@ is ``missing``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from overlay import digest
 from overlay.errors import OverlayError
 from overlay.git import git, git_text
 from overlay.pins import pin_dir
@@ -29,7 +29,7 @@ TRAILER = "Rebased-From"
 
 
 def sha256_of(raw: bytes) -> str:
-    return hashlib.sha256(raw).hexdigest()
+    return digest.of_bytes(raw)
 
 
 @dataclass(frozen=True)

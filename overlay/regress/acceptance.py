@@ -9,9 +9,13 @@ draft is never rejected because the corrupted target agrees with it) and then a 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from overlay.regress.checks import StepContext
 from overlay.regress.errors import RegressError
 from overlay.regress.profiles import Profile
 from overlay.regress.results import Finding
@@ -100,3 +104,33 @@ def judge(profile: Profile, before: SpecCounters | None, after: SpecCounters | N
         findings.append(Finding("acceptance", "harness", f"/metrics reports {len(rates)} draft positions, "
                                 f"the baseline has {len(baseline)}"))
     return data, findings
+
+
+def snapshot(ctx: StepContext, keep: Path) -> SpecCounters | None:
+    """The spec-decode counters of ``/metrics`` now; the exposition as read is kept in ``keep``.
+
+    A failed read is remembered in ``ctx.state`` and becomes the step's harness finding."""
+    try:
+        text = ctx.server.client.metrics_text()
+        keep.write_text(text)
+        return parse_counters(text)
+    except (httpx.HTTPError, RegressError) as exc:
+        ctx.state.setdefault("acceptance.errors", []).append(
+            Finding("acceptance", "harness", f"reading /metrics: {exc}"))
+        return None
+
+
+def prepare(ctx: StepContext) -> None:
+    """Before the first check: the counters the run's rates are measured from."""
+    ctx.state["acceptance.before"] = snapshot(ctx, ctx.out_dir / "metrics-before.txt")
+
+
+def step(ctx: StepContext) -> tuple[dict[str, Any], list[Finding]]:
+    ctx.say("acceptance: reading /metrics")
+    after = snapshot(ctx, ctx.out_dir / "metrics-after.txt")
+    data, findings = judge(ctx.profile, ctx.state.get("acceptance.before"), after)
+    return data, ctx.state.get("acceptance.errors") or findings
+
+
+def summary(data: dict[str, Any]) -> str:
+    return "per position " + ", ".join(f"{r:.2f}" for r in data.get("rates", []))

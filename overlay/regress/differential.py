@@ -20,7 +20,6 @@ tokenizer is involved; the server must serve vLLM's completions extensions (``pr
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from collections.abc import Callable
@@ -30,8 +29,10 @@ from typing import Any
 
 import httpx
 
+from overlay import digest
 from overlay.atomic import write_file
 from overlay.engine.compare import compare, derive_tolerance
+from overlay.regress.checks import StepContext
 from overlay.regress.client import Client
 from overlay.regress.errors import RegressError
 from overlay.regress.profiles import DifferentialSpec, Profile
@@ -49,7 +50,7 @@ def prompt_ids(spec: DifferentialSpec) -> list[list[int]]:
 
 
 def prompts_digest(ids: list[list[int]]) -> str:
-    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()
+    return digest.of_text(json.dumps(ids))
 
 
 def _token_id(key: str) -> int:
@@ -174,3 +175,16 @@ def _collect(server: Server, ids: list[list[int]], spec: DifferentialSpec, *, re
         cause = f"{type(exc).__name__}: {exc}"
         server.ensure_alive("differential", cause)
         raise RegressError(f"differential: {cause}") from None
+
+
+def step(ctx: StepContext) -> tuple[dict[str, Any], list[Finding]]:
+    return run_differential(ctx.profile, ctx.server, ctx.say, ref_url=ctx.ref_url, ref_file=ctx.ref_file,
+                            record=ctx.record_differential)
+
+
+def summary(data: dict[str, Any]) -> str:
+    if "recorded" in data:
+        return f"recorded {data['requests']} prompts into {data['recorded']}"
+    d = data["diff"]
+    return (f"matches {data['reference']}: dense max {d['dense_max_abs']:.3g} nats, beyond index_topk median "
+            f"{d['sparse_q50']:.3g} / p90 {d['sparse_q90']:.3g}")

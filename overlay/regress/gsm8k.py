@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from overlay.regress.checks import StepContext
 from overlay.regress.errors import RegressError
 from overlay.regress.profiles import GSM8K_METRICS, Profile, check_gsm8k_data
 from overlay.regress.results import Finding
@@ -173,3 +174,11 @@ def _last_progress(path: Path) -> str:
     if marker < 0:
         return ""
     return text[marker:].split("\r")[0].split("\n")[0].strip()[:80]
+
+
+def step(ctx: StepContext) -> tuple[dict[str, Any], list[Finding]]:
+    return run_gsm8k(ctx.profile, ctx.server, ctx.out_dir / "gsm8k", ctx.say)
+
+
+def summary(data: dict[str, Any]) -> str:
+    return ", ".join(f"{m} {data[m]['value']:.4f}" for m in GSM8K_METRICS)

@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from overlay.regress.checks import StepContext
 from overlay.regress.client import Client, StreamTiming
 from overlay.regress.errors import RegressError
 from overlay.regress.profiles import Profile
@@ -155,3 +156,11 @@ def run_latency(profile: Profile, server: Server, out_dir: Path, progress: Calla
                            "mean_tpot_ms": profile.baseline.mean_tpot_ms, "tool": profile.baseline.latency_tool}
     summary["result_file"] = str(out_dir / RESULT)
     return summary, judge(profile, data)
+
+
+def step(ctx: StepContext) -> tuple[dict[str, Any], list[Finding]]:
+    return run_latency(ctx.profile, ctx.server, ctx.out_dir / "latency", ctx.say)
+
+
+def summary(data: dict[str, Any]) -> str:
+    return f"TTFT {data['mean_ttft_ms']:.1f} ms, TPOT {data['mean_tpot_ms']:.2f} ms ({data['tool']})"

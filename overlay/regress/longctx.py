@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from overlay.regress.checks import StepContext
 from overlay.regress.client import Client, Completion
 from overlay.regress.profiles import Profile
 from overlay.regress.results import Finding
@@ -177,3 +178,11 @@ def _describe(exc: Exception) -> str:
     if isinstance(exc, httpx.HTTPStatusError):
         return f"HTTP {exc.response.status_code}: {exc.response.text[:200]}"
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def step(ctx: StepContext) -> tuple[dict[str, Any], list[Finding]]:
+    return run_long_context(ctx.profile, ctx.server, ctx.say)
+
+
+def summary(data: dict[str, Any]) -> str:
+    return f"{len(data['probes'])} probes and {len(data['repeated']['answers'])} repeats right"

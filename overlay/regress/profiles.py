@@ -19,20 +19,12 @@ from typing import Any
 
 import yaml
 
+from overlay.regress.checks import DEFAULTS, NAMES, THRESHOLDS
 from overlay.regress.errors import ProfileError
 
-CHECKS = ("differential", "long_context", "gsm8k", "acceptance", "latency")
-DEFAULT_CHECKS = ("long_context", "gsm8k", "acceptance", "latency")  # differential needs a reference: opt in
 LATENCY_TOOLS = ("vllm-bench", "builtin")
 GSM8K_METRICS = ("strict-match", "flexible-extract")  # lm-eval's two GSM8K filters, each with a baseline
-# Which thresholds each check reads; a profile must justify exactly the ones its checks use.
-THRESHOLDS_BY_CHECK: dict[str, tuple[str, ...]] = {
-    "long_context": ("count_min_consecutive", "repetition_ngram", "repetition_max_ratio"),
-    "gsm8k": ("gsm8k_max_stderrs",),
-    "acceptance": ("acceptance_near_one", "acceptance_cliff", "acceptance_max_drop"),
-    "latency": ("ttft_max_ratio", "tpot_max_ratio"),
-    "differential": ("differential_safety", "differential_floor_nats"),
-}
+# The checks, their order and the thresholds each reads: overlay.regress.checks (NAMES, DEFAULTS, THRESHOLDS).
 
 
 @dataclass(frozen=True)
@@ -174,9 +166,9 @@ class Profile:
                        attach_timeout_s: float | None = None, skip: tuple[str, ...] = (),
                        port: int | None = None, vllm_bin: str | None = None) -> Profile:
         """A copy with the run-time options of the CLI applied (each validated like the YAML)."""
-        unknown = [c for c in skip if c not in CHECKS]
+        unknown = [c for c in skip if c not in NAMES]
         if unknown:
-            raise ProfileError(f"--skip: unknown check(s) {', '.join(unknown)} (known: {', '.join(CHECKS)})")
+            raise ProfileError(f"--skip: unknown check(s) {', '.join(unknown)} (known: {', '.join(NAMES)})")
         if latency_tool is not None and latency_tool not in LATENCY_TOOLS:
             raise ProfileError(f"--latency-tool: {latency_tool!r} is not one of {', '.join(LATENCY_TOOLS)}")
         checks = tuple(c for c in self.checks if c not in skip)
@@ -302,14 +294,14 @@ def parse_profile(text: str, source: str) -> Profile:
     f = _Fields(problems)
     name = f.get(data, "", "name", str)
     description = f.get(data, "", "description", str, default="")
-    checks = f.get(data, "", "checks", list, default=list(DEFAULT_CHECKS))
+    checks = f.get(data, "", "checks", list, default=list(DEFAULTS))
     for c in checks or []:
-        if c not in CHECKS:
-            problems.append(f"checks: unknown check {c!r} (known: {', '.join(CHECKS)})")
+        if c not in NAMES:
+            problems.append(f"checks: unknown check {c!r} (known: {', '.join(NAMES)})")
     checks_off = f.get(data, "", "checks_off", dict, default={}) or {}
     for c, why in checks_off.items():
-        if c not in CHECKS:
-            problems.append(f"checks_off.{c}: unknown check (known: {', '.join(CHECKS)})")
+        if c not in NAMES:
+            problems.append(f"checks_off.{c}: unknown check (known: {', '.join(NAMES)})")
         elif c in (checks or []):
             problems.append(f"checks_off.{c}: the check is also in checks")
         if not isinstance(why, str) or not why.strip():
@@ -444,8 +436,8 @@ def parse_profile(text: str, source: str) -> Profile:
                         "the two tools do not measure the same thing: measure a baseline with the tool you run")
 
     t = f.section(data, "thresholds")
-    needed = {n for c in (checks or []) for n in THRESHOLDS_BY_CHECK.get(c, ())}
-    known = {n for names in THRESHOLDS_BY_CHECK.values() for n in names}
+    needed = {n for c in (checks or []) for n in THRESHOLDS.get(c, ())}
+    known = {n for names in THRESHOLDS.values() for n in names}
     thresholds: dict[str, Threshold] = {}
     for key, raw in t.items():
         if key not in known:

@@ -1,10 +1,7 @@
 """One regression run: bring the server up (or attach), run the profile's checks, write the report.
 
-Order: the differential check, then long context (a crash on a long prefill ends the run in
-minutes, not after GSM8K),
-then GSM8K (corruption left behind by long prompts shows up there too), then latency, then the
-acceptance rates over everything the run sent. A server that dies ends the run with a
-``server-died`` regression; the remaining checks are reported as skipped.
+The checks and their order are :data:`overlay.regress.checks.CHECKS`. A server that dies ends the
+run with a ``server-died`` regression; the remaining checks are reported as skipped.
 """
 
 from __future__ import annotations
@@ -16,11 +13,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from overlay.regress import acceptance, differential, gsm8k, latency, longctx
+from overlay.regress.checks import CHECKS, Check, StepContext, function
 from overlay.regress.errors import RegressError, ServerDied
-from overlay.regress.profiles import GSM8K_METRICS, Profile
+from overlay.regress.profiles import Profile
 from overlay.regress.report import write_report
 from overlay.regress.results import (
     Finding,
@@ -33,39 +28,11 @@ from overlay.regress.results import (
 )
 from overlay.regress.server import Server
 
-StepFn = Callable[[Profile, Server, Path, Callable[[str], None]], tuple[dict[str, Any], list[Finding]]]
 
-
-def _long_context(profile: Profile, server: Server, out: Path, progress: Callable[[str], None]) -> tuple[
-        dict[str, Any], list[Finding]]:
-    return longctx.run_long_context(profile, server, progress)
-
-
-STEPS: dict[str, StepFn] = {
-    "long_context": _long_context,
-    "gsm8k": lambda p, s, out, progress: gsm8k.run_gsm8k(p, s, out / "gsm8k", progress),
-    "latency": lambda p, s, out, progress: latency.run_latency(p, s, out / "latency", progress),
-}
-
-
-def _summary(name: str, data: dict[str, Any], findings: list[Finding]) -> str:
+def _summary(check: Check, data: dict[str, Any], findings: list[Finding]) -> str:
     if findings:
         return f"{len(findings)} finding(s): {findings[0].message}"
-    if name == "gsm8k":
-        return ", ".join(f"{m} {data[m]['value']:.4f}" for m in GSM8K_METRICS)
-    if name == "latency":
-        return f"TTFT {data['mean_ttft_ms']:.1f} ms, TPOT {data['mean_tpot_ms']:.2f} ms ({data['tool']})"
-    if name == "acceptance":
-        return "per position " + ", ".join(f"{r:.2f}" for r in data.get("rates", []))
-    if name == "differential":
-        if "recorded" in data:
-            return f"recorded {data['requests']} prompts into {data['recorded']}"
-        d = data["diff"]
-        return (f"matches {data['reference']}: dense max {d['dense_max_abs']:.3g} nats, beyond index_topk median "
-                f"{d['sparse_q50']:.3g} / p90 {d['sparse_q90']:.3g}")
-    if name == "long_context":
-        return f"{len(data['probes'])} probes and {len(data['repeated']['answers'])} repeats right"
-    return "ok"
+    return function(check.summary)(data)
 
 
 def run(profile: Profile, out_dir: Path, base_url: str | None = None,
@@ -114,33 +81,18 @@ def run(profile: Profile, out_dir: Path, base_url: str | None = None,
             _record(report, say, StepResult("server", "error", str(exc), time.monotonic() - t0,
                                             findings=[Finding("server", "harness", str(exc))]))
             dead = True
-        before = None
-        scrape_errors: list[Finding] = []
-        if not dead and server is not None and "acceptance" in profile.checks:
-            before = _snapshot(server, scrape_errors, out_dir / "metrics-before.txt")
-        steps = dict(STEPS)
-        steps["differential"] = lambda p, s, out, progress: differential.run_differential(
-            p, s, progress, ref_url=ref_url, ref_file=ref_file, record=record_differential)
-        for name in ("differential", "long_context", "gsm8k", "latency"):
-            if name not in profile.checks and not (name == "differential" and record_differential):
-                continue
+        ctx = StepContext(profile, server, out_dir, say, ref_url=ref_url, ref_file=ref_file,  # type: ignore[arg-type]
+                          record_differential=record_differential)
+        wanted = [c for c in CHECKS if c.wanted(profile.checks, ctx)]
+        if not dead and server is not None:
+            for check in wanted:
+                if check.prepare:
+                    function(check.prepare)(ctx)
+        for check in wanted:
             if dead or server is None:
-                report.steps.append(StepResult(name, "skipped", "the server is not up"))
+                report.steps.append(StepResult(check.name, "skipped", "the server is not up"))
                 continue
-            dead = _run_step(name, steps[name], profile, server, out_dir, say, report)
-        if "acceptance" in profile.checks:
-            if dead or server is None:
-                report.steps.append(StepResult("acceptance", "skipped", "the server is not up"))
-            else:
-                t0 = time.monotonic()
-                say("acceptance: reading /metrics")
-                after = _snapshot(server, scrape_errors, out_dir / "metrics-after.txt")
-                data, findings = acceptance.judge(profile, before, after)
-                if scrape_errors:
-                    findings = scrape_errors
-                _record(report, say, StepResult("acceptance", step_status(findings),
-                                                _summary("acceptance", data, findings),
-                                                time.monotonic() - t0, data, findings))
+            dead = _run_step(check, ctx, report)
     finally:
         if server is not None:
             if server.launched:
@@ -171,23 +123,12 @@ def run(profile: Profile, out_dir: Path, base_url: str | None = None,
     return report
 
 
-def _snapshot(server: Server, errors: list[Finding], keep: Path) -> acceptance.SpecCounters | None:
-    """The spec-decode counters of ``/metrics`` now; the exposition as read is kept in ``keep``."""
-    try:
-        text = server.client.metrics_text()
-        keep.write_text(text)
-        return acceptance.parse_counters(text)
-    except (httpx.HTTPError, RegressError) as exc:
-        errors.append(Finding("acceptance", "harness", f"reading /metrics: {exc}"))
-        return None
-
-
-def _run_step(name: str, fn: StepFn, profile: Profile, server: Server, out_dir: Path,
-              say: Callable[[str], None], report: RunReport) -> bool:
+def _run_step(check: Check, ctx: StepContext, report: RunReport) -> bool:
     """Run one check into the report; return True when the server died during it."""
+    name, say = check.name, ctx.say
     t0 = time.monotonic()
     try:
-        data, findings = fn(profile, server, out_dir, say)
+        data, findings = function(check.step)(ctx)
     except ServerDied as exc:
         _record(report, say, StepResult(name, "fail", str(exc), time.monotonic() - t0,
                                         findings=[Finding(name, "regression", f"server died: {exc.detail}")]))
@@ -196,7 +137,7 @@ def _run_step(name: str, fn: StepFn, profile: Profile, server: Server, out_dir: 
         _record(report, say, StepResult(name, "error", str(exc), time.monotonic() - t0,
                                         findings=[Finding(name, "harness", str(exc))]))
         return False
-    _record(report, say, StepResult(name, step_status(findings), _summary(name, data, findings),
+    _record(report, say, StepResult(name, step_status(findings), _summary(check, data, findings),
                                     time.monotonic() - t0, data, findings))
     return False
 

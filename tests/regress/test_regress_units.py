@@ -10,8 +10,9 @@ import yaml
 from regress_helpers import REPO
 
 from overlay.regress import acceptance, gsm8k, latency
+from overlay.regress.checks import THRESHOLDS
 from overlay.regress.errors import ProfileError
-from overlay.regress.profiles import THRESHOLDS_BY_CHECK, load_profile, parse_profile, shipped_profiles
+from overlay.regress.profiles import load_profile, parse_profile, shipped_profiles
 from overlay.regress.textchecks import count_run, last_int, repetition
 
 NVFP4 = "glm5.2-nvfp4-tp8-dcp4-mtp5-a2a"
@@ -27,7 +28,7 @@ def test_shipped_profiles_load_with_the_seed_baselines(name: str) -> None:
     assert p.baseline.gsm8k == {"strict-match": 0.9473, "flexible-extract": 0.9466}
     assert p.baseline.gsm8k_stderr == 0.0044
     assert (p.baseline.mean_ttft_ms, p.baseline.mean_tpot_ms) == (795.75, 17.61)
-    needed = {t for c in p.checks for t in THRESHOLDS_BY_CHECK[c]}
+    needed = {t for c in p.checks for t in THRESHOLDS[c]}
     assert set(p.thresholds) == needed and all(len(t.why) > 40 for t in p.thresholds.values())
     assert max(p.long_context.prompt_tokens) > max(2048, p.long_context.workspace_capacity_tokens)
 

@@ -1,0 +1,85 @@
+"""The regression's checks, each registered once, in the order a run takes them.
+
+A check is one :class:`Check` line in :data:`CHECKS`: its name (the word a profile's ``checks``,
+``checks_off`` and ``--skip`` use), the thresholds it reads (a profile must justify exactly those),
+whether a profile that names no checks runs it, and where its code lives: ``step`` (run it against
+the server: ``(StepContext) -> (data, findings)``), ``summary`` (its result in one line) and, where
+it needs one, ``prepare`` (before any check runs). They are ``module:function`` strings, imported
+when a run reaches them, so a profile loads without the checks' dependencies.
+
+The order of :data:`CHECKS` is the run's order: the differential check first (it needs the server
+as it came up), then long context (a crash on a long prefill ends the run in minutes, not after
+GSM8K), then GSM8K (corruption left behind by long prompts shows up there too), then latency, and
+acceptance last: it reads the speculative-decoding counters over everything the run sent.
+
+Adding a check: its module with ``step`` and ``summary``, its thresholds' ``why`` in the shipped
+profiles, one line here. Nothing else names the checks.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from overlay.regress.profiles import Profile
+    from overlay.regress.results import Finding
+    from overlay.regress.server import Server
+
+
+@dataclass
+class StepContext:
+    """What a check's step gets: the profile, the server, the run's folder and options, a progress line."""
+
+    profile: Profile
+    server: Server
+    out_dir: Path
+    say: Callable[[str], None]
+    ref_url: str | None = None
+    ref_file: str | None = None
+    record_differential: str | None = None
+    state: dict[str, Any] = field(default_factory=dict)  # what a check's prepare keeps for its step
+
+
+StepFn = Callable[[StepContext], "tuple[dict[str, Any], list[Finding]]"]
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    step: str  # "module:function", (StepContext) -> (data, findings)
+    summary: str  # "module:function", (data) -> one line
+    thresholds: tuple[str, ...]
+    default: bool = True  # run by a profile that names no checks
+    prepare: str | None = None  # "module:function", (StepContext) -> None, before the first check runs
+    also_when: str | None = None  # a StepContext option that turns the check on although the profile has it off
+
+    def wanted(self, checks: tuple[str, ...], ctx: StepContext | None = None) -> bool:
+        return self.name in checks or bool(self.also_when and ctx is not None and getattr(ctx, self.also_when))
+
+
+def function(ref: str) -> Callable[..., Any]:
+    """``module:function`` -> the function (imported now)."""
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("differential", "overlay.regress.differential:step", "overlay.regress.differential:summary",
+          ("differential_safety", "differential_floor_nats"), default=False,  # needs a reference: opt in
+          also_when="record_differential"),
+    Check("long_context", "overlay.regress.longctx:step", "overlay.regress.longctx:summary",
+          ("count_min_consecutive", "repetition_ngram", "repetition_max_ratio")),
+    Check("gsm8k", "overlay.regress.gsm8k:step", "overlay.regress.gsm8k:summary", ("gsm8k_max_stderrs",)),
+    Check("latency", "overlay.regress.latency:step", "overlay.regress.latency:summary",
+          ("ttft_max_ratio", "tpot_max_ratio")),
+    Check("acceptance", "overlay.regress.acceptance:step", "overlay.regress.acceptance:summary",
+          ("acceptance_near_one", "acceptance_cliff", "acceptance_max_drop"),
+          prepare="overlay.regress.acceptance:prepare"),
+)
+NAMES: tuple[str, ...] = tuple(c.name for c in CHECKS)
+DEFAULTS: tuple[str, ...] = tuple(c.name for c in CHECKS if c.default)
+THRESHOLDS: dict[str, tuple[str, ...]] = {c.name: c.thresholds for c in CHECKS}

@@ -94,6 +94,7 @@ def cmd_bench_merge(ns: argparse.Namespace) -> int:
 
 
 def cmd_image(ns: argparse.Namespace) -> int:
+    from overlay.containers import Engine, sandbox_wanted, select_engine
     from overlay.image import build_image, format_plan, plan_image, prepare_kernel_source
 
     if ns.kernel_source:
@@ -107,10 +108,31 @@ def cmd_image(ns: argparse.Namespace) -> int:
         arch_list=ns.arch, max_jobs=ns.max_jobs, nvcc_threads=ns.nvcc_threads,
         base_digest=ns.base_digest, push=ns.push,
     )
-    if ns.dry_run:
-        sys.stdout.write(format_plan(plan))
+    if ns.dry_run:  # probes no engine: the command of ENGINE (default docker)
+        name = ns.engine or "docker"
+        sys.stdout.write(format_plan(plan, Engine(name, name, sandbox=sandbox_wanted(ns.sandbox))))
         return 0
-    return build_image(plan, _root(ns), Path(ns.dist))
+    engine = select_engine(ns.engine, sandbox=ns.sandbox)
+    return build_image(plan, _root(ns), Path(ns.dist), engine).returncode
+
+
+def cmd_image_smoke(ns: argparse.Namespace) -> int:
+    from overlay.containers import describe, select_engine, smoke_store
+    from overlay.image_smoke import smoke
+
+    engine = select_engine(ns.engine, sandbox=ns.sandbox, store=smoke_store())
+    if ns.preflight:
+        import shutil
+
+        if shutil.which("mmdebstrap") is None:
+            print("error: mmdebstrap is not on PATH (the stand-in's Debian rootfs needs it)", file=sys.stderr)
+            return 1
+        print(f"image-smoke can run here: engine {describe(engine)}, mmdebstrap")
+        return 0
+    for line in smoke(_root(ns), ns.vllm, engine=engine, repo=Path.cwd(), dist=Path(ns.dist),
+                      negative=ns.negative, keep=ns.keep, torch=ns.torch):
+        print(line)
+    return 0
 
 
 def cmd_regress(ns: argparse.Namespace) -> int:
@@ -267,6 +289,8 @@ COMMANDS: dict[str, tuple[str, Handler]] = {
                     "per transport (table, JSON, PNG)", cmd_bench_merge),
     "image": ("Docker image over the official vLLM image; kernels rebuilt only for kernel patches",
               cmd_image),
+    "image-smoke": ("build our image on a CPU stand-in of the official base (Debian + PyPI), run it, check "
+                    "version, dist-info, every patch's lines, the CLI, the entrypoint and labels", cmd_image_smoke),
     "regress": ("GSM8K, long context, acceptance and latency of a served build against a profile's "
                 "baselines; exit 0 pass, 1 regression, 2 harness failure", cmd_regress),
     "rebase": ("carry the series onto release --to: every patch classified in one run; patches/<to>/ with "
@@ -340,6 +364,21 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--kernel-source", metavar="DIR",
                             help="kernel stage: unpack the verified sdist into DIR, apply the series, "
                                  "print the targets to rebuild")
+        if name in ("image", "image-smoke"):
+            sp.add_argument("--engine", default="", choices=["", "docker", "podman", "buildah"],
+                            help="container engine (default: the first usable of docker, podman, buildah)")
+            sp.add_argument("--sandbox", default="auto", choices=["auto", "1", "0"],
+                            help="podman/buildah flags for a machine without systemd (auto: when it is not running)")
+        if name == "image-smoke":
+            sp.add_argument("--dist", default="dist")
+            sp.add_argument("--negative", default="", choices=["", "version", "patch"],
+                            help="build a wrong image on purpose (a wrong version, the series less its last "
+                                 "patch): the smoke must fail")
+            sp.add_argument("--keep", action="store_true", help="keep the smoke image (default: removed)")
+            sp.add_argument("--torch", default="", metavar="WHEEL",
+                            help="the stand-in's torch wheel file (default: what pip resolves for vLLM's pin)")
+            sp.add_argument("--preflight", action="store_true",
+                            help="only say whether the smoke can run here (an engine, mmdebstrap): exit 0 or 1")
         elif name == "regress":
             sp.add_argument("--profile", default="glm5.2-fp8-tp8-dcp8",
                             help="shipped profile name or YAML path (default %(default)s)")

@@ -46,13 +46,23 @@ class Sandbox:
 
     @staticmethod
     def ulimits() -> tuple[str, ...]:
-        """``--ulimit`` flags at this process's own limits (a container may not ask for more)."""
+        """``--ulimit`` flags at this process's own limits, capped by the kernel's ceiling for each
+        (``fs/nr_open``, ``kernel/pid_max``: such a machine refuses a process limit above pid_max)."""
         flags: list[str] = []
-        for name, which in (("nofile", resource.RLIMIT_NOFILE), ("nproc", resource.RLIMIT_NPROC)):
-            soft, hard = resource.getrlimit(which)
-            if soft != resource.RLIM_INFINITY and hard != resource.RLIM_INFINITY:
-                flags += ["--ulimit", f"{name}={soft}:{hard}"]
+        for name, which, ceiling in (("nofile", resource.RLIMIT_NOFILE, "/proc/sys/fs/nr_open"),
+                                     ("nproc", resource.RLIMIT_NPROC, "/proc/sys/kernel/pid_max")):
+            cap = _read_int(ceiling)
+            soft, hard = (cap if v == resource.RLIM_INFINITY else min(v, cap) for v in resource.getrlimit(which))
+            flags += ["--ulimit", f"{name}={soft}:{hard}"]
         return tuple(flags)
+
+
+def _read_int(path: str) -> int:
+    """The number in a /proc/sys file; Linux's usual 4194304 (pid_max's maximum) where it cannot be read."""
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 4194304
 
 
 SANDBOX = Sandbox()
@@ -108,11 +118,13 @@ class Engine:
 
     def build_command(self, *, dockerfile: str, context: str, build_args: Mapping[str, str],
                       tags: Sequence[str], target: str = "", labels: Mapping[str, str] | None = None,
-                      push: bool = False) -> list[str]:
-        """One build; ``push`` only for docker (BuildKit pushes while building; see :meth:`push_commands`)."""
+                      push: bool = False, ignorefile: str = "") -> list[str]:
+        """One build; ``push`` only for docker (BuildKit pushes while building; see :meth:`push_commands`).
+        ``ignorefile``: the Dockerfile's own ignore file, which BuildKit finds by its name by itself."""
         cmd = self._cmd("build", "-f", dockerfile)
         if self.daemonless:  # as docker: the local image when there is one, else pulled
             cmd += ["--pull=missing", *(SANDBOX.isolation if self.sandbox else ())]
+            cmd += ["--ignorefile", ignorefile] if ignorefile else []
         if target:
             cmd += ["--target", target]
         for k, v in build_args.items():

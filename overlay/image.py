@@ -90,7 +90,8 @@ class Plan:
     def commands(self, engine: Engine) -> list[list[str]]:
         """The engine's build command, then its pushes (if any)."""
         build = engine.build_command(dockerfile=DOCKERFILE, context=".", target="runtime",
-                                     build_args=self.build_args(), tags=self.image_tags, push=self.push)
+                                     build_args=self.build_args(), tags=self.image_tags, push=self.push,
+                                     ignorefile=f"{DOCKERFILE}.dockerignore")
         return [build, *(engine.push_commands(self.image_tags) if self.push else [])]
 
 

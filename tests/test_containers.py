@@ -161,7 +161,11 @@ def test_sandbox_run_flags_follow_this_process_limits() -> None:
                                                                env={"K": "v"}, stdin=True)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert cmd[:len(SANDBOX.global_) + 4] == ["podman", *SANDBOX.global_, "run", "--rm", "--network=none"]
-    assert f"nofile={soft}:{hard}" in cmd
+    nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
+    assert f"nofile={min(soft, nr_open)}:{min(hard, nr_open)}" in cmd
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    nproc = cmd[cmd.index(next(a for a in cmd if a.startswith("nproc=")))]
+    assert all(0 < int(v) <= pid_max for v in nproc.split("=")[1].split(":"))  # runc is refused above pid_max
     assert cmd[-6:] == ["-e", "K=v", "--entrypoint", "python3", "img", "a"]
     assert cmd[cmd.index("-e") - 1] == "-i"
 

@@ -312,7 +312,8 @@ def test_make_image_builds_with_the_engine_named(release, monkeypatch: pytest.Mo
     assert rc == 0, err
     calls = (tmp_path / "calls").read_text().splitlines()
     assert calls[0] == "info"
-    assert calls[1].startswith("build -f docker/Dockerfile --pull=missing --target runtime --build-arg ")
+    assert calls[1].startswith("build -f docker/Dockerfile --pull=missing --ignorefile docker/Dockerfile.dockerignore "
+                               "--target runtime --build-arg ")
     assert calls[2:] == [f"push vllm-overlay:0.28.0-{re.search(r'series (ovl[0-9a-f]{10})', err)[1]}",
                          "push reg/x:1"]
     assert "  engine:   buildah\n" in err

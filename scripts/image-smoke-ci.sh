@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 make image-smoke "$@"
 declare -A want=(
-  [version]="image build failed (exit [0-9]+): its smoke step says smoke: vllm.__version__ is '[^']+', expected '[^']*\+ovl0000000000'"
+  [version]="image build failed \(exit [0-9]+\): its smoke step says smoke: vllm.__version__ is '[^']+', expected '[^']*\+ovl0000000000'"
   [patch]="[A-Za-z0-9._-]+\.patch: [0-9]+ of [0-9]+ added line\(s\) missing"
 )
 log=$(mktemp)

@@ -118,13 +118,15 @@ class Engine:
 
     def build_command(self, *, dockerfile: str, context: str, build_args: Mapping[str, str],
                       tags: Sequence[str], target: str = "", labels: Mapping[str, str] | None = None,
-                      push: bool = False, ignorefile: str = "") -> list[str]:
+                      push: bool = False, ignorefile: str = "", layers: bool = True) -> list[str]:
         """One build; ``push`` only for docker (BuildKit pushes while building; see :meth:`push_commands`).
-        ``ignorefile``: the Dockerfile's own ignore file, which BuildKit finds by its name by itself."""
+        ``ignorefile``: the Dockerfile's own ignore file, which BuildKit finds by its name by itself.
+        ``layers=False``: podman and buildah keep no per-step images (one layer, less disk)."""
         cmd = self._cmd("build", "-f", dockerfile)
         if self.daemonless:  # as docker: the local image when there is one, else pulled
             cmd += ["--pull=missing", *(SANDBOX.isolation if self.sandbox else ())]
             cmd += ["--ignorefile", ignorefile] if ignorefile else []
+            cmd += [] if layers else ["--layers=false"]
         if target:
             cmd += ["--target", target]
         for k, v in build_args.items():
@@ -155,6 +157,15 @@ class Engine:
         if entrypoint is not None:
             cmd += ["--entrypoint", entrypoint]
         return [*cmd, image, *args]
+
+    def prune_commands(self) -> list[list[str]]:
+        """What a build leaves in a storage root of our own (:func:`smoke_store`): dangling images, and
+        buildah's working containers (buildah 1.28 leaves some of a multi-stage build). None elsewhere."""
+        if not self.daemonless or self.store is None:
+            return []
+        if self.name == "buildah":
+            return [self._cmd("rm", "--all"), self._cmd("rmi", "--prune")]
+        return [self._cmd("image", "prune", "-f")]
 
     def inspect_command(self, image: str) -> list[str]:
         if self.name == "buildah":

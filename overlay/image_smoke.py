@@ -154,8 +154,8 @@ def smoke(patches_root: Path, version: str, *, engine: Engine, repo: Path, dist:
         try:
             problems, oks = _checks(engine, image, want, times)
         finally:
-            if not keep:
-                engine.call(engine.remove_command(image), capture=True)
+            for cmd in ([] if keep else [engine.remove_command(image)]) + engine.prune_commands():
+                engine.call(cmd, capture=True)
     times["total"] = time.perf_counter() - t_all
     timing = ", ".join(f"{k} {v:.0f} s" for k, v in times.items())
     if problems:

@@ -186,7 +186,7 @@ def build_standin(engine: Engine, repo: Path, patches_root: Path, version: str, 
             _link(f, context / "wheelhouse" / f.name)
     cmd = engine.build_command(dockerfile=str((repo / RECIPE / "Containerfile").resolve()), context=str(context),
                                build_args={"VLLM_WHEEL": base_wheel.name}, labels={RECIPE_LABEL: key},
-                               tags=[ref])
+                               tags=[ref], layers=False)
     _step(f"stand-in: building {ref} with {engine.name} (pip installs {len(reqs)} requirement(s): minutes)")
     t0 = time.perf_counter()
     rc = engine.call(cmd).returncode

@@ -148,6 +148,21 @@ def test_no_sandbox_no_sandbox_flags() -> None:
     assert run == ["podman", "run", "--rm", "--network=none", "img", "x"]
 
 
+def test_prune_only_in_a_store_of_our_own(tmp_path: Path) -> None:
+    assert Engine("docker", "docker", store=tmp_path).prune_commands() == []  # the daemon's store is the user's
+    assert Engine("podman", "podman").prune_commands() == []
+    flags = ["--root", str(tmp_path / "overlay"), "--runroot", str(runroot("overlay")), "--storage-driver", "overlay"]
+    assert Engine("podman", "podman", store=tmp_path, driver="overlay").prune_commands() == [
+        ["podman", *flags, "image", "prune", "-f"]]
+    assert Engine("buildah", "buildah", store=tmp_path, driver="overlay").prune_commands() == [
+        ["buildah", *flags, "rm", "--all"], ["buildah", *flags, "rmi", "--prune"]]
+    cmd = Engine("buildah", "buildah").build_command(dockerfile="f", context=".", build_args={}, tags=["t"],
+                                                     layers=False)
+    assert "--layers=false" in cmd
+    assert "--layers=false" not in Engine("docker", "docker").build_command(
+        dockerfile="f", context=".", build_args={}, tags=["t"], layers=False)
+
+
 def test_push_per_engine() -> None:
     docker, podman = Engine("docker", "docker"), Engine("podman", "podman")
     assert docker.build_command(dockerfile="f", context=".", build_args={}, tags=["a", "b"], push=True)[-2] == "--push"

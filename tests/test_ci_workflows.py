@@ -54,7 +54,7 @@ def test_image_on_tags_builds_and_pushes() -> None:
     assert doc["on"] == {"push": {"tags": ["v*"]}}
     assert doc["permissions"]["packages"] == "write"
     runs = _runs(doc)
-    assert any(r.startswith("make image ") and "PUSH=1" in r for r in runs)
+    assert any(r.startswith("make image ENGINE=docker ") and "PUSH=1" in r for r in runs)  # BuildKit's --push
     assert any(r.startswith("make image DRY_RUN=1") for r in runs)
 
 

@@ -117,17 +117,12 @@ def cmd_image(ns: argparse.Namespace) -> int:
 
 
 def cmd_image_smoke(ns: argparse.Namespace) -> int:
-    from overlay.containers import describe, select_engine, smoke_store
-    from overlay.image_smoke import smoke
+    from overlay.containers import select_engine, smoke_store
+    from overlay.image_smoke import preflight, smoke
 
     engine = select_engine(ns.engine, sandbox=ns.sandbox, store=smoke_store())
     if ns.preflight:
-        import shutil
-
-        if shutil.which("mmdebstrap") is None:
-            print("error: mmdebstrap is not on PATH (the stand-in's Debian rootfs needs it)", file=sys.stderr)
-            return 1
-        print(f"image-smoke can run here: engine {describe(engine)}, mmdebstrap")
+        print(preflight(engine))
         return 0
     for line in smoke(_root(ns), ns.vllm, engine=engine, repo=Path.cwd(), dist=Path(ns.dist),
                       negative=ns.negative, keep=ns.keep, torch=ns.torch):

@@ -36,7 +36,7 @@ from overlay.errors import OverlayError
 from overlay.image import Plan, build_image, plan_image
 from overlay.pins import pin_dir
 from overlay.series import Series, is_package_path
-from overlay.standin import REPOSITORY, build_standin
+from overlay.standin import REPOSITORY, build_standin, mmdebstrap
 
 SMOKE_IN_IMAGE = "/usr/local/share/vllm-overlay/image-smoke.py"  # where docker/Dockerfile puts it
 SMOKE_IMAGE = "localhost/vllm-overlay-smoke"
@@ -125,6 +125,12 @@ def _without_last_patch(patches_root: Path, version: str) -> Iterator[tuple[Path
         (dest / "series").write_text(Series.render(names))
         (dest / dropped).unlink()
         yield Path(tmp), dropped
+
+
+def preflight(engine: Engine) -> str:
+    """Whether the smoke can run here: its line, or a one-line error (no engine was already one)."""
+    mmdebstrap()
+    return f"image-smoke can run here: engine {describe(engine)}, mmdebstrap"
 
 
 def smoke(patches_root: Path, version: str, *, engine: Engine, repo: Path, dist: Path, negative: str = "",

@@ -118,16 +118,22 @@ def _run(cmd: list[str], what: str) -> None:
     _step(f"{what}: done in {time.perf_counter() - t0:.0f} s")
 
 
+def mmdebstrap() -> str:
+    """The ``mmdebstrap`` executable, or a one-line :class:`StandinError`."""
+    exe = shutil.which("mmdebstrap")
+    if exe is None:
+        raise StandinError("mmdebstrap is not on PATH: the stand-in's Debian rootfs is made with it "
+                           "(apt-get install mmdebstrap; docs/image/README.md)")
+    return exe
+
+
 def _rootfs(work: Path) -> Path:
     """Debian :data:`SUITE` as a tarball, made once per cache."""
     out = work / f"rootfs-{SUITE}.tar"
     if out.is_file():
         _step(f"rootfs: reusing {out}")
         return out
-    exe = shutil.which("mmdebstrap")
-    if exe is None:
-        raise StandinError("mmdebstrap is not on PATH: the stand-in's Debian rootfs is made with it "
-                           "(apt-get install mmdebstrap; docs/image/README.md)")
+    exe = mmdebstrap()
     tmp = work / f".rootfs-{SUITE}.{os.getpid()}.tar"  # this run's own: another run may be writing its own
     _step(f"rootfs: mmdebstrap --variant=minbase --include={','.join(INCLUDE)} {SUITE} (about a minute)")
     _run([exe, "--variant=minbase", f"--include={','.join(INCLUDE)}", SUITE, str(tmp)], "mmdebstrap")

@@ -97,6 +97,13 @@ def test_ci_run_skips_the_smoke_with_a_reason(tmp_path: Path) -> None:
     assert (proc.returncode, proc.stdout) == (1, "")
     assert proc.stderr.startswith("error: no container engine usable (tried docker: not on PATH; podman: not on "
                                   "PATH; buildah: not on PATH)")
+    podman = empty / "podman"  # an engine that answers, but no mmdebstrap
+    podman.write_text("#!/bin/sh\nexit 0\n")
+    podman.chmod(0o755)
+    proc = subprocess.run([sys.executable, "-m", "overlay", "image-smoke", "--preflight", "--sandbox", "0"], cwd=REPO,
+                          env=dict(os.environ, PATH=str(empty)), capture_output=True, text=True, check=False)
+    assert (proc.returncode, proc.stderr) == (1, "error: mmdebstrap is not on PATH: the stand-in's Debian rootfs is "
+                                                 "made with it (apt-get install mmdebstrap; docs/image/README.md)\n")
 
 
 def test_regress_on_the_self_hosted_8xh100_runner() -> None:

@@ -10,7 +10,7 @@ TOOL_STAMP := $(VENV)/.overlay-tool
 BUILD_STAMP := $(VENV)/.overlay-build-$(VLLM)
 OVERLAY := $(PY) -m overlay
 
-.PHONY: help build test lint status workspace export bench-build bench-merge image rebase rebase-continue cherry-pick cherry-pick-continue
+.PHONY: help build test lint status workspace export bench-build bench-merge image image-smoke rebase rebase-continue cherry-pick cherry-pick-continue
 
 help: ## list every target
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -62,8 +62,11 @@ bench-build: $(TOOL_STAMP) ## rebuild time from the cached wheel vs cp of that w
 bench-merge: $(TOOL_STAMP) ## GPUs: DCP merge + W_UV projection, baseline vs project-first, per transport [OUT=bench-merge PLOT=merge.json RANKS=2 BOUNDS=decode PROFILE_EAGER="16 768"]
 	$(OVERLAY) bench-merge --vllm $(VLLM)$(if $(OUT), --out $(OUT))$(if $(PLOT), --plot $(PLOT))$(if $(RANKS), --ranks $(RANKS))$(if $(BOUNDS), --bounds $(BOUNDS))$(if $(PROFILE_EAGER), --profile-eager $(PROFILE_EAGER))
 
-image: $(TOOL_STAMP) ## Docker image over vllm/vllm-openai (kernels rebuilt only for kernel patches) [DRY_RUN=1 IMAGE= TAGS= ARCH=9.0a BASE_DIGEST= PUSH=1]
-	$(OVERLAY) image --vllm $(VLLM)$(if $(DRY_RUN), --dry-run)$(if $(IMAGE), --image $(IMAGE))$(foreach t,$(TAGS), --tag $(t))$(if $(ARCH), --arch '$(ARCH)')$(if $(MAX_JOBS), --max-jobs $(MAX_JOBS))$(if $(NVCC_THREADS), --nvcc-threads $(NVCC_THREADS))$(if $(BASE_DIGEST), --base-digest $(BASE_DIGEST))$(if $(PUSH), --push)
+image: $(TOOL_STAMP) ## image over vllm/vllm-openai with docker, podman or buildah (first usable; kernels rebuilt only for kernel patches) [DRY_RUN=1 ENGINE= SANDBOX=auto IMAGE= TAGS= ARCH=9.0a BASE_DIGEST= PUSH=1]
+	$(OVERLAY) image --vllm $(VLLM)$(if $(DRY_RUN), --dry-run)$(if $(ENGINE), --engine $(ENGINE))$(if $(SANDBOX), --sandbox $(SANDBOX))$(if $(IMAGE), --image $(IMAGE))$(foreach t,$(TAGS), --tag $(t))$(if $(ARCH), --arch '$(ARCH)')$(if $(MAX_JOBS), --max-jobs $(MAX_JOBS))$(if $(NVCC_THREADS), --nvcc-threads $(NVCC_THREADS))$(if $(BASE_DIGEST), --base-digest $(BASE_DIGEST))$(if $(PUSH), --push)
+
+image-smoke: $(TOOL_STAMP) ## our image built on a CPU stand-in of the base (Debian + PyPI), run and checked; NEGATIVE= must fail [ENGINE= SANDBOX=auto NEGATIVE=version|patch KEEP=1 TORCH=<wheel>]
+	$(OVERLAY) image-smoke --vllm $(VLLM)$(if $(ENGINE), --engine $(ENGINE))$(if $(SANDBOX), --sandbox $(SANDBOX))$(if $(NEGATIVE), --negative $(NEGATIVE))$(if $(KEEP), --keep)$(if $(TORCH), --torch '$(TORCH)')
 
 rebase: $(TOOL_STAMP) ## carry the series onto release TO: every patch classified in one run; patches/<TO>/ with REBASE.md, or exit 2 with the report in .work/rebase-<TO>/ [TO=x.y.z NO_TESTS=1]
 	@test -n "$(TO)" || { echo "usage: make rebase TO=x.y.z" >&2; exit 1; }

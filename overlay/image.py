@@ -7,27 +7,27 @@ series applied, and only the CMake extension targets that compile the touched so
 the overlay build then writes those ``.so`` files into the wheel.
 
 Which targets a touched source belongs to is read from the release's own CMake files
-(:mod:`overlay.kernels`).
+(:mod:`overlay.kernels`). The plan and its build arguments are the same for every container
+engine; :mod:`overlay.containers` picks the engine and turns the plan into its commands.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from overlay.containers import Engine, describe
 from overlay.errors import OverlayError
 from overlay.kernels import KernelTargets, is_cmake_source, read_kernel_map, resolve_targets
 from overlay.pins import Pin, load_pin, pin_dir
 from overlay.series import Series
 
 DOCKERFILE = "docker/Dockerfile"
-BASE_IMAGE = "vllm/vllm-openai"
+BASE_IMAGE = "docker.io/vllm/vllm-openai"
 DEFAULT_IMAGE = "vllm-overlay"
 DEFAULT_ARCH = "9.0a"  # H100 / H200
 _DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -57,6 +57,8 @@ class Plan:
     base_digest: str
     image_tags: tuple[str, ...]
     push: bool
+    patches: tuple[str, ...] = ()  # the series, in order (the image's vllm-overlay.patches label)
+    base_image: str = BASE_IMAGE  # the base's repository (make image-smoke: its CPU stand-in)
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -66,32 +68,31 @@ class Plan:
 
     @property
     def base_ref(self) -> str:
-        ref = f"{BASE_IMAGE}:v{self.version}"
+        ref = f"{self.base_image}:v{self.version}"
         return f"{ref}@{self.base_digest}" if self.base_digest else ref
 
     def build_args(self) -> dict[str, str]:
         args = {
+            "BASE_IMAGE": self.base_image,
             "VLLM_VERSION": self.version,
             "BASE_DIGEST": self.base_digest,
             "OVERLAY_VERSION": self.overlay_version,
             "SERIES_TAG": self.tag,
             "WHEEL_SOURCE": "kernels" if self.kernel_patches else "dist",
             "WHEEL": self.wheel,
+            "PATCHES": " ".join(self.patches),
         }
         if self.kernel_patches:
             args.update(TORCH_CUDA_ARCH_LIST=self.arch_list, MAX_JOBS=self.max_jobs,
                         NVCC_THREADS=self.nvcc_threads)
         return args
 
-    def docker_command(self) -> list[str]:
-        cmd = ["docker", "build", "-f", DOCKERFILE, "--target", "runtime"]
-        for k, v in self.build_args().items():
-            cmd += ["--build-arg", f"{k}={v}"]
-        for t in self.image_tags:
-            cmd += ["-t", t]
-        if self.push:
-            cmd.append("--push")
-        return [*cmd, "."]
+    def commands(self, engine: Engine) -> list[list[str]]:
+        """The engine's build command, then its pushes (if any)."""
+        build = engine.build_command(dockerfile=DOCKERFILE, context=".", target="runtime",
+                                     build_args=self.build_args(), tags=self.image_tags, push=self.push,
+                                     ignorefile=f"{DOCKERFILE}.dockerignore")
+        return [build, *(engine.push_commands(self.image_tags) if self.push else [])]
 
 
 def plan_image(
@@ -106,6 +107,7 @@ def plan_image(
     nvcc_threads: str = "",
     base_digest: str = "",
     push: bool = False,
+    base_image: str = BASE_IMAGE,
     cmake_files: Callable[[Pin, str], Mapping[str, str]] | None = None,
 ) -> Plan:
     """Compute the image plan. ``cmake_files(pin, source)`` supplies the release's CMake files
@@ -123,6 +125,8 @@ def plan_image(
             problems.append(f"{name} {value!r} is not a positive integer")
     if not _IMAGE.match(image):
         problems.append(f"IMAGE {image!r} is not a valid image name")
+    if not _IMAGE.match(base_image):
+        problems.append(f"BASE_IMAGE {base_image!r} is not a valid image name")
     if problems:
         raise ImageError("; ".join(problems))
 
@@ -142,7 +146,8 @@ def plan_image(
         version=pin.version, tag=tag, overlay_version=overlay_version, wheel=wheel,
         kernel_patches=kernel_patches, kernels=kernels, arch_list=" ".join(archs),
         max_jobs=max_jobs, nvcc_threads=nvcc_threads, base_digest=base_digest,
-        image_tags=(ref, *extra_tags), push=push,
+        image_tags=(ref, *extra_tags), push=push, patches=tuple(p.name for p in series.patches),
+        base_image=base_image,
     )
 
 
@@ -153,8 +158,8 @@ def sdist_cmake_files(pin: Pin, source: str) -> dict[str, str]:
     return read_sources(fetch_sdist(pin, source), is_cmake_source)
 
 
-def format_plan(plan: Plan) -> str:
-    """The plan for a person, one fact a line."""
+def format_plan(plan: Plan, engine: Engine) -> str:
+    """The plan for a person, one fact a line, with ``engine``'s commands."""
     lines = [
         f"image plan for vllm {plan.version} + series {plan.tag} ({plan.overlay_version})",
         f"  base:     {plan.base_ref}",
@@ -174,7 +179,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  jobs:     MAX_JOBS={plan.max_jobs or '(nproc)'} "
                      f"NVCC_THREADS={plan.nvcc_threads or '(default)'}")
     lines.append(f"  tags:     {' '.join(plan.image_tags)}" + (" (pushed)" if plan.push else ""))
-    lines.append("  command:  " + " ".join(_quote(a) for a in plan.docker_command()))
+    lines.append(f"  engine:   {describe(engine)}")
+    lines += ["  command:  " + " ".join(_quote(a) for a in cmd) for cmd in plan.commands(engine)]
     return "\n".join(lines) + "\n"
 
 
@@ -184,32 +190,20 @@ def _quote(arg: str) -> str:
 
 # --------------------------------------------------------------------------- running it
 
-def docker_engine() -> None:
-    """Raise :class:`ImageError` (one line) unless a Docker engine answers."""
-    exe = shutil.which("docker")
-    if exe is None:
-        raise ImageError("no Docker engine: `docker` is not on PATH (`make image DRY_RUN=1` prints the plan)")
-    try:
-        proc = subprocess.run([exe, "info", "--format", "{{.ServerVersion}}"], capture_output=True,
-                              text=True, timeout=30, check=False)
-    except subprocess.TimeoutExpired:
-        raise ImageError("no Docker engine: `docker info` did not answer in 30 s") from None
-    if proc.returncode != 0 or not proc.stdout.strip():
-        detail = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
-        raise ImageError("no Docker engine: `docker info` failed: "
-                         + (detail[-1] if detail else f"exit {proc.returncode}"))
-
-
-def build_image(plan: Plan, patches_root: Path, dist: Path) -> int:
-    """Run ``docker build`` for ``plan`` (writing the dist wheel first for a python-only series)."""
-    docker_engine()
+def build_image(plan: Plan, patches_root: Path, dist: Path, engine: Engine) -> subprocess.CompletedProcess[str]:
+    """Build ``plan`` with ``engine`` (writing the dist wheel first for a python-only series), then
+    push. The engine's output is shown as it comes and returned, with the first failing exit status."""
     if not plan.kernel_patches:
         from overlay.build import build
 
         build(patches_root, plan.version, dist)
-    env = dict(os.environ, DOCKER_BUILDKIT="1")
-    print(format_plan(plan), end="", file=sys.stderr)
-    return subprocess.run(plan.docker_command(), env=env, check=False).returncode
+    print(format_plan(plan, engine), end="", file=sys.stderr, flush=True)
+    proc = subprocess.CompletedProcess([], 0, "", None)
+    for cmd in plan.commands(engine):
+        proc = engine.call(cmd, tee=True)
+        if proc.returncode != 0:
+            break
+    return proc
 
 
 # --------------------------------------------------------------------------- the kernel stage

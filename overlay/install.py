@@ -74,20 +74,24 @@ class InstallResult:
     written: int = 0  # files written (incremental: changed members, dist-info, .pyc)
 
 
-def _requires_dist(wheel: Path) -> list[Requirement]:
-    """The wheel's ``Requires-Dist`` whose markers hold on this machine, extras left out."""
+def _requires_dist(wheel: Path, python_version: str = "") -> list[Requirement]:
+    """The wheel's ``Requires-Dist`` whose markers hold on this machine (or on it with Python
+    ``python_version``, e.g. ``3.11``), extras left out."""
     with zipfile.ZipFile(wheel) as zf:
         dist_info = dist_info_name(zf.infolist(), wheel)
         metadata = zf.read(f"{dist_info}/METADATA")
     raw, _ = parse_email(metadata)
     env = {**default_environment(), "extra": ""}
+    if python_version:
+        env.update(python_version=python_version, python_full_version=f"{python_version}.0")
     reqs = map(Requirement, raw.get("requires_dist", []))
     return [req for req in reqs if req.marker is None or req.marker.evaluate(env)]
 
 
-def requirements(wheel: Path) -> list[str]:
-    """The wheel's ``Requires-Dist`` for this machine, without extras and without :data:`CPU_SKIP`."""
-    return [str(req) for req in _requires_dist(wheel) if canonicalize_name(req.name) not in CPU_SKIP]
+def requirements(wheel: Path, *, python_version: str = "", skip: frozenset[str] = CPU_SKIP) -> list[str]:
+    """The wheel's ``Requires-Dist`` for this machine (or Python ``python_version``), without extras
+    and without the canonical names in ``skip`` (:data:`CPU_SKIP`)."""
+    return [str(req) for req in _requires_dist(wheel, python_version) if canonicalize_name(req.name) not in skip]
 
 
 def cpu_installable(wheel: Path) -> str | None:

@@ -103,6 +103,8 @@ class FileDiff:
     new_path: str | None  # None when the file is deleted
     line: int
     hunks: tuple[Hunk, ...]
+    added: tuple[str, ...] = ()  # the hunks' '+' lines, without the '+', in order
+    removed: tuple[str, ...] = ()  # the hunks' '-' lines, without the '-', in order
 
     @property
     def path(self) -> str:
@@ -115,17 +117,34 @@ def parse_diffs(text: str, source: str, first_line: int = 1) -> tuple[FileDiff, 
     files: list[FileDiff] = []
     cur: dict[str, object] | None = None
     hunks: list[Hunk] = []
+    added: list[str] = []
+    removed: list[str] = []
+    old_left = new_left = 0  # body lines of the current hunk still to come
 
     def close() -> None:
         if cur is not None:
-            files.append(FileDiff(cur["old"], cur["new"], cur["line"], tuple(hunks)))  # type: ignore[arg-type]
+            files.append(FileDiff(cur["old"], cur["new"], cur["line"], tuple(hunks),  # type: ignore[arg-type]
+                                  tuple(added), tuple(removed)))
 
     for lineno, line in enumerate(text.splitlines(), start=first_line):
+        if old_left > 0 or new_left > 0:  # a hunk's body: counted, so '--- '/'+++ ' text is content here
+            tag = line[:1]
+            if tag == "\\":  # '\ No newline at end of file'
+                continue
+            if tag in ("-", " ", ""):
+                old_left -= 1
+            if tag in ("+", " ", ""):
+                new_left -= 1
+            if tag == "+":
+                added.append(line[1:])
+            elif tag == "-":
+                removed.append(line[1:])
+            continue
         m = _DIFF_GIT.match(line)
         if m:
             close()
             cur = {"old": m["old"], "new": m["new"], "line": lineno}
-            hunks = []
+            hunks, added, removed = [], [], []
             continue
         if cur is None:
             continue
@@ -145,6 +164,7 @@ def parse_diffs(text: str, source: str, first_line: int = 1) -> tuple[FileDiff, 
             hunks.append(
                 Hunk(int(h["os"]), int(h["ol"] or 1), int(h["ns"]), int(h["nl"] or 1), lineno)
             )
+            old_left, new_left = hunks[-1].old_len, hunks[-1].new_len
     close()
     return tuple(files)
 

@@ -29,7 +29,8 @@ def _runs(doc: dict) -> list[str]:
 
 
 def test_workflows_exist() -> None:
-    assert [p.name for p in WORKFLOWS] == ["build-test.yml", "image.yml", "nightly-rebase.yml", "regress.yml"]
+    assert [p.name for p in WORKFLOWS] == ["build-test.yml", "image-smoke.yml", "image.yml", "nightly-rebase.yml",
+                                           "regress.yml"]
 
 
 def test_actionlint_clean() -> None:
@@ -53,8 +54,56 @@ def test_image_on_tags_builds_and_pushes() -> None:
     assert doc["on"] == {"push": {"tags": ["v*"]}}
     assert doc["permissions"]["packages"] == "write"
     runs = _runs(doc)
-    assert any(r.startswith("make image ") and "PUSH=1" in r for r in runs)
+    assert any(r.startswith("make image ENGINE=docker ") and "PUSH=1" in r for r in runs)  # BuildKit's --push
     assert any(r.startswith("make image DRY_RUN=1") for r in runs)
+
+
+def test_image_smoke_on_every_change_to_the_image_inputs() -> None:
+    """The smoke job runs on pushes and pull requests that touch docker/, overlay/image*, the series or
+    the pins, within CI's 90 minutes, through the script that also checks both negative cases."""
+    doc = _load("image-smoke.yml")
+    for event in ("push", "pull_request"):
+        paths = doc["on"][event]["paths"]
+        assert {"docker/**", "overlay/image*.py", "overlay/standin.py", "overlay/containers.py", "patches/**",
+                "scripts/image-smoke*"} <= set(paths)
+    job = doc["jobs"]["image-smoke"]
+    assert job["timeout-minutes"] <= 90 and not str(job["runs-on"]).startswith("self-hosted")
+    runs = _runs(doc)
+    assert any("mmdebstrap" in r and "apt-get install" in r for r in runs)
+    assert any(r.startswith("sudo --preserve-env=PATH,HOME scripts/image-smoke-ci.sh") for r in runs)
+    from overlay.install import TORCH_CPU
+
+    torch = next(r for r in runs if "pip download" in r)
+    assert f'"{TORCH_CPU}+cpu"' in torch  # the stand-in's CPU torch is the release's pin
+
+
+def test_image_smoke_ci_script_checks_both_negative_cases() -> None:
+    text = (REPO / "scripts" / "image-smoke-ci.sh").read_text()
+    assert "make image-smoke \"$@\"" in text and "for case in version patch; do" in text
+    assert os.access(REPO / "scripts" / "image-smoke-ci.sh", os.X_OK)
+    from overlay.image_smoke import NEGATIVE_CASES
+
+    assert NEGATIVE_CASES == ("version", "patch")
+
+
+def test_ci_run_skips_the_smoke_with_a_reason(tmp_path: Path) -> None:
+    """.ci/run asks `image-smoke --preflight`; without an engine that says why in one line (.ci/run prints it)."""
+    run = (REPO / ".ci" / "run").read_text()
+    assert "image-smoke --preflight" in run and 'echo ".ci/run: make image-smoke skipped: ${why#error: }"' in run
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "overlay", "image-smoke", "--preflight"], cwd=REPO,
+                          env=dict(os.environ, PATH=str(empty)), capture_output=True, text=True, check=False)
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr.startswith("error: no container engine usable (tried docker: not on PATH; podman: not on "
+                                  "PATH; buildah: not on PATH)")
+    podman = empty / "podman"  # an engine that answers, but no mmdebstrap
+    podman.write_text("#!/bin/sh\nexit 0\n")
+    podman.chmod(0o755)
+    proc = subprocess.run([sys.executable, "-m", "overlay", "image-smoke", "--preflight", "--sandbox", "0"], cwd=REPO,
+                          env=dict(os.environ, PATH=str(empty)), capture_output=True, text=True, check=False)
+    assert (proc.returncode, proc.stderr) == (1, "error: mmdebstrap is not on PATH: the stand-in's Debian rootfs is "
+                                                 "made with it (apt-get install mmdebstrap; docs/image/README.md)\n")
 
 
 def test_regress_on_the_self_hosted_8xh100_runner() -> None:

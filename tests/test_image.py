@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from overlay.cli import main, parser
+from overlay.containers import Engine
 from overlay.errors import FetchError, PinError
-from overlay.image import ImageError, docker_engine, format_plan, plan_image
+from overlay.image import BASE_IMAGE, ImageError, format_plan, plan_image
 from overlay.kernels import KernelMapError, is_cmake_source, read_kernel_map, resolve_targets
 from overlay.pins import Pin
 from overlay.sdist import fetch_sdist, find_sdist_url, read_sources
@@ -27,7 +28,6 @@ from tests.wheelkit import format_patch, make_release, make_wheel, sha256
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 BUILD_KERNELS = REPO / "scripts" / "build-kernels.sh"
-SMOKE = REPO / "scripts" / "image-smoke.py"
 BIN = Path(sys.executable).parent
 
 # A release's build files in miniature, shaped like vLLM 0.28.0's: a HIP-only _C, the CUDA
@@ -146,9 +146,24 @@ def test_dry_run_plan_python_only_series(release, tmp_path: Path) -> None:
     assert "  kernels:  none (python patches only: the base image's kernels are kept)\n" in out
     assert f"  wheel:    dist/vllm-0.28.0+{tag}-cp38-abi3-manylinux_2_28_x86_64.whl (from `make build`)" in out
     assert f"  tags:     vllm-overlay:0.28.0-{tag}\n" in out
+    assert "  engine:   docker\n" in out  # a dry run probes no engine: ENGINE's command, docker by default
     cmd = shlex.split(out.split("  command:  ", 1)[1])
     assert cmd[:6] == ["docker", "build", "-f", "docker/Dockerfile", "--target", "runtime"]
     assert "WHEEL_SOURCE=dist" in cmd and f"SERIES_TAG={tag}" in cmd
+    assert f"BASE_IMAGE={BASE_IMAGE}" in cmd and "PATCHES=layer.patch" in cmd
+
+
+@pytest.mark.parametrize("engine", ["docker", "podman", "buildah"])
+def test_dry_run_same_build_arguments_for_every_engine(release, engine: str) -> None:
+    root = release({"layer.patch": PYTHON_PATCH})
+    outs = {}
+    for name in ("docker", engine):
+        rc, out, err = run_cli("--patches", str(root), "image", "--dry-run", "--engine", name, "--sandbox", "1")
+        assert (rc, err) == (0, "")
+        cmd = shlex.split(out.split("  command:  ", 1)[1].splitlines()[0])
+        assert cmd[0] == name
+        outs[name] = [a for i, a in enumerate(cmd) if cmd[i - 1] == "--build-arg"]
+    assert outs[engine] == outs["docker"] and len(outs["docker"]) == 8
     assert not any(a.startswith(("TORCH_CUDA_ARCH_LIST=", "MAX_JOBS=")) for a in cmd)
 
 
@@ -164,7 +179,7 @@ def test_dry_run_plan_kernel_series(release) -> None:
             "(listed in its SOURCES)\n") in out
     assert "  arch:     TORCH_CUDA_ARCH_LIST='9.0a'\n" in out
     assert "  jobs:     MAX_JOBS=8 NVCC_THREADS=(default)\n" in out
-    assert f"  base:     vllm/vllm-openai:v0.28.0@sha256:{'ab' * 32}\n" in out
+    assert f"  base:     docker.io/vllm/vllm-openai:v0.28.0@sha256:{'ab' * 32}\n" in out
     cmd = shlex.split(out.split("  command:  ", 1)[1])
     for arg in ("WHEEL_SOURCE=kernels", "TORCH_CUDA_ARCH_LIST=9.0a", "MAX_JOBS=8",
                 f"BASE_DIGEST=sha256:{'ab' * 32}"):
@@ -268,27 +283,41 @@ def test_real_release_kernel_map() -> None:
 
 # --------------------------------------------------------------------------- no engine
 
-def test_make_image_without_docker_on_path(release, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_make_image_without_an_engine(release, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     root = release({"layer.patch": PYTHON_PATCH})
     empty = tmp_path / "empty-bin"
     empty.mkdir()
     monkeypatch.setenv("PATH", str(empty))
     rc, out, err = run_cli("--patches", str(root), "image")
     assert (rc, out) == (1, "")
-    assert err == "error: no Docker engine: `docker` is not on PATH (`make image DRY_RUN=1` prints the plan)\n"
+    assert err == ("error: no container engine usable (tried docker: not on PATH; podman: not on PATH; buildah: "
+                   "not on PATH); install docker, podman or buildah (docs/image/README.md), or print the plan "
+                   "with `make image DRY_RUN=1`\n")
 
 
-def test_make_image_without_a_daemon(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_make_image_builds_with_the_engine_named(release, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """ENGINE=buildah: the wheel is written, the plan printed, buildah's build then a push per tag run."""
+    root = release({"layer.patch": PYTHON_PATCH})
+    (tmp_path / "cache" / "wheels").mkdir()
+    for wheel in tmp_path.glob("vllm-*.whl"):  # the release's base wheel, as if fetched
+        shutil.copy2(wheel, tmp_path / "cache" / "wheels" / wheel.name)
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "docker").write_text(
-        "#!/bin/sh\necho 'Cannot connect to the Docker daemon at unix:///var/run/docker.sock.' >&2\nexit 1\n")
-    (fake / "docker").chmod(0o755)
-    monkeypatch.setenv("PATH", str(fake))
-    with pytest.raises(ImageError) as exc:
-        docker_engine()
-    assert str(exc.value) == ("no Docker engine: `docker info` failed: Cannot connect to the Docker daemon "
-                              "at unix:///var/run/docker.sock.")
+    (fake / "buildah").write_text(f'#!/bin/sh\necho "$*" >> {tmp_path / "calls"}\nexit 0\n')
+    (fake / "buildah").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = run_cli("--patches", str(root), "image", "--engine", "buildah", "--sandbox", "0",
+                           "--tag", "reg/x:1", "--push")
+    assert rc == 0, err
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls[0] == "info"
+    assert calls[1].startswith("build -f docker/Dockerfile --pull=missing --ignorefile docker/Dockerfile.dockerignore "
+                               "--target runtime --build-arg ")
+    assert calls[2:] == [f"push vllm-overlay:0.28.0-{re.search(r'series (ovl[0-9a-f]{10})', err)[1]}",
+                         "push reg/x:1"]
+    assert "  engine:   buildah\n" in err
+    assert list((tmp_path / "dist").glob("vllm-0.28.0+ovl*.whl"))
 
 
 def test_make_target_dry_run() -> None:
@@ -426,47 +455,6 @@ def test_sdist_extract_refuses_a_used_folder(tmp_path: Path) -> None:
         extract(sdist, dest)
 
 
-# --------------------------------------------------------------------------- smoke script
-
-def _fake_vllm(root: Path, version: str, overlay_json: str | None) -> Path:
-    pkg = root / "vllm"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text(f"__version__ = {version!r}\n")
-    if overlay_json is not None:
-        (pkg / "_overlay.json").write_text(overlay_json)
-    return root
-
-
-def _smoke(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(SMOKE), *args], env=dict(os.environ, PYTHONPATH=str(site)),
-                          capture_output=True, text=True, check=False, cwd=site)
-
-
-GOOD_JSON = ('{"base": {"version": "0.28.0"}, "version": "0.28.0+ovl0123456789", '
-             '"patches": [{"name": "a.patch", "kind": "python"}]}')
-
-
-@pytest.mark.parametrize(
-    ("version", "overlay_json", "rc", "line"),
-    [
-        pytest.param("0.28.0+ovl0123456789", GOOD_JSON, 0,
-                     "smoke: ok vllm 0.28.0+ovl0123456789, 1 patch(es) (python)", id="ok"),
-        pytest.param("0.28.0", GOOD_JSON, 1,
-                     "smoke: vllm.__version__ is '0.28.0', expected '0.28.0+ovl0123456789'", id="unpatched"),
-        pytest.param("0.28.0+ovl0123456789", None, 1, "_overlay.json: missing (not an overlay build)",
-                     id="no-manifest"),
-        pytest.param("0.28.0+ovl0123456789", GOOD_JSON.replace('"0.28.0"}', '"0.27.0"}'), 1,
-                     "'base.version' is '0.27.0', expected '0.28.0'", id="wrong-base"),
-    ],
-)
-def test_smoke_script(tmp_path: Path, version: str, overlay_json: str | None, rc: int, line: str) -> None:
-    site = _fake_vllm(tmp_path / "site", version, overlay_json)
-    proc = _smoke(site, "--version", "0.28.0+ovl0123456789", "--base", "0.28.0", "--tag", "ovl0123456789")
-    text = (proc.stdout + proc.stderr).strip()
-    assert proc.returncode == rc
-    assert len(text.splitlines()) == 1 and text.endswith(line)
-
-
 # --------------------------------------------------------------------------- the Dockerfile
 
 def _instructions() -> list[tuple[str, str]]:
@@ -505,7 +493,7 @@ def test_dockerfile_stages_and_base() -> None:
     stages = _stages()
     assert list(stages) == ["base", "kernel-build", "wheel-kernels", "wheel-dist", "wheel", "runtime"]
     froms = [rest for word, rest in _instructions() if word == "FROM"]
-    assert froms[0] == "vllm/vllm-openai:v${VLLM_VERSION}${BASE_DIGEST:+@}${BASE_DIGEST} AS base"
+    assert froms[0] == "${BASE_IMAGE}:v${VLLM_VERSION}${BASE_DIGEST:+@}${BASE_DIGEST} AS base"
     assert froms[4] == "wheel-${WHEEL_SOURCE} AS wheel"
     # The official entrypoint is kept: the runtime stage sets none of its own.
     assert not any(word in ("ENTRYPOINT", "CMD") for word, _ in stages["runtime"])
@@ -516,7 +504,9 @@ def test_dockerfile_build_args_match_the_plan(release) -> None:
     for changes in ({"layer.patch": PYTHON_PATCH}, {"topk.patch": KERNEL_PATCH}):
         plan = plan_image(release(changes), "0.28.0")
         assert set(plan.build_args()) <= declared
-        assert format_plan(plan)
+        assert format_plan(plan, Engine("docker", "docker"))
+    defaults = dict(rest.split("=", 1) for word, rest in _instructions() if word == "ARG" and "=" in rest)
+    assert defaults["BASE_IMAGE"] == BASE_IMAGE
 
 
 def test_dockerfile_run_steps_call_tested_commands() -> None:

@@ -1,4 +1,4 @@
-"""``overlay image``: the production Docker image over the official vLLM image, and its kernel stage."""
+"""``overlay image`` (the production image over the official vLLM image, and its kernel stage) and ``image-smoke``."""
 
 from __future__ import annotations
 
@@ -26,10 +26,35 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--kernel-source", metavar="DIR",
                     help="kernel stage: unpack the verified sdist into DIR, apply the series, "
                          "print the targets to rebuild")
+    _engine_options(sp)
     sp.set_defaults(handler=cmd_image)
+
+    text = ("build our image on a CPU stand-in of the official base (Debian + PyPI), run it, check "
+            "version, dist-info, every patch's lines, the CLI, the entrypoint and labels")
+    sp = sub.add_parser("image-smoke", help=text, description=text)
+    add_vllm(sp)
+    _engine_options(sp)
+    sp.add_argument("--dist", default="dist")
+    sp.add_argument("--negative", default="", choices=["", "version", "patch"],
+                    help="build a wrong image on purpose (a wrong version, the series less its last "
+                         "patch): the smoke must fail")
+    sp.add_argument("--keep", action="store_true", help="keep the smoke image (default: removed)")
+    sp.add_argument("--torch", default="", metavar="WHEEL",
+                    help="the stand-in's torch wheel file (default: what pip resolves for vLLM's pin)")
+    sp.add_argument("--preflight", action="store_true",
+                    help="only say whether the smoke can run here (an engine, mmdebstrap): exit 0 or 1")
+    sp.set_defaults(handler=cmd_image_smoke)
+
+
+def _engine_options(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--engine", default="", choices=["", "docker", "podman", "buildah"],
+                    help="container engine (default: the first usable of docker, podman, buildah)")
+    sp.add_argument("--sandbox", default="auto", choices=["auto", "1", "0"],
+                    help="podman/buildah flags for a machine without systemd (auto: when it is not running)")
 
 
 def cmd_image(ns: argparse.Namespace) -> int:
+    from overlay.containers import Engine, sandbox_wanted, select_engine
     from overlay.image import build_image, format_plan, plan_image, prepare_kernel_source
 
     if ns.kernel_source:
@@ -43,7 +68,23 @@ def cmd_image(ns: argparse.Namespace) -> int:
         arch_list=ns.arch, max_jobs=ns.max_jobs, nvcc_threads=ns.nvcc_threads,
         base_digest=ns.base_digest, push=ns.push,
     )
-    if ns.dry_run:
-        sys.stdout.write(format_plan(plan))
+    if ns.dry_run:  # probes no engine: the command of ENGINE (default docker)
+        name = ns.engine or "docker"
+        sys.stdout.write(format_plan(plan, Engine(name, name, sandbox=sandbox_wanted(ns.sandbox))))
         return 0
-    return build_image(plan, root(ns), Path(ns.dist))
+    engine = select_engine(ns.engine, sandbox=ns.sandbox)
+    return build_image(plan, root(ns), Path(ns.dist), engine).returncode
+
+
+def cmd_image_smoke(ns: argparse.Namespace) -> int:
+    from overlay.containers import select_engine, smoke_store
+    from overlay.image_smoke import preflight, smoke
+
+    engine = select_engine(ns.engine, sandbox=ns.sandbox, store=smoke_store())
+    if ns.preflight:
+        print(preflight(engine))
+        return 0
+    for line in smoke(root(ns), ns.vllm, engine=engine, repo=Path.cwd(), dist=Path(ns.dist),
+                      negative=ns.negative, keep=ns.keep, torch=ns.torch):
+        print(line)
+    return 0

@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from overlay.commands.common import add_vllm
+from overlay.commands.common import add_vllm, at_least, port, positive
 
 
 def configure_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,10 +19,10 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--base-url", help="attach to this running server instead of starting vllm serve")
     sp.add_argument("--out", default="regress-report", help="report folder (default %(default)s)")
     sp.add_argument("--gsm8k-data", help="local GSM8K folder (train.jsonl, test.jsonl): no hub access")
-    sp.add_argument("--gsm8k-limit", type=int, help="only the first N test questions")
+    sp.add_argument("--gsm8k-limit", type=at_least(1), help="only the first N test questions")
     sp.add_argument("--latency-tool", choices=["vllm-bench", "builtin"], help="override the profile's")
-    sp.add_argument("--ready-timeout", type=float, help="seconds to wait for readiness")
-    sp.add_argument("--attach-timeout", type=float,
+    sp.add_argument("--ready-timeout", type=positive("seconds"), help="seconds to wait for readiness")
+    sp.add_argument("--attach-timeout", type=positive("seconds"),
                     help="with --base-url: seconds of refused connections before a harness failure "
                          "(default: the profile's server.attach_timeout_s, or REGRESS_ATTACH_TIMEOUT)")
     sp.add_argument("--skip", help="checks to leave out, comma-separated "
@@ -39,7 +39,7 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--baseline-for", metavar="PROFILE", action="append",
                     help="with --record-baseline: the profile to copy (repeat it for several: "
                          "--record-baseline is then a folder that gets <profile>.yaml of each)")
-    sp.add_argument("--port", type=int, help="start the server on this port (overrides server.port)")
+    sp.add_argument("--port", type=port(), help="start the server on this port (overrides server.port)")
     sp.add_argument("--vllm-bin", help="the vllm command (overrides server.vllm_bin), e.g. "
                                        "'python3 -m vllm.entrypoints.cli.main'")
     sp.set_defaults(handler=cmd_regress)

@@ -421,8 +421,6 @@ class CheckOptions:
 
 def run_check(ns: CheckOptions) -> int:
     """Every case (or ``ns.cases``) on the engine, judged against DCP 1; 0 pass, 1 fail, 2 not judged."""
-    if ns.parallel < 1:
-        raise EngineCheckError(f"--parallel must be at least 1, not {ns.parallel}")
     ns.out.mkdir(parents=True, exist_ok=True)
     if ns.rejudge:
         return rejudge(ns.out, ns.expect)

@@ -160,6 +160,11 @@ def run(opts: RunOptions) -> int:
         raise BenchUsageError(str(exc)) from None
     layers = int(config.get("num_hidden_layers") or 0)  # the MTP layer is not loaded without spec decode
     biggest = max(c.context for c in cells) + opts.decode_tokens + MODEL_LEN_MARGIN
+    limit = config.get("max_position_embeddings")
+    too_long = [c.name for c in cells if isinstance(limit, int) and c.context > limit]
+    if too_long:  # decode and margin past it are covered by --hf-overrides (Settings.args); a prompt is not
+        raise BenchUsageError(f"{model}: the model holds prompts of {limit} tokens (max_position_embeddings); "
+                              f"cell(s) {', '.join(too_long)} want more: choose shorter --cells/--contexts")
     st = Settings(
         model=str(model), tp=opts.tp, dcp=opts.dcp, transport=opts.transport,
         gpu_memory_utilization=opts.gpu_memory_utilization,
@@ -267,5 +272,3 @@ def check_options(opts: RunOptions) -> None:
         raise BenchUsageError(f"--b-tree {opts.b_tree}: not a vLLM tree (no vllm/ folder in it)")
     if opts.b_tree is not None and opts.null:
         raise BenchUsageError("--b-tree and --null exclude each other (a null run compares A with itself)")
-    if opts.repeats < 1 or opts.max_repeats < 1 or opts.decode_tokens < 2 or opts.cell_seconds < 0:
-        raise BenchUsageError("--repeats and --max-repeats must be >= 1, --decode-tokens >= 2, --cell-seconds >= 0")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shlex
 import time
+import traceback
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -136,6 +137,12 @@ def _run_step(check: Check, ctx: StepContext, report: RunReport) -> bool:
     except RegressError as exc:
         _record(report, say, StepResult(name, "error", str(exc), time.monotonic() - t0,
                                         findings=[Finding(name, "harness", str(exc))]))
+        return False
+    except Exception as exc:  # a harness bug: still the harness's failure, and the report is still written
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        msg = f"{type(exc).__name__}: {exc} (at {Path(where.filename).name}:{where.lineno}; a harness bug)"
+        _record(report, say, StepResult(name, "error", msg, time.monotonic() - t0,
+                                        findings=[Finding(name, "harness", msg)]))
         return False
     _record(report, say, StepResult(name, step_status(findings), _summary(check, data, findings),
                                     time.monotonic() - t0, data, findings))

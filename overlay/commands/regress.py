@@ -29,7 +29,7 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
                                    "(differential,long_context,gsm8k,acceptance,latency)")
     sp.add_argument("--ref-url", help="differential check: the reference server (default: $REF_URL)")
     sp.add_argument("--ref-file", help="differential check: reference outputs recorded with "
-                                       "--record-differential")
+                                       "--record-differential (not with --ref-url or REF_URL)")
     sp.add_argument("--record-differential", metavar="FILE",
                     help="this server is the reference: record its differential outputs into FILE "
                          "(judges nothing for that check)")
@@ -54,7 +54,7 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_regress(ns: argparse.Namespace) -> int:
     """The verdict as exit status (0 pass, 1 regression, 2 harness) and in OUT/verdict, for make."""
-    from overlay.errors import OverlayError
+    from overlay.errors import OverlayError, UsageError
     from overlay.regress.errors import ProfileError
     from overlay.regress.profiles import load_profile
     from overlay.regress.results import write_verdict
@@ -69,12 +69,17 @@ def cmd_regress(ns: argparse.Namespace) -> int:
             raise ProfileError(f"REGRESS_ATTACH_TIMEOUT: expected seconds, got {raw!r}") from None
         if ns.attach_timeout is not None:
             attach_timeout_s = ns.attach_timeout
+        ref_url = ns.ref_url or os.environ.get("REF_URL") or None
+        if ref_url and ns.ref_file:
+            came = "--ref-url" if ns.ref_url else "REF_URL (environment)"
+            raise UsageError(f"{came} {ref_url} and --ref-file {ns.ref_file} both name the differential check's "
+                             "reference: give one (unset REF_URL to judge against the file)")
         profile = load_profile(ns.profile).with_overrides(
             gsm8k_data=ns.gsm8k_data, gsm8k_limit=ns.gsm8k_limit, latency_tool=ns.latency_tool,
             ready_timeout_s=ns.ready_timeout, attach_timeout_s=attach_timeout_s,
             skip=tuple(c for c in (ns.skip or "").split(",") if c), port=ns.port, vllm_bin=ns.vllm_bin)
         report = run(profile, out, base_url=ns.base_url or None,
-                     ref_url=ns.ref_url or os.environ.get("REF_URL") or None, ref_file=ns.ref_file,
+                     ref_url=ref_url, ref_file=ns.ref_file,
                      record_differential=ns.record_differential, record_baseline=ns.record_baseline,
                      baseline_for=ns.baseline_for)
     except OverlayError as exc:

@@ -22,6 +22,7 @@ from overlay import device as ds
 from overlay.archive import TAR_MTIME
 from overlay.cli import main
 from overlay.device import staging
+from overlay.errors import OverlayError
 from tests.wheelkit import make_release, make_wheel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -914,3 +915,20 @@ def test_carry_limit_leaves_room_for_the_checkout(tmp_path: Path) -> None:
     (tmp_path / "huge.bin").write_bytes(b"x" * 60 * MIB)
     with pytest.raises(DeviceStageError, match="move large files out of git"):
         carry_limit(tmp_path)
+
+
+@pytest.mark.parametrize("sub", ["", "device-wheels", "device-resolutions", "device-xz"])
+def test_a_cache_folder_that_is_a_file_stops_the_staging_first(rig: StageRig, sub: str) -> None:
+    """Issue 25 item 7 (and the smaller one: ``device-resolutions`` a file made every run resolve again
+    without a word): ``VLLM_OVERLAY_CACHE`` or a folder in it that is a file is one line, before resolving."""
+    rig.cache.mkdir(parents=True, exist_ok=True)
+    if sub:
+        (rig.cache / sub).write_text("x")
+    else:
+        rig.cache.rmdir()
+        rig.cache.write_text("x")
+    with pytest.raises(OverlayError) as exc:
+        rig.stage()
+    assert exc.value.exit_code == 2 and rig.resolves == 0
+    msg = str(exc.value)
+    assert msg.startswith("device-stage cache folder (VLLM_OVERLAY_CACHE) ") and "is a file" in msg, msg

@@ -57,7 +57,6 @@ def cmd_regress(ns: argparse.Namespace) -> int:
     from overlay.errors import OverlayError, UsageError
     from overlay.regress.errors import ProfileError
     from overlay.regress.profiles import load_profile
-    from overlay.regress.results import write_verdict
     from overlay.regress.runner import run
 
     out = Path(ns.out)
@@ -83,13 +82,23 @@ def cmd_regress(ns: argparse.Namespace) -> int:
                      record_differential=ns.record_differential, record_baseline=ns.record_baseline,
                      baseline_for=ns.baseline_for)
     except OverlayError as exc:
-        write_verdict(out, 2, [f"harness: {' '.join(str(exc).split())}"])
+        _verdict(out, f"harness: {' '.join(str(exc).split())}")
         raise
     except Exception as exc:
-        write_verdict(out, 2, [f"harness: {type(exc).__name__}: {' '.join(str(exc).split())}"])
+        _verdict(out, f"harness: {type(exc).__name__}: {' '.join(str(exc).split())}")
         raise
     print(report.out_dir / "report.md")
     return report.exit_code  # the verdict: 0 pass, 1 regression, 2 harness failure
+
+
+def _verdict(out: Path, reason: str) -> None:
+    """The harness verdict for make, where ``out`` can take it (an unwritable ``--out`` is the error itself)."""
+    from overlay.regress.results import write_verdict
+
+    try:
+        write_verdict(out, 2, [reason])
+    except OSError:
+        pass
 
 
 def cmd_regress_verdicts(ns: argparse.Namespace) -> int:

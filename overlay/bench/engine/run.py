@@ -36,6 +36,7 @@ from overlay.bench.engine.servers import (
 )
 from overlay.bench.engine.stats import cell_summary, summarize
 from overlay.bench.engine.stream import itl_ms_between, run_once, scrape_itl
+from overlay.outpaths import check_dir
 from overlay.regress.server import Server
 
 
@@ -141,7 +142,7 @@ class RunOptions:
 
 def run(opts: RunOptions) -> int:
     """One whole run: cells parsed, servers started, cells measured round by round, results written."""
-    out: Path = opts.out
+    out: Path = check_dir(opts.out, "--out")
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     try:
@@ -258,6 +259,7 @@ def redraw(source: Path, out: Path, *, recompute: bool) -> int:
         result = load_result(source)
     except (OSError, ValueError, EOFError) as exc:
         raise BenchUsageError(f"{source}: cannot read an engine.json ({exc})") from None
+    check_dir(out, "--out")
     if recompute:
         result = reanalyze(result, source.name)
     out.mkdir(parents=True, exist_ok=True)

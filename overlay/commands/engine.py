@@ -49,6 +49,8 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--tp", type=at_least(1), help="TP size the heads are sized for (default: the spec's, 2)")
     sp.add_argument("--layers", type=at_least(1), help="decoder layers (default: the spec's, 3)")
     sp.add_argument("--force", action="store_true", help="overwrite an existing folder")
+    sp.add_argument("--verify", action="store_true",
+                    help="before reusing an existing checkpoint, check every file's sha256 too (not only its size)")
     sp.add_argument("--glm5-per-rank", action="store_true",
                     help="GLM-5's depth and attention at production's per-rank shape (glm5_per_rank), config and "
                          "tokenizer only: serve it with --load-format dummy (timing, not numbers)")
@@ -104,7 +106,7 @@ def cmd_engine_checkpoint(ns: argparse.Namespace) -> int:
         return 0
     spec = TinyGlm5Spec(tp=tp, num_hidden_layers=ns.layers or TinyGlm5Spec.num_hidden_layers)
     out = ns.out or default_cache() / checkpoint_id(spec, ns.seed)
-    generate(out, spec, ns.seed, force=ns.force)
+    generate(out, spec, ns.seed, force=ns.force, verify=ns.verify)
     print(out)
     return 0
 

@@ -114,3 +114,26 @@ def test_only_the_patches_lines_are_judged_and_named(tmp_path: Path) -> None:
         "sloppy.patch: vllm/b.py:1: format ruff format would rewrite lines 1-2",
     ]
     assert not any(f.code == "F401" for f in found)  # the base's unused import is the release's own
+
+
+def test_a_syntax_error_names_the_patch_file_and_line(tmp_path: Path) -> None:
+    """Issue 25 item 12: a patch line ``... bool = = False`` gave only "error: ruff format: 7 files already
+    formatted"; now the patch, the file, the line and the syntax error are named."""
+    broken = {"vllm/a.py": BASE["vllm/a.py"] + "\n\ndef g(y: bool = = False):\n    return y\n"}
+    patches = {"broken.patch": _patch(tmp_path, "broken", broken, BASE)}
+    d = tmp_path / "patches" / "0.1.0"
+    d.mkdir(parents=True)
+    (d / "pin.toml").write_text(Pin("0.1.0", "vllm-0.1.0-cp38-abi3-manylinux_2_28_x86_64.whl", "ab" * 32).to_toml())
+    (d / "series").write_text("broken.patch\n")
+    (d / "broken.patch").write_bytes(patches["broken.patch"])
+    base = tmp_path / "base"
+    for rel, text in BASE.items():
+        (base / rel).parent.mkdir(parents=True, exist_ok=True)
+        (base / rel).write_text(text)
+    repo = tmp_path / "lint"
+    repo.mkdir()
+    owners = _commit_series(repo, Series.load(d), base)
+    (repo / "pyproject.toml").write_text(PYPROJECT)
+    line = broken["vllm/a.py"].splitlines().index("def g(y: bool = = False):") + 1
+    found = [str(f) for f in lint_tree(repo, owners, ["vllm/a.py"], _ruff()) if f.code == "syntax-error"]
+    assert found == [f"broken.patch: vllm/a.py:{line}: syntax-error Expected an expression (column 17)"]

@@ -36,6 +36,7 @@ from overlay.bench.engine.servers import (
 )
 from overlay.bench.engine.stats import cell_summary, summarize
 from overlay.bench.engine.stream import itl_ms_between, run_once, scrape_itl
+from overlay.interrupt import raise_interrupt
 from overlay.outpaths import check_dir
 from overlay.regress.server import Server
 
@@ -191,7 +192,7 @@ def run(opts: RunOptions) -> int:
     result["gpu"] = f"{len(gpus)}x {gpus[0].split(',')[0]}" if gpus else ""
     ports = dict(zip(FLAGS, [*opts.ports, max(opts.ports) + 1][:3], strict=True))
     servers: dict[str, Server] = {}
-    signal.signal(signal.SIGTERM, _interrupt)  # `timeout`, a job scheduler: write what was measured, stop all
+    signal.signal(signal.SIGTERM, raise_interrupt)  # `timeout`, a job scheduler: write what was measured, stop all
     rc = 0
     try:
         for side in st.sides():
@@ -247,10 +248,6 @@ def run(opts: RunOptions) -> int:
              + (f", flagged: {', '.join(flagged)}" if flagged else ", none below target")
              + (" (partial)" if result["partial"] else ""))
     return rc
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def redraw(source: Path, out: Path, *, recompute: bool) -> int:

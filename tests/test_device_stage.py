@@ -703,6 +703,24 @@ def test_extra_with_a_missing_wheel_and_no_sdist_is_one_line(rig: StageRig, tmp_
     assert len(rig.cache_files()) == 1
 
 
+def test_a_version_that_does_not_exist_is_said_not_built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 25 item 14: ``EXTRA='lm-eval[api]==99.0'`` ended in "no wheel ... and no sdist to build one
+    from"; the fault is that 99.0 does not exist, and that is what is said (real pip, offline index)."""
+    index = tmp_path / "index"
+    index.mkdir()
+    _sdist(index, "lm-eval", "0.4.13", "py3-none-any")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    build = ds.sdist_builder(ds.Resolver(sys.executable, "this", True), tmp_path / "wheelhouse")
+    with pytest.raises(ds.DeviceStageError) as exc:
+        build("lm-eval[api]==99.0")
+    assert str(exc.value) == ("lm-eval[api]==99.0: no such version: none of the 1 pip finds (0.4.13 to 0.4.13) "
+                              "matches; ask for one of them")
+    assert not list((tmp_path / "wheelhouse").glob("*.whl"))
+    none = "ERROR: Could not find a version that satisfies the requirement x==1 (from versions: none)\n"
+    assert ds.no_such_version(none, "x==1") is None  # nothing found at all: no sdist, said as before
+
+
 def _sdist(index: Path, name: str, version: str, tag: str) -> Path:
     """An sdist whose in-tree PEP 517 backend (no build requirements) writes a wheel tagged ``tag``."""
     base = f"{name}-{version}"

@@ -25,6 +25,8 @@ honoured (``make bench-engine``'s tests).
 ``--reply-fault`` breaks the token-id replies (no choices, prompt logprobs cut short, top logprobs
 as lists, 3 tokens whatever ``max_tokens``): a reference server gone wrong.
 
+``--die-after N`` kills the process (SIGKILL, no message) on request N + 1: a server dying mid-run.
+
 ``--start-delay`` makes any mode start slowly: the port is bound only after that many seconds,
 as vLLM binds only once the engine is loaded.
 """
@@ -36,6 +38,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -77,6 +80,8 @@ class State:
         """Count a request; return the corruption level it is answered with."""
         with self.lock:
             self.requests += 1
+            if self.args.die_after and self.requests > self.args.die_after:
+                os.kill(os.getpid(), signal.SIGKILL)  # killed without a word, as the OOM killer does
             if self.args.mode == "accumulate":
                 if self.long_seen:
                     self.corruption += 1
@@ -415,6 +420,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--start-delay", type=float, default=0.0, help="seconds before the port is bound")
     p.add_argument("--ttft-ms", type=float, default=20.0)
     p.add_argument("--tpot-ms", type=float, default=0.5)
+    p.add_argument("--die-after", type=int, default=0, help="SIGKILL itself on request N + 1 (0: never)")
     p.add_argument("--reply-fault", choices=["no-choices", "short-prompt-logprobs", "top-logprobs-lists",
                                              "short-tokens"], help="token-id replies broken so (a bad reference)")
     args = p.parse_args(argv)

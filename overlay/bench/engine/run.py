@@ -55,10 +55,12 @@ def _model_config(model: Path, generate: bool) -> dict[str, Any]:
         raise BenchError(f"{cfg}: cannot read the checkpoint's config ({exc})") from None
 
 
-def run_cell(cell: Cell, servers: dict[str, Server], st: Settings, timeout_s: float) -> list[dict[str, Any]]:
-    """Warm-ups then the measured rounds of one cell (``round_order``); every run's record."""
+def run_cell(cell: Cell, servers: dict[str, Server], st: Settings, timeout_s: float,
+             records: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Warm-ups then the measured rounds of one cell (``round_order``); every run's record, appended to
+    ``records`` as it is made (so a cell cut short by a dead server keeps what it measured)."""
     prompts = cell_prompts(cell, st.seed)
-    records: list[dict[str, Any]] = []
+    records = [] if records is None else records
     sides = [side for side in st.sides() if side in servers]
     count = {side: 0 for side in sides}
 
@@ -215,9 +217,12 @@ def run(opts: RunOptions) -> int:
                 break
             progress(f"cell {cell.name} ({i + 1}/{len(cells)})")
             t = time.monotonic()
-            records = run_cell(cell, servers, st, opts.request_timeout)
+            records: list[dict[str, Any]] = []
+            try:
+                run_cell(cell, servers, st, opts.request_timeout, records)
+            finally:  # a server dying mid-cell: the runs measured before stay in engine.json
+                result["runs"] += records
             durations.append(time.monotonic() - t)
-            result["runs"] += records
             summary = cell_summary(records, expect_cached=st.prefix_caching, mixed=cell.mixed, name=cell.name)
             summary["seconds"] = durations[-1]
             result["cells"][cell.name] = summary

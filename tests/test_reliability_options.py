@@ -66,3 +66,19 @@ def test_cells_the_model_cannot_hold_are_refused_before_any_server(tmp_path: Pat
     err = capsys.readouterr().err
     assert rc == 2 and not started.exists()
     assert "holds prompts of 65536 tokens" in err and "100000000x100000000" in err and "1x4096" not in err
+
+
+@pytest.mark.parametrize("verb", ["--reanalyze", "--plot"])
+def test_a_cut_short_gzipped_engine_json_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                      verb: str) -> None:
+    """Issue 25 item 4 (first half; handled already where this branch began, kept so): ``--reanalyze
+    x.json.gz`` / ``--plot`` cut short: one line naming the file, exit 2, not an EOFError."""
+    import gzip
+
+    whole = gzip.compress(json.dumps({"cells": {}, "runs": []}).encode())
+    cut = tmp_path / "engine.json.gz"
+    cut.write_bytes(whole[: len(whole) // 2])
+    assert main(["bench-engine", verb, str(cut), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {cut}: cannot read an engine.json (Compressed file ended before the end-of-stream "
+                   "marker was reached)"]

@@ -15,11 +15,18 @@ OVERLAY := $(PY) -m overlay
 help: ## list every target
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-$(TOOL_STAMP): pyproject.toml
+$(TOOL_STAMP): pyproject.toml | venv-python
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	@touch $@
+
+# A venv whose python is a dangling link (its base Python removed or moved) cannot be repaired by
+# `python -m venv` over it, and every target would end in "No such file or directory" (Error 127).
+.PHONY: venv-python
+venv-python:
+	@if { [ -L $(PY) ] && [ ! -e $(PY) ]; } || { [ -e $(PY) ] && ! $(PY) -c pass 2>/dev/null; }; then \
+		echo "make: $(PY) -> $$(readlink $(PY)) does not run (its Python is gone): remove $(VENV) (rm -rf $(VENV)) and run make again" >&2; exit 2; fi
 
 build: $(TOOL_STAMP) ## build dist/vllm-<base>+<tag>-*.whl from the pinned wheel + series, install into .venv [VLLM=0.28.0]
 	$(OVERLAY) build --vllm $(VLLM) --install $(VENV)

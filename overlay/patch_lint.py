@@ -178,10 +178,10 @@ def lint_tree(repo: Path, owners: dict[str, str], files: list[str], ruff: Path) 
         raise PatchLintError(f"ruff check: {(check.stderr.strip().splitlines() or ['failed'])[-1]}")
     fmt = subprocess.run([str(ruff), "format", "--no-cache", "--diff", *config, *files], cwd=repo,
                          capture_output=True, text=True)
-    if fmt.returncode not in (0, 1):
-        raise PatchLintError(f"ruff format: {(fmt.stderr.strip().splitlines() or ['failed'])[-1]}")
     blamed = {rel: line_owners(repo, rel, owners) for rel in files}
-    found: set[Finding] = set()
+    found: set[Finding] = set(_unparsable(fmt.stderr, repo, blamed)) if fmt.returncode not in (0, 1) else set()
+    if fmt.returncode not in (0, 1) and not found:
+        raise PatchLintError(f"ruff format: {(fmt.stderr.strip().splitlines() or ['failed'])[-1]}")
     for item in json.loads(check.stdout or "[]"):
         rel = os.path.relpath(item["filename"], repo)
         row = int(item["location"]["row"])
@@ -195,6 +195,28 @@ def lint_tree(repo: Path, owners: dict[str, str], files: list[str], ruff: Path) 
                 span = f"lines {first}-{last}" if last > first else f"line {first}"
                 found.add(Finding(patch, rel, first, "format", f"ruff format would rewrite {span}"))
     return sorted(found, key=lambda f: (f.patch, f.path, f.line, f.code))
+
+
+_PARSE_ERROR = re.compile(r"Failed to parse (?P<file>.+?):(?P<line>\d+):(?P<col>\d+): (?P<why>.+)$")
+
+
+def _unparsable(stderr: str, repo: Path, blamed: dict[str, dict[int, str]]) -> list[Finding]:
+    """``ruff format``'s "Failed to parse FILE:LINE:COL: why" as findings of the patch owning the line.
+
+    A file ruff cannot parse is not formatted at all, so without this its syntax error showed only
+    as ruff's last line ("N files already formatted"). A line no patch owns is the base's: an error.
+    """
+    found = []
+    for m in map(_PARSE_ERROR.search, stderr.splitlines()):
+        if not m:
+            continue
+        rel, line = os.path.relpath(repo / m["file"], repo), int(m["line"])
+        patch = blamed.get(rel, {}).get(line)
+        if patch is None:
+            raise PatchLintError(f"ruff format: {rel}:{line}:{m['col']}: syntax error in a line no patch adds: "
+                                 f"{m['why']}")
+        found.append(Finding(patch, rel, line, "syntax-error", f"{m['why']} (column {m['col']})"))
+    return found
 
 
 def run(patches_root: Path, version: str, *, cache: Path | None = None) -> list[Finding]:

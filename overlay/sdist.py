@@ -23,6 +23,7 @@ import sys
 import tarfile
 import tempfile
 import urllib.request
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -153,7 +154,7 @@ def read_sources(sdist: Path, want: Callable[[str], bool]) -> dict[str, str]:
                     fh = tf.extractfile(member)
                     assert fh is not None
                     out[rel] = fh.read().decode("utf-8", errors="replace")
-    except tarfile.TarError as exc:
+    except (tarfile.TarError, EOFError, zlib.error) as exc:  # a cut-short .gz ends in EOFError
         raise FetchError(f"{sdist}: not a readable source archive: {exc}") from None
     return out
 
@@ -176,7 +177,7 @@ def extract_subtree(sdist: Path, prefix: str, dest: Path) -> int:
             with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".extract-") as tmp:
                 tf.extractall(tmp, members=members, filter="data")
                 os.replace(Path(tmp) / top / prefix.rstrip("/"), dest)
-    except tarfile.TarError as exc:
+    except (tarfile.TarError, EOFError, zlib.error) as exc:  # a cut-short .gz ends in EOFError
         raise FetchError(f"{sdist}: not a readable source archive: {exc}") from None
     return sum(1 for m in members if m.isfile())
 
@@ -193,6 +194,6 @@ def extract(sdist: Path, dest: Path) -> Path:
                 tf.extractall(tmp, filter="data")  # refuses absolute paths, links out, devices
                 for child in (Path(tmp) / top).iterdir():
                     os.replace(child, dest / child.name)
-    except tarfile.TarError as exc:
+    except (tarfile.TarError, EOFError, zlib.error) as exc:  # a cut-short .gz ends in EOFError
         raise FetchError(f"{sdist}: not a readable source archive: {exc}") from None
     return dest

@@ -22,6 +22,7 @@ from overlay import device as ds
 from overlay.archive import TAR_MTIME
 from overlay.cli import main
 from overlay.device import staging
+from overlay.errors import OverlayError
 from tests.wheelkit import make_release, make_wheel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -702,6 +703,24 @@ def test_extra_with_a_missing_wheel_and_no_sdist_is_one_line(rig: StageRig, tmp_
     assert len(rig.cache_files()) == 1
 
 
+def test_a_version_that_does_not_exist_is_said_not_built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 25 item 14: ``EXTRA='lm-eval[api]==99.0'`` ended in "no wheel ... and no sdist to build one
+    from"; the fault is that 99.0 does not exist, and that is what is said (real pip, offline index)."""
+    index = tmp_path / "index"
+    index.mkdir()
+    _sdist(index, "lm-eval", "0.4.13", "py3-none-any")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    build = ds.sdist_builder(ds.Resolver(sys.executable, "this", True), tmp_path / "wheelhouse")
+    with pytest.raises(ds.DeviceStageError) as exc:
+        build("lm-eval[api]==99.0")
+    assert str(exc.value) == ("lm-eval[api]==99.0: no such version: none of the 1 pip finds (0.4.13 to 0.4.13) "
+                              "matches; ask for one of them")
+    assert not list((tmp_path / "wheelhouse").glob("*.whl"))
+    none = "ERROR: Could not find a version that satisfies the requirement x==1 (from versions: none)\n"
+    assert ds.no_such_version(none, "x==1") is None  # nothing found at all: no sdist, said as before
+
+
 def _sdist(index: Path, name: str, version: str, tag: str) -> Path:
     """An sdist whose in-tree PEP 517 backend (no build requirements) writes a wheel tagged ``tag``."""
     base = f"{name}-{version}"
@@ -914,3 +933,20 @@ def test_carry_limit_leaves_room_for_the_checkout(tmp_path: Path) -> None:
     (tmp_path / "huge.bin").write_bytes(b"x" * 60 * MIB)
     with pytest.raises(DeviceStageError, match="move large files out of git"):
         carry_limit(tmp_path)
+
+
+@pytest.mark.parametrize("sub", ["", "device-wheels", "device-resolutions", "device-xz"])
+def test_a_cache_folder_that_is_a_file_stops_the_staging_first(rig: StageRig, sub: str) -> None:
+    """Issue 25 item 7 (and the smaller one: ``device-resolutions`` a file made every run resolve again
+    without a word): ``VLLM_OVERLAY_CACHE`` or a folder in it that is a file is one line, before resolving."""
+    rig.cache.mkdir(parents=True, exist_ok=True)
+    if sub:
+        (rig.cache / sub).write_text("x")
+    else:
+        rig.cache.rmdir()
+        rig.cache.write_text("x")
+    with pytest.raises(OverlayError) as exc:
+        rig.stage()
+    assert exc.value.exit_code == 2 and rig.resolves == 0
+    msg = str(exc.value)
+    assert msg.startswith("device-stage cache folder (VLLM_OVERLAY_CACHE) ") and "is a file" in msg, msg

@@ -86,13 +86,8 @@ def _patch(tmp: Path, name: str, files: dict[str, str], before: dict[str, str]) 
     return format_patch(repo, "HEAD")
 
 
-def test_only_the_patches_lines_are_judged_and_named(tmp_path: Path) -> None:
-    clean = {"vllm/a.py": BASE["vllm/a.py"] + "\n\ndef g(y):\n    return y * 2\n"}
-    long_line = "    return " + " + ".join(["y"] * 40) + "\n"
-    sloppy = {"vllm/a.py": clean["vllm/a.py"] + "\n\ndef h(y):\n" + long_line,
-              "vllm/b.py": "x = [1,2,\n  3]\n"}
-    patches = {"clean.patch": _patch(tmp_path, "clean", clean, BASE),
-               "sloppy.patch": _patch(tmp_path, "sloppy", sloppy, {**BASE, **clean})}
+def _lint_repo(tmp_path: Path, patches: dict[str, bytes]) -> tuple[Path, dict[str, str]]:
+    """The series ``patches`` committed over ``BASE`` in a lint repo with the release's pyproject.toml."""
     d = tmp_path / "patches" / "0.1.0"
     d.mkdir(parents=True)
     (d / "pin.toml").write_text(Pin("0.1.0", "vllm-0.1.0-cp38-abi3-manylinux_2_28_x86_64.whl", "ab" * 32).to_toml())
@@ -107,6 +102,17 @@ def test_only_the_patches_lines_are_judged_and_named(tmp_path: Path) -> None:
     repo.mkdir()
     owners = _commit_series(repo, Series.load(d), base)
     (repo / "pyproject.toml").write_text(PYPROJECT)
+    return repo, owners
+
+
+def test_only_the_patches_lines_are_judged_and_named(tmp_path: Path) -> None:
+    clean = {"vllm/a.py": BASE["vllm/a.py"] + "\n\ndef g(y):\n    return y * 2\n"}
+    long_line = "    return " + " + ".join(["y"] * 40) + "\n"
+    sloppy = {"vllm/a.py": clean["vllm/a.py"] + "\n\ndef h(y):\n" + long_line,
+              "vllm/b.py": "x = [1,2,\n  3]\n"}
+    patches = {"clean.patch": _patch(tmp_path, "clean", clean, BASE),
+               "sloppy.patch": _patch(tmp_path, "sloppy", sloppy, {**BASE, **clean})}
+    repo, owners = _lint_repo(tmp_path, patches)
     found = lint_tree(repo, owners, ["vllm/a.py", "vllm/b.py"], _ruff())
     assert [str(f) for f in found] == [
         "sloppy.patch: vllm/a.py:13: E501 Line too long (168 > 88)",
@@ -114,3 +120,14 @@ def test_only_the_patches_lines_are_judged_and_named(tmp_path: Path) -> None:
         "sloppy.patch: vllm/b.py:1: format ruff format would rewrite lines 1-2",
     ]
     assert not any(f.code == "F401" for f in found)  # the base's unused import is the release's own
+
+
+def test_a_syntax_error_names_the_patch_file_and_line(tmp_path: Path) -> None:
+    """Issue 25 item 12: a patch line ``... bool = = False`` gave only "error: ruff format: 7 files already
+    formatted"; now the patch, the file, the line and the syntax error are named."""
+    broken = {"vllm/a.py": BASE["vllm/a.py"] + "\n\ndef g(y: bool = = False):\n    return y\n"}
+    patches = {"broken.patch": _patch(tmp_path, "broken", broken, BASE)}
+    repo, owners = _lint_repo(tmp_path, patches)
+    line = broken["vllm/a.py"].splitlines().index("def g(y: bool = = False):") + 1
+    found = [str(f) for f in lint_tree(repo, owners, ["vllm/a.py"], _ruff()) if f.code == "syntax-error"]
+    assert found == [f"broken.patch: vllm/a.py:{line}: syntax-error Expected an expression (column 17)"]

@@ -293,7 +293,11 @@ def test_existing_target_folder_or_worktree_is_refused(tmp_path: Path) -> None:
         start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "w", tests_dir=tmp_path)
     (root / TO / "pin.toml").unlink()
     (root / TO).rmdir()
-    (tmp_path / "w").mkdir()
+    (tmp_path / "w").mkdir()  # no state file: a rebase that stopped before it began (issue 25 item 20)
+    with pytest.raises(RebaseError, match=r"a rebase onto 0.2.0 that stopped before it began"):
+        start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "w", tests_dir=tmp_path)
+    (tmp_path / "w" / ".git").mkdir()
+    (tmp_path / "w" / ".git" / "overlay-rebase.json").write_text("{}")
     with pytest.raises(RebaseError, match=r"a rebase onto 0.2.0 is in progress"):
         start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "w", tests_dir=tmp_path)
 

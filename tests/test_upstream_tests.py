@@ -201,3 +201,43 @@ def test_the_tests_run_without_the_model_hub(tmp_path: Path, monkeypatch: pytest
     got = run_pytest(root, ["tests/ops/test_hub.py"], timeout=60, extra_path=[tmp_path / "site"],
                      results=tmp_path / "r.jsonl")
     assert got["tests/ops/test_hub.py::test_offline"].outcome == "passed"
+
+
+def _release(tmp_path: Path, sdist: Path) -> Path:
+    """``patches/9.9.9/`` with an sdist pin and an empty series."""
+    d = tmp_path / "patches" / "9.9.9"
+    d.mkdir(parents=True)
+    (d / "pin.toml").write_text(f'version = "9.9.9"\nwheel = "vllm-9.9.9-py3-none-any.whl"\nsha256 = "{"0" * 64}"\n'
+                                f'sdist = "{sdist.name}"\nsdist_sha256 = "{"ab" * 32}"\n')
+    (d / "series").write_text("# empty\n")
+    return tmp_path / "patches"
+
+
+def test_a_cut_short_sdist_is_a_harness_failure(tmp_path: Path) -> None:
+    """Issue 25 item 10: a cut-short cached sdist gave a clear message but exit 1 (fail); it is exit 2."""
+    from overlay.upstream_tests import run
+
+    sdist = _sdist(tmp_path, FAKE_TESTS)
+    sdist.write_bytes(sdist.read_bytes()[:200])
+    expected = tmp_path / "9.9.9.toml"
+    expected.write_text("")
+    with pytest.raises(UpstreamTestsError) as exc:
+        run(_release(tmp_path, sdist), "9.9.9", tmp_path / "out", cache=tmp_path / "cache", sdist=sdist,
+            expected_file=expected)
+    assert exc.value.exit_code == 2 and str(exc.value).startswith(f"{sdist}: not a readable source archive")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_expectations_file_is_named_and_stops_the_gate(tmp_path: Path) -> None:
+    """Issue 25 item 11: ``upstream_expected/<version>.toml`` missing selected vLLM's whole suite (65 files
+    instead of 13) and ended in pytest exit 4; now the missing file is named and nothing runs."""
+    from overlay.upstream_tests import run
+
+    sdist = _sdist(tmp_path, FAKE_TESTS)
+    missing = tmp_path / "upstream_expected" / "9.9.9.toml"
+    with pytest.raises(UpstreamTestsError) as exc:
+        run(_release(tmp_path, sdist), "9.9.9", tmp_path / "out", cache=tmp_path / "cache", sdist=sdist,
+            expected_file=missing)
+    assert exc.value.exit_code == 2
+    assert str(exc.value).startswith(f"{missing}: missing: the release's expectations")
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()

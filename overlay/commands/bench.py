@@ -6,14 +6,14 @@ import argparse
 import os
 from pathlib import Path
 
-from overlay.commands.common import add_vllm, root
+from overlay.commands.common import add_vllm, at_least, fraction, int_list, non_negative, positive, root
 
 
 def configure_parser(sub: argparse._SubParsersAction) -> None:
     text = "time a rebuild from the cached wheel against a plain copy of it, and edit -> installed"
     sp = sub.add_parser("bench-build", help=text, description=text)
     add_vllm(sp)
-    sp.add_argument("--repeat", type=int, default=5)
+    sp.add_argument("--repeat", type=at_least(1), default=5)
     sp.add_argument("--json-out")
     sp.set_defaults(handler=cmd_bench_build)
 
@@ -22,15 +22,15 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("bench-merge", help=text, description=text)
     add_vllm(sp)
     sp.add_argument("--out", default="bench-merge", help="folder for merge.json/.txt/.png")
-    sp.add_argument("--tokens", type=int, nargs="+", help="token counts (default 1 16 128 768 8192)")
-    sp.add_argument("--replays", type=int, default=50, help="timed CUDA-graph replays (>= 50)")
+    sp.add_argument("--tokens", type=at_least(1), nargs="+", help="token counts (default 1 16 128 768 8192)")
+    sp.add_argument("--replays", type=at_least(50), default=50, help="timed CUDA-graph replays (>= 50)")
     sp.add_argument("--plot", help="only draw the table and plot from this merge.json")
-    sp.add_argument("--ranks", type=int, default=2,
+    sp.add_argument("--ranks", type=at_least(2), default=2,
                     help="DCP ranks, one GPU each, 8 heads per rank (2; 4 and 8 need as many GPUs)")
     sp.add_argument("--bounds", choices=["decode", "none"], default="decode",
                     help="sequence bounds handed to the merge: decode (as the engine passes them: one "
                          "row per sequence, local KV lengths) or none (nothing to mask)")
-    sp.add_argument("--profile-eager", type=int, nargs="*", default=[], metavar="T",
+    sp.add_argument("--profile-eager", type=at_least(1), nargs="*", default=[], metavar="T",
                     help="also profile 20 eager calls of each order at these token counts "
                          "(torch.profiler tables in OUT/profile/, host us per call in merge.json)")
     sp.set_defaults(handler=cmd_bench_merge)
@@ -52,15 +52,36 @@ def cmd_bench_merge(ns: argparse.Namespace) -> int:
                profile_tokens=tuple(ns.profile_eager))
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def _ports(text: str) -> tuple[int, ...]:
-    values = _ints(text)
+    values = int_list(1, 65535)(text)
     if len(values) not in (2, 3) or len(set(values)) != len(values):
         raise argparse.ArgumentTypeError("want two or three different ports, A,B[,C] (C: the twin; default B + 1)")
     return tuple(values)
+
+
+def _context(text: str) -> int:
+    """A prompt length longer than the part that differs between a cell's requests."""
+    from overlay.bench.engine.common import TAIL_TOKENS  # on use: the package imports httpx
+
+    return int(at_least(TAIL_TOKENS + 1)(text))
+
+
+def _contexts(text: str) -> list[int]:
+    from overlay.bench.engine.common import TAIL_TOKENS
+
+    return int_list(TAIL_TOKENS + 1)(text)
+
+
+def _cells(text: str) -> str:
+    """``--cells``: checked now (syntax, at least one cell, none twice); ``parse_cells`` sizes them later."""
+    from overlay.bench.engine.cells import parse_cells
+    from overlay.bench.engine.common import TAIL_TOKENS
+
+    try:
+        parse_cells(text, [], [], mixed_batch=1, mixed_context=TAIL_TOKENS + 1)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _configure_bench_engine(sub: argparse._SubParsersAction) -> None:
@@ -75,33 +96,34 @@ def _configure_bench_engine(sub: argparse._SubParsersAction) -> None:
                     help="recompute every run and cell of this engine.json (or .gz) from its raw chunk arrivals "
                          "with today's definitions; engine.json, .md and .png into --out")
     ap.add_argument("--model", help="checkpoint folder (default: the generated tiny GLM-5, made when missing)")
-    ap.add_argument("--batches", type=_ints, default=[1, 8, 64], help="comma-separated (1,8,64)")
-    ap.add_argument("--contexts", type=_ints, default=[4096, 16384, 65536], help="comma-separated prompt tokens")
-    ap.add_argument("--cells", help="a subset instead, e.g. 1x4096,8x16384,mixed")
+    ap.add_argument("--batches", type=int_list(1), default=[1, 8, 64], help="comma-separated (1,8,64)")
+    ap.add_argument("--contexts", type=_contexts, default=[4096, 16384, 65536], help="comma-separated prompt tokens")
+    ap.add_argument("--cells", type=_cells, help="a subset instead, e.g. 1x4096,8x16384,mixed")
     ap.add_argument("--no-mixed", action="store_true", help="without --cells: leave the mixed cell out")
-    ap.add_argument("--decode-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=5, help="measured runs per server and cell (ABBA), at least")
-    ap.add_argument("--cell-seconds", type=float, default=10.0,
+    ap.add_argument("--decode-tokens", type=at_least(2), default=128)
+    ap.add_argument("--repeats", type=at_least(1), default=5, help="measured runs per server and cell (ABBA), at least")
+    ap.add_argument("--cell-seconds", type=non_negative(), default=10.0,
                     help="more ABBA pairs until each server's measured runs of the cell took this long (10)")
-    ap.add_argument("--max-repeats", type=int, default=30, help="runs per server and cell, at most (30)")
+    ap.add_argument("--max-repeats", type=at_least(1), default=30, help="runs per server and cell, at most (30)")
     ap.add_argument("--null", action="store_true",
                     help="A/A: both servers VLLM_DCP_PROJECT_BEFORE_MERGE=1; the ratios are then the method's "
                          "noise (run it where the A/B is to be read)")
     ap.add_argument("--no-twin", action="store_true",
                     help="two servers only: no twin C of A (flag on too), so no null of the same run")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--mixed-batch", type=int, default=32)
-    ap.add_argument("--mixed-context", type=int, default=4096)
-    ap.add_argument("--mixed-interval", type=float, default=0.2, help="seconds between arriving prefills")
+    ap.add_argument("--seed", type=at_least(0), default=0)
+    ap.add_argument("--mixed-batch", type=at_least(1), default=32)
+    ap.add_argument("--mixed-context", type=_context, default=4096)
+    ap.add_argument("--mixed-interval", type=non_negative(), default=0.2, help="seconds between arriving prefills")
     ap.add_argument("--transport", choices=TRANSPORTS, default="direct")
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--dcp", type=int, default=2)
-    ap.add_argument("--kv-cache-memory-bytes", type=int, default=0, help="per GPU (default: sized from the cells)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    ap.add_argument("--max-model-len", type=int, default=0, help="default: largest context + decode + 64")
-    ap.add_argument("--max-num-seqs", type=int, default=0, help="default: max(largest batch, mixed batch + 16)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's")
-    ap.add_argument("--max-cudagraph-capture-size", type=int, default=64)
+    ap.add_argument("--tp", type=at_least(1), default=2)
+    ap.add_argument("--dcp", type=at_least(1), default=2)
+    ap.add_argument("--kv-cache-memory-bytes", type=at_least(0), default=0,
+                    help="per GPU (default: sized from the cells)")
+    ap.add_argument("--gpu-memory-utilization", type=fraction(), default=0.3)
+    ap.add_argument("--max-model-len", type=at_least(0), default=0, help="default: largest context + decode + 64")
+    ap.add_argument("--max-num-seqs", type=at_least(0), default=0, help="default: max(largest batch, mixed batch + 16)")
+    ap.add_argument("--max-num-batched-tokens", type=at_least(1), default=None, help="default: vLLM's")
+    ap.add_argument("--max-cudagraph-capture-size", type=at_least(1), default=64)
     ap.add_argument("--no-prefix-caching", action="store_true",
                     help="if the engine refuses prefix caching: every run then prefills its whole prompts")
     ap.add_argument("--no-deep-gemm-standin", action="store_true",
@@ -118,9 +140,10 @@ def _configure_bench_engine(sub: argparse._SubParsersAction) -> None:
                                          "{port} {model} {name} {side} {args} are filled in")
     ap.add_argument("--ports", type=_ports, default=(8100, 8101, 8102),
                     help="HTTP ports of A,B[,C] (8100,8101,8102)")
-    ap.add_argument("--ready-timeout", type=float, default=900.0)
-    ap.add_argument("--request-timeout", type=float, default=1800.0)
-    ap.add_argument("--budget", type=float, default=0.0, help="seconds: start no cell that would end later")
+    ap.add_argument("--ready-timeout", type=positive("seconds"), default=900.0)
+    ap.add_argument("--request-timeout", type=positive("seconds"), default=1800.0)
+    ap.add_argument("--budget", type=non_negative(), default=0.0,
+                    help="seconds: start no cell that would end later (0: no budget)")
     ap.set_defaults(handler=cmd_bench_engine)
 
 

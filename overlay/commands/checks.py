@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from overlay.commands.common import add_vllm, root
+from overlay.commands.common import add_vllm, at_least, root
 
 
 def configure_parser(sub: argparse._SubParsersAction) -> None:
@@ -15,7 +15,7 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("upstream-tests", help=text, description=text)
     add_vllm(sp)
     sp.add_argument("--out", default="upstream-tests", help="report folder (default %(default)s)")
-    sp.add_argument("--timeout", type=int, default=300, help="seconds per test (default %(default)s)")
+    sp.add_argument("--timeout", type=at_least(1), default=300, help="seconds per test (default %(default)s)")
     sp.set_defaults(handler=cmd_upstream_tests)
 
     text = ("the lines the series adds, through the release's own ruff check and ruff format (its "

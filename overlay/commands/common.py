@@ -43,6 +43,30 @@ def at_least(low: int, high: int | None = None) -> Callable[[str], int | float]:
     return _bounded(int, "an integer", low, high=high)
 
 
+def port() -> Callable[[str], int | float]:
+    """A TCP port, 1 to 65535."""
+    return at_least(1, 65535)
+
+
+def fraction(name: str = "a fraction") -> Callable[[str], int | float]:
+    """A number ``> 0`` and ``<= 1`` (a share of the GPU's memory)."""
+    return _bounded(float, name, 0.0, strict=True, high=1.0)
+
+
+def int_list(low: int, high: int | None = None) -> Callable[[str], list[int]]:
+    """Comma-separated integers, at least one, each ``>= low`` (and ``<= high``): ``1,8,64``."""
+    one = at_least(low, high)
+
+    def parse(text: str) -> list[int]:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        return [int(one(x)) for x in items]
+
+    parse.__name__ = "comma-separated integers"
+    return parse
+
+
 def positive(name: str = "a number") -> Callable[[str], int | float]:
     """A number ``> 0``."""
     return _bounded(float, name, 0.0, strict=True)

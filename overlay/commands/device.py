@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from overlay.commands.common import add_vllm, root
+from overlay.commands.common import add_vllm, positive, root
 
 HELP = ("stage the built wheel's tree and kernels and the wheels vLLM needs for the GPU device "
         "machine into carries of <= 60 MiB, with the device calls to make")
@@ -22,7 +22,7 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--wheel", help="the patched wheel (default: the one make build writes for the series)")
     sp.add_argument("--device-packages", default="scripts/device-packages.txt",
                     help="the device's pip freeze (default %(default)s)")
-    sp.add_argument("--limit-mib", type=float, default=60,
+    sp.add_argument("--limit-mib", type=positive("MiB"), default=60,
                     help="largest carry in MiB (default 60; less when the checkout and a carry would "
                          "pass the 64 MiB of a device call)")
     sp.add_argument("--full", action="store_true", help="stage every requirement, also those an engine "

@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from overlay.commands.common import add_vllm, at_least, positive, root
+from overlay.commands.common import add_vllm, at_least, non_negative, positive, root
 
 
 def configure_parser(sub: argparse._SubParsersAction) -> None:
@@ -21,11 +21,12 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     ap = sub.add_parser("engine-check", help=text, description=text)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--model", type=Path, help="checkpoint folder (generated there when missing)")
-    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--tp", type=at_least(1), default=2)
     ap.add_argument("--cases", help="comma-separated case names (default: all for --tp, in order)")
-    ap.add_argument("--timeout", type=float, default=420, help="seconds per case")
-    ap.add_argument("--budget", type=float, default=0, help="stop starting cases after this many seconds (0: none)")
-    ap.add_argument("--parallel", type=int, default=1, help="engines at once on the same GPUs (default 1)")
+    ap.add_argument("--timeout", type=positive("seconds"), default=420, help="seconds per case")
+    ap.add_argument("--budget", type=non_negative(), default=0,
+                    help="stop starting cases after this many seconds (0: none)")
+    ap.add_argument("--parallel", type=at_least(1), default=1, help="engines at once on the same GPUs (default 1)")
     ap.add_argument("--tree", type=Path, help="a vLLM tree to put first on the children's PYTHONPATH")
     ap.add_argument("--rejudge", action="store_true", help="judge the cases already in --out again (no runs)")
     ap.add_argument("--reuse", type=Path, help="take the reference and spread results of an earlier --out here")
@@ -44,10 +45,12 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
             "--glm5-per-rank: production's per-rank shape, config only)")
     sp = sub.add_parser("engine-checkpoint", help=text, description=text)
     sp.add_argument("--out", type=Path, help="folder to write (default: the cache, named by spec and seed)")
-    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--seed", type=at_least(0), default=0)
     sp.add_argument("--tp", type=at_least(1), help="TP size the heads are sized for (default: the spec's, 2)")
     sp.add_argument("--layers", type=at_least(1), help="decoder layers (default: the spec's, 3)")
     sp.add_argument("--force", action="store_true", help="overwrite an existing folder")
+    sp.add_argument("--verify", action="store_true",
+                    help="before reusing an existing checkpoint, check every file's sha256 too (not only its size)")
     sp.add_argument("--glm5-per-rank", action="store_true",
                     help="GLM-5's depth and attention at production's per-rank shape (glm5_per_rank), config and "
                          "tokenizer only: serve it with --load-format dummy (timing, not numbers)")
@@ -103,7 +106,7 @@ def cmd_engine_checkpoint(ns: argparse.Namespace) -> int:
         return 0
     spec = TinyGlm5Spec(tp=tp, num_hidden_layers=ns.layers or TinyGlm5Spec.num_hidden_layers)
     out = ns.out or default_cache() / checkpoint_id(spec, ns.seed)
-    generate(out, spec, ns.seed, force=ns.force)
+    generate(out, spec, ns.seed, force=ns.force, verify=ns.verify)
     print(out)
     return 0
 

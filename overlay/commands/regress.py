@@ -6,7 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
-from overlay.commands.common import add_vllm
+from overlay.commands.common import add_vllm, at_least, port, positive
 
 
 def configure_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,17 +19,17 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--base-url", help="attach to this running server instead of starting vllm serve")
     sp.add_argument("--out", default="regress-report", help="report folder (default %(default)s)")
     sp.add_argument("--gsm8k-data", help="local GSM8K folder (train.jsonl, test.jsonl): no hub access")
-    sp.add_argument("--gsm8k-limit", type=int, help="only the first N test questions")
+    sp.add_argument("--gsm8k-limit", type=at_least(1), help="only the first N test questions")
     sp.add_argument("--latency-tool", choices=["vllm-bench", "builtin"], help="override the profile's")
-    sp.add_argument("--ready-timeout", type=float, help="seconds to wait for readiness")
-    sp.add_argument("--attach-timeout", type=float,
+    sp.add_argument("--ready-timeout", type=positive("seconds"), help="seconds to wait for readiness")
+    sp.add_argument("--attach-timeout", type=positive("seconds"),
                     help="with --base-url: seconds of refused connections before a harness failure "
                          "(default: the profile's server.attach_timeout_s, or REGRESS_ATTACH_TIMEOUT)")
     sp.add_argument("--skip", help="checks to leave out, comma-separated "
                                    "(differential,long_context,gsm8k,acceptance,latency)")
     sp.add_argument("--ref-url", help="differential check: the reference server (default: $REF_URL)")
     sp.add_argument("--ref-file", help="differential check: reference outputs recorded with "
-                                       "--record-differential")
+                                       "--record-differential (not with --ref-url or REF_URL)")
     sp.add_argument("--record-differential", metavar="FILE",
                     help="this server is the reference: record its differential outputs into FILE "
                          "(judges nothing for that check)")
@@ -39,7 +39,7 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--baseline-for", metavar="PROFILE", action="append",
                     help="with --record-baseline: the profile to copy (repeat it for several: "
                          "--record-baseline is then a folder that gets <profile>.yaml of each)")
-    sp.add_argument("--port", type=int, help="start the server on this port (overrides server.port)")
+    sp.add_argument("--port", type=port(), help="start the server on this port (overrides server.port)")
     sp.add_argument("--vllm-bin", help="the vllm command (overrides server.vllm_bin), e.g. "
                                        "'python3 -m vllm.entrypoints.cli.main'")
     sp.set_defaults(handler=cmd_regress)
@@ -54,10 +54,9 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_regress(ns: argparse.Namespace) -> int:
     """The verdict as exit status (0 pass, 1 regression, 2 harness) and in OUT/verdict, for make."""
-    from overlay.errors import OverlayError
+    from overlay.errors import OverlayError, UsageError
     from overlay.regress.errors import ProfileError
     from overlay.regress.profiles import load_profile
-    from overlay.regress.results import write_verdict
     from overlay.regress.runner import run
 
     out = Path(ns.out)
@@ -69,22 +68,37 @@ def cmd_regress(ns: argparse.Namespace) -> int:
             raise ProfileError(f"REGRESS_ATTACH_TIMEOUT: expected seconds, got {raw!r}") from None
         if ns.attach_timeout is not None:
             attach_timeout_s = ns.attach_timeout
+        ref_url = ns.ref_url or os.environ.get("REF_URL") or None
+        if ref_url and ns.ref_file:
+            came = "--ref-url" if ns.ref_url else "REF_URL (environment)"
+            raise UsageError(f"{came} {ref_url} and --ref-file {ns.ref_file} both name the differential check's "
+                             "reference: give one (unset REF_URL to judge against the file)")
         profile = load_profile(ns.profile).with_overrides(
             gsm8k_data=ns.gsm8k_data, gsm8k_limit=ns.gsm8k_limit, latency_tool=ns.latency_tool,
             ready_timeout_s=ns.ready_timeout, attach_timeout_s=attach_timeout_s,
             skip=tuple(c for c in (ns.skip or "").split(",") if c), port=ns.port, vllm_bin=ns.vllm_bin)
         report = run(profile, out, base_url=ns.base_url or None,
-                     ref_url=ns.ref_url or os.environ.get("REF_URL") or None, ref_file=ns.ref_file,
+                     ref_url=ref_url, ref_file=ns.ref_file,
                      record_differential=ns.record_differential, record_baseline=ns.record_baseline,
                      baseline_for=ns.baseline_for)
     except OverlayError as exc:
-        write_verdict(out, 2, [f"harness: {' '.join(str(exc).split())}"])
+        _verdict(out, f"harness: {' '.join(str(exc).split())}")
         raise
     except Exception as exc:
-        write_verdict(out, 2, [f"harness: {type(exc).__name__}: {' '.join(str(exc).split())}"])
+        _verdict(out, f"harness: {type(exc).__name__}: {' '.join(str(exc).split())}")
         raise
     print(report.out_dir / "report.md")
     return report.exit_code  # the verdict: 0 pass, 1 regression, 2 harness failure
+
+
+def _verdict(out: Path, reason: str) -> None:
+    """The harness verdict for make, where ``out`` can take it (an unwritable ``--out`` is the error itself)."""
+    from overlay.regress.results import write_verdict
+
+    try:
+        write_verdict(out, 2, [reason])
+    except OSError:
+        pass
 
 
 def cmd_regress_verdicts(ns: argparse.Namespace) -> int:

@@ -152,6 +152,27 @@ def missing_distribution(output: str) -> str | None:
     return found[1] if found else None
 
 
+_VERSIONS = re.compile(r"^ERROR: Could not find a version that satisfies the requirement (\S+) "
+                       r"\(from versions: ([^)]*)\)", re.MULTILINE)
+
+
+def no_such_version(output: str, requirement: str) -> str | None:
+    """``requirement`` names a release that does not exist (``lm-eval[api]==99.0``): pip's "from
+    versions" (those of its sdists, when it looked for one to build) lists some and none matches."""
+    for req, listed in _VERSIONS.findall(output):
+        if req != requirement or listed.strip() in ("", "none"):
+            continue
+        try:
+            spec = Requirement(requirement).specifier
+            versions = [Version(v.strip()) for v in listed.split(",") if v.strip()]
+        except (InvalidRequirement, InvalidVersion):
+            return None
+        if not any(spec.contains(v, prereleases=True) for v in versions):
+            return (f"{requirement}: no such version: none of the {len(versions)} pip finds "
+                    f"({min(versions)} to {max(versions)}) matches; ask for one of them")
+    return None
+
+
 SdistBuild = Callable[[str], str]
 """``build(requirement)``: a wheel for ``requirement`` built from its sdist where pip finds it (see
 :func:`sdist_builder`); returns the wheel's file name, or raises :class:`DeviceStageError`."""
@@ -347,6 +368,8 @@ def sdist_builder(resolver: Resolver, wheelhouse: Path) -> SdistBuild:
             out = proc.stdout + proc.stderr
             got = sorted(Path(tmp).glob("*.whl"))
             if proc.returncode != 0 or len(got) != 1:
+                if (why := no_such_version(out, requirement)) is not None:
+                    raise DeviceStageError(why)  # pip found the package, not the version: nothing was built
                 if missing_distribution(out) is not None:
                     raise DeviceStageError(f"{name}: no wheel for CPython 3.12 manylinux x86_64 and no sdist "
                                            f"to build one from ({requirement}): {pip_error_tail(out, 1)}")

@@ -30,6 +30,7 @@ from overlay.device.settings import (
     log,
 )
 from overlay.fetch import cache_dir, sha256_file
+from overlay.outpaths import check_dir
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,9 @@ def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: i
     """
     start = _CLOCK["start"] = time.monotonic()
     cache = cache or cache_dir()
+    check_dir(dest, "--dest")  # a cache folder that is a file must stop the staging now, not after resolving
+    for sub in ("device-resolutions", "device-wheels", "device-wheels/from-sdist", "device-xz"):
+        check_dir(cache / sub, "device-stage cache folder (VLLM_OVERLAY_CACHE)")
     if not wheel.is_file():
         raise DeviceStageError(f"{wheel}: no such wheel (make build writes it)")
     version, requires = wheel_requires_dist(wheel)

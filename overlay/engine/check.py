@@ -41,8 +41,9 @@ from typing import IO, Any
 
 from overlay.engine.compare import FLOOR, SAFETY, compare, derive_tolerance
 from overlay.engine.env import PORT_BASE, PORT_STRIDE, REPO, SAFE_ENV, STANDIN, _strip_log_prefix, error_line
+from overlay.engine.inputs import EngineCheckError, check_inputs, lay_variant, load_variants
 from overlay.engine.workload import Case, cases
-from overlay.errors import UsageError
+from overlay.outpaths import check_dir
 
 RUN_CASE = "overlay.engine.run_case"  # the module each job runs (python -m)
 
@@ -223,7 +224,7 @@ def run_jobs(jobs: list[Job], model: Path, out: Path, *, timeout: float, paralle
 
 def variant_jobs(variants: Path, tp: int, out: Path) -> list[Job]:
     """One job per seed-bug variant of ``variants/variants.json`` that this machine can show."""
-    manifest = json.loads((variants / "variants.json").read_text())
+    manifest = load_variants(variants)
     by_name = {c.name: c for c in cases(tp)}
     jobs: list[Job] = []
     for variant, v in manifest["variants"].items():
@@ -234,46 +235,11 @@ def variant_jobs(variants: Path, tp: int, out: Path) -> list[Job]:
             print(f"[engine-check] {variant}: not shown at --tp {tp} ({v['case']} needs DCP 2)", flush=True)
             continue
         if v["case"] not in by_name:
-            raise SystemExit(f"error: {variants / 'variants.json'}: {variant}: no case {v['case']!r} for --tp {tp}")
+            raise EngineCheckError(f"{variants / 'variants.json'}: {variant}: no case {v['case']!r} for --tp {tp}")
         tree = lay_variant(variants / f"{variant}.tar.gz", out / "trees" / variant)
         jobs.append(Job(by_name[v["case"]], f"{variant}--{v['case']}", tree=tree, expect=v["expect"],
                         variant=variant))
     return jobs
-
-
-def lay_variant(tar: Path, dest: Path) -> Path:
-    """A vLLM tree at ``dest`` that is the importable ``vllm`` with the files of ``tar`` swapped in.
-
-    Every other file is a symlink into the installed package (compiled kernels included), so
-    a variant costs a few hundred kilobytes. Returns ``dest`` (put it first on ``PYTHONPATH``).
-    """
-    import importlib.util
-    import shutil
-    import tarfile
-
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or spec.origin is None:
-        raise SystemExit("error: --variant needs an importable vllm to lay the variant over")
-    src = Path(spec.origin).parent
-    if dest.exists():
-        shutil.rmtree(dest)
-    for path in src.rglob("*"):
-        if "__pycache__" in path.parts or path.is_dir():
-            continue
-        link = dest / "vllm" / path.relative_to(src)
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(path)
-    with tarfile.open(tar) as tf:
-        for member in tf.getmembers():
-            if not member.isfile() or not member.name.startswith("vllm/") or ".." in Path(member.name).parts:
-                raise SystemExit(f"error: {tar}: unexpected member {member.name!r}")
-            target = dest / member.name
-            target.unlink(missing_ok=True)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            data = tf.extractfile(member)
-            assert data is not None
-            target.write_bytes(data.read())
-    return dest
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -396,10 +362,6 @@ def report(out: Path, summary: dict[str, Any], records: list[dict[str, Any]], me
     (out / "REPORT.md").write_text("\n".join(lines) + "\n")
 
 
-class EngineCheckError(UsageError):
-    """The check cannot start: an unknown case, a missing variants folder (nothing ran; exit 2)."""
-
-
 @dataclass
 class CheckOptions:
     """What a person chose for one engine check (``overlay engine-check``'s options, by name)."""
@@ -421,8 +383,8 @@ class CheckOptions:
 
 def run_check(ns: CheckOptions) -> int:
     """Every case (or ``ns.cases``) on the engine, judged against DCP 1; 0 pass, 1 fail, 2 not judged."""
-    if ns.parallel < 1:
-        raise EngineCheckError(f"--parallel must be at least 1, not {ns.parallel}")
+    check_dir(ns.out, "--out")
+    check_inputs(ns.variant, ns.variants)
     ns.out.mkdir(parents=True, exist_ok=True)
     if ns.rejudge:
         return rejudge(ns.out, ns.expect)

@@ -38,6 +38,7 @@ from overlay import digest
 from overlay.atomic import replacing_dir
 from overlay.errors import OverlayError
 from overlay.fetch import sha256_file
+from overlay.outpaths import check_dir
 
 EOS_TOKEN = "<|endoftext|>"
 FORMAT_VERSION = 1  # bump when the file layout or the drawing rule changes
@@ -302,25 +303,52 @@ def write_config_and_tokenizer(folder: Path, spec: TinyGlm5Spec) -> None:
         (folder / fname).write_text(text)
 
 
-def generate(out: Path, spec: TinyGlm5Spec | None = None, seed: int = 0, *, force: bool = False) -> Path:
+def damage(out: Path, manifest: dict[str, Any], *, digests: bool = False) -> list[str]:
+    """What is wrong with the files ``manifest`` records in ``out``: missing, another size, or (``digests``,
+    or no sizes recorded) another sha256. Empty when the folder is as it was written."""
+    files, sizes = manifest.get("files") or {}, manifest.get("sizes") or {}
+    if not isinstance(files, dict) or not files:
+        return ["checkpoint.json records no files"]
+    problems = []
+    for name, sha in sorted(files.items()):
+        path = out / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif name in sizes and path.stat().st_size != sizes[name]:
+            problems.append(f"{name} is {path.stat().st_size} bytes, {sizes[name]} written")
+        elif (digests or name not in sizes) and sha256_file(path) != sha:
+            problems.append(f"{name}'s sha256 is not the one written")
+    return problems
+
+
+def generate(out: Path, spec: TinyGlm5Spec | None = None, seed: int = 0, *, force: bool = False,
+             verify: bool = False) -> Path:
     """Write the checkpoint into ``out`` (atomically: a temporary sibling renamed into place).
 
-    An existing ``out`` whose ``checkpoint.json`` records the same id is kept as it is.
-    Returns ``out``.
+    An existing ``out`` whose ``checkpoint.json`` records the same id is kept if its files are as
+    written (sizes; sha256 too with ``verify``), else generated again, said on stderr. Returns ``out``.
     """
+    import sys
+
     from safetensors.torch import save_file
 
+    check_dir(out, "checkpoint folder")
     spec = spec or TinyGlm5Spec()
     spec.validate()
     cid = checkpoint_id(spec, seed)
     manifest = out / "checkpoint.json"
     if out.exists() and not force:
         try:
-            if json.loads(manifest.read_text())["id"] == cid:
-                return out
-        except (OSError, ValueError, KeyError):
-            pass
-        raise OverlayError(f"{out}: exists and is not checkpoint {cid}; remove it or pass --force")
+            doc = json.loads(manifest.read_text())
+            ours = doc["id"] == cid
+        except (OSError, ValueError, KeyError, TypeError):
+            ours = False
+        if not ours:
+            raise OverlayError(f"{out}: exists and is not checkpoint {cid}; remove it or pass --force")
+        problems = damage(out, doc, digests=verify)
+        if not problems:
+            return out
+        print(f"checkpoint {out}: {'; '.join(problems)}: generating it again", file=sys.stderr, flush=True)
     with replacing_dir(out) as tmp:
         recipes = weight_recipes(spec)
         copies = shared_weights(spec)
@@ -331,9 +359,10 @@ def generate(out: Path, spec: TinyGlm5Spec | None = None, seed: int = 0, *, forc
         (tmp / "model.safetensors").chmod(0o644)
         write_config_and_tokenizer(tmp, spec)
         files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir())}
+        sizes = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
         params = sum(t.numel() for t in tensors.values())
         manifest_doc = {"id": cid, "format": FORMAT_VERSION, "seed": seed, "spec": asdict(spec),
-                        "parameters": params, "files": files}
+                        "parameters": params, "files": files, "sizes": sizes}
         (tmp / "checkpoint.json").write_text(json.dumps(manifest_doc, indent=2, sort_keys=True) + "\n")
     return out
 
@@ -371,6 +400,7 @@ def glm5_per_rank(tp: int, production_tp: int = 8, weight_bytes: float = NVFP4_B
 
 def write_config_only(out: Path, spec: TinyGlm5Spec, *, force: bool = False) -> Path:
     """``config.json`` and the byte tokenizer, no weights: a model for ``--load-format dummy``."""
+    check_dir(out, "checkpoint folder")
     spec.validate()
     if out.exists() and not force:
         raise OverlayError(f"{out}: exists; remove it or pass --force")

@@ -12,11 +12,12 @@ from pathlib import Path
 
 from overlay.errors import KernelPatchError
 from overlay.git import git, git_text
+from overlay.interrupt import sigterm_as_interrupt
 from overlay.pins import Pin, pin_dir
 from overlay.rebase.report import _finish, _write_report
 from overlay.rebase.resolve import abort, pick, try_candidates
 from overlay.rebase.stale import sha256_of
-from overlay.rebase.state import Outcome, RebaseError, Result, State, prepared_pin
+from overlay.rebase.state import STATE, Outcome, RebaseError, Result, State, prepared_pin
 from overlay.rebase.testrun import TestRun, TestRunner
 from overlay.replay import (
     ConflictHunk,
@@ -56,17 +57,21 @@ def start(
         raise RebaseError(f"{out / 'pin.toml'}: pins {prepared.wheel} ({prepared.sha256[:12]}...), "
                           f"the rebase was given {target_pin.wheel} ({target_pin.sha256[:12]}...)")
     if work.exists():
+        if not (work / ".git" / STATE).is_file():  # stopped before its state was saved (a kill, a power cut)
+            raise RebaseError(f"{work}: a rebase onto {to} that stopped before it began (no .git/{STATE}): "
+                              f"remove it (rm -rf {work}) and run make rebase again")
         raise RebaseError(f"{work}: a rebase onto {to} is in progress: `make rebase-continue`, or remove it")
     series = Series.load(pin_dir(patches_root, from_version))
     if series.kernel_patches:
         _refuse_kernel(series)
     work.parent.mkdir(parents=True, exist_ok=True)
     try:
-        old_commits = _prepare(work, series, from_version, to, fill_base, fill_target)
-        state = State(from_version, to, {"version": to, "wheel": target_pin.wheel, "sha256": target_pin.sha256},
-                      str(patches_root), str(tests_dir), [p.name for p in series.patches], old_commits)
-        state.save(work)
-        return _run(work, state, series, runner)
+        with sigterm_as_interrupt():  # SIGTERM cleans up as SIGINT does
+            old_commits = _prepare(work, series, from_version, to, fill_base, fill_target)
+            state = State(from_version, to, {"version": to, "wheel": target_pin.wheel, "sha256": target_pin.sha256},
+                          str(patches_root), str(tests_dir), [p.name for p in series.patches], old_commits)
+            state.save(work)
+            return _run(work, state, series, runner)
     except BaseException as exc:
         if work.exists() and not in_progress(work):
             _keep_partial_report(work, exc)

@@ -39,7 +39,9 @@ def continue_release(to_version: str | None = None, *, work_root: Path = Path(".
     else:
         found = sorted(p for p in work_root.glob("rebase-*") if (p / ".git" / STATE).is_file())
         if not found:
-            raise RebaseError(f"no rebase in progress under {work_root}/")
+            half = sorted(p.name for p in work_root.glob("rebase-*") if p.is_dir() and not p.name.endswith("-stopped"))
+            raise RebaseError(f"no rebase in progress under {work_root}/" + (
+                f" ({', '.join(half)}: stopped before it began; remove it and run make rebase again)" if half else ""))
         if len(found) > 1:
             raise RebaseError(f"several rebases in progress ({', '.join(p.name for p in found)}); pass TO=")
         work = found[0]

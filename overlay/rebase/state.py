@@ -63,7 +63,9 @@ class State:
     def load(cls, work: Path) -> State:
         path = work / ".git" / STATE
         if not path.is_file():
-            raise RebaseError(f"{work}: no rebase in progress there (no .git/{STATE})")
+            half = (" (a rebase that stopped before it began: remove it and run make rebase again)"
+                    if work.exists() else "")
+            raise RebaseError(f"{work}: no rebase in progress there (no .git/{STATE}){half}")
         return cls(**json.loads(path.read_text()))
 
 

@@ -5,7 +5,10 @@ scores, acceptance per position and TTFT/TPOT (with the tool that measured them)
 ``baseline`` section of a profile (the run's own, or ``--baseline-for``), and the result is
 written as a new profile YAML: validated before it is written. Checks the
 run did not measure keep the target profile's values, and the new ``baseline.source`` says which
-were recorded, from where and when.
+were recorded, from where and when. Only checks that passed are recorded: a failed check's numbers
+(a collapsed acceptance curve) are left out, and the run says so (:func:`failed_checks`).
+The destinations are checked before the run starts (:func:`destinations`): writable, and no two
+``--baseline-for`` profiles written to the same file.
 """
 
 from __future__ import annotations
@@ -17,13 +20,40 @@ from typing import Any
 import yaml
 
 from overlay.atomic import write_file
+from overlay.outpaths import check_dir, check_file
 from overlay.regress.errors import ProfileError
 from overlay.regress.profiles import GSM8K_METRICS, load_profile, parse_profile
 
+RECORDED = ("gsm8k", "latency", "acceptance")
+
+
+def destinations(record_baseline: str, baseline_for: str | list[str] | None, own: str) -> list[tuple[str, Path]]:
+    """Each target profile and the file it is written to; refused before the run if one cannot be."""
+    targets = ([baseline_for] if isinstance(baseline_for, str) else list(baseline_for or [])) or [own]
+    for target in targets:
+        load_profile(target)  # a profile that does not load fails now, not after the run
+    if len(targets) == 1:
+        return [(targets[0], check_file(record_baseline, "--record-baseline"))]
+    folder = check_dir(record_baseline, "--record-baseline")
+    out: dict[Path, str] = {}
+    for target in targets:
+        dest = folder / f"{Path(target).name.removesuffix('.yaml')}.yaml"
+        if dest in out:
+            raise ProfileError(f"--baseline-for {out[dest]} and --baseline-for {target} would both be written to "
+                               f"{dest}: record them into two folders")
+        out[dest] = target
+    return [(target, dest) for dest, target in out.items()]
+
+
+def failed_checks(steps: list[Any]) -> list[str]:
+    """The recordable checks that ran and failed: their numbers are not a baseline."""
+    return [s.name for s in steps if s.name in RECORDED and s.status != "pass" and s.data]
+
 
 def recorded_values(steps: list[Any]) -> dict[str, Any]:
-    """The baseline fields a run measured: ``gsm8k``, ``latency``, ``acceptance_per_position``."""
-    by = {s.name: s for s in steps if s.status in ("pass", "fail") and s.data}
+    """The baseline fields a run measured in checks that passed: ``gsm8k``, ``latency``,
+    ``acceptance_per_position``."""
+    by = {s.name: s for s in steps if s.status == "pass" and s.data}
     out: dict[str, Any] = {}
     g = by.get("gsm8k")
     if g and all(m in g.data for m in GSM8K_METRICS):

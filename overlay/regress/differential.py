@@ -36,10 +36,9 @@ from overlay.regress.checks import StepContext
 from overlay.regress.client import Client
 from overlay.regress.errors import RegressError
 from overlay.regress.profiles import DifferentialSpec, Profile
+from overlay.regress.reference import FORMAT, ShapeError, check_run, load_recording, parse_reply
 from overlay.regress.results import Finding
 from overlay.regress.server import Server
-
-FORMAT = 1
 
 
 def prompt_ids(spec: DifferentialSpec) -> list[list[int]]:
@@ -53,42 +52,19 @@ def prompts_digest(ids: list[list[int]]) -> str:
     return digest.of_text(json.dumps(ids))
 
 
-def _token_id(key: str) -> int:
-    """``token_id:123`` (``return_tokens_as_token_ids``) -> 123."""
-    if not key.startswith("token_id:"):
-        raise ValueError(f"expected 'token_id:N' keys (return_tokens_as_token_ids), got {key!r}")
-    return int(key[len("token_id:"):])
+def collect(client: Client, ids: list[list[int]], spec: DifferentialSpec, source: str, *,
+            reverse: bool = False) -> dict[str, Any]:
+    """Send every prompt at once (in reverse submission order if asked); the outputs in prompt order.
 
-
-def parse_choice(choice: dict[str, Any], prompt: list[int]) -> dict[str, Any]:
-    """One completions choice as the engine check's request record (prompt logprobs, tokens, top-k)."""
-    lp = choice.get("logprobs") or {}
-    tokens = choice.get("token_ids")
-    if tokens is None:
-        tokens = [_token_id(t) for t in lp.get("tokens") or []]
-    top = []
-    for row in lp.get("top_logprobs") or []:
-        items = sorted(((_token_id(k), float(v)) for k, v in (row or {}).items()), key=lambda kv: (-kv[1], kv[0]))
-        top.append([[t, v] for t, v in items])
-    rows = choice.get("prompt_logprobs")
-    if rows is None:
-        raise ValueError("the response has no prompt_logprobs (a vLLM extension of the completions API)")
-    prompt_lp: list[float | None] = [None]
-    for pos, row in enumerate(rows[1:], start=1):
-        entry = (row or {}).get(str(prompt[pos])) if pos < len(prompt) else None
-        prompt_lp.append(float(entry["logprob"]) if entry else None)
-    return {"prompt_len": len(prompt), "prompt_logprobs": prompt_lp, "tokens": [int(t) for t in tokens], "top": top}
-
-
-def collect(client: Client, ids: list[list[int]], spec: DifferentialSpec, *, reverse: bool = False) -> dict[str, Any]:
-    """Send every prompt at once (in reverse submission order if asked); the outputs in prompt order."""
+    A reply of the wrong shape is a :class:`~overlay.regress.reference.ShapeError` naming ``source``.
+    """
     def one(prompt: list[int]) -> dict[str, Any]:
         body = {"model": client.model, "prompt": prompt, "max_tokens": spec.max_tokens, "temperature": 0.0,
                 "ignore_eos": True, "logprobs": spec.top_logprobs, "prompt_logprobs": 1,
                 "return_tokens_as_token_ids": True, "return_token_ids": True}
         r = client.http.post("/v1/completions", json=body, timeout=spec.request_timeout_s)
         r.raise_for_status()
-        return parse_choice(r.json()["choices"][0], prompt)
+        return parse_reply(r.json(), prompt, source)
 
     order = list(range(len(ids)))[::-1] if reverse else list(range(len(ids)))
     with ThreadPoolExecutor(max_workers=len(ids)) as pool:
@@ -116,29 +92,28 @@ def reference(spec: DifferentialSpec, ids: list[list[int]], ref_url: str | None,
     """The reference's outputs and its spread runs, from a server or a recorded file; and where from."""
     if ref_url:
         client = _served_model(ref_url)
+        source = f"differential: reference {client.base_url}"
         try:
             say(f"differential: reference {client.base_url} ({client.model}): {len(ids)} prompts, twice")
-            ref = collect(client, ids, spec)
-            spreads = [collect(client, ids, spec, reverse=True) for _ in range(spec.spread_runs)]
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
-            raise RegressError(f"differential: reference {client.base_url}: {exc}") from None
+            runs = [collect(client, ids, spec, source)]
+            runs += [collect(client, ids, spec, source, reverse=True) for _ in range(spec.spread_runs)]
+        except (httpx.HTTPError, ValueError) as exc:
+            raise RegressError(f"{source}: {exc}") from None
         finally:
             client.close()
-        return ref, spreads, client.base_url
-    path = Path(ref_file) if ref_file else None
-    if path is None:
+        for k, run in enumerate(runs):
+            check_run(run, ids, spec.max_tokens, f"{source}: {'reference run' if k == 0 else f'spread run {k}'}")
+        return runs[0], runs[1:], client.base_url
+    if not ref_file:
         raise RegressError("differential: no reference: set REF_URL (a reference server) or pass --ref-file "
                            "(outputs recorded with --record-differential)")
+    path = Path(ref_file)
     try:
-        doc = json.loads(path.read_text())
+        text = path.read_text()
     except (OSError, ValueError) as exc:
         raise RegressError(f"differential: {path}: cannot read recorded outputs: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not doc.get("runs"):
-        raise RegressError(f"differential: {path}: not a recording of format {FORMAT} (--record-differential)")
-    if doc.get("prompts_sha256") != prompts_digest(ids):
-        raise RegressError(f"differential: {path}: recorded for other prompts (the profile's differential "
-                           "section changed since): record the reference again")
-    return doc["runs"][0], doc["runs"][1:], str(path)
+    runs = load_recording(text, f"differential: {path}", ids, prompts_digest(ids), spec.max_tokens)
+    return runs[0], runs[1:], str(path)
 
 
 def run_differential(profile: Profile, server: Server, progress: Callable[[str], None], *,
@@ -170,8 +145,8 @@ def run_differential(profile: Profile, server: Server, progress: Callable[[str],
 
 def _collect(server: Server, ids: list[list[int]], spec: DifferentialSpec, *, reverse: bool = False) -> dict[str, Any]:
     try:
-        return collect(server.client, ids, spec, reverse=reverse)
-    except (httpx.HTTPError, KeyError, ValueError) as exc:
+        return collect(server.client, ids, spec, f"server {server.base_url}", reverse=reverse)
+    except (httpx.HTTPError, ValueError, ShapeError) as exc:
         cause = f"{type(exc).__name__}: {exc}"
         server.ensure_alive("differential", cause)
         raise RegressError(f"differential: {cause}") from None

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import shlex
 import time
+import traceback
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from overlay.outpaths import check_dir, check_file
+from overlay.regress.baseline_record import destinations, failed_checks, recorded_values, write_recorded_profile
 from overlay.regress.checks import CHECKS, Check, StepContext, function
 from overlay.regress.errors import RegressError, ServerDied
 from overlay.regress.profiles import Profile
@@ -48,6 +51,10 @@ def run(profile: Profile, out_dir: Path, base_url: str | None = None,
     gets ``<profile>.yaml`` of each) with this run's measurements as its baseline.
     """
     say = progress or Progress()
+    check_dir(out_dir, "--out")  # every output is checked before the server is asked anything
+    if record_differential:
+        check_file(record_differential, "--record-differential")
+    baselines = destinations(record_baseline, baseline_for, profile.path) if record_baseline else []
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("verdict", "verdict.json"):  # a previous run's verdict must not outlive a crash of this one
         (out_dir / stale).unlink(missing_ok=True)
@@ -98,22 +105,19 @@ def run(profile: Profile, out_dir: Path, base_url: str | None = None,
             if server.launched:
                 say("server: stopping")
             server.stop()
-    if record_baseline:
-        from overlay.regress.baseline_record import recorded_values, write_recorded_profile
-
-        targets = ([baseline_for] if isinstance(baseline_for, str) else list(baseline_for or [])) or [profile.path]
-        for target in targets:
-            dest = Path(record_baseline)
-            if len(targets) > 1:  # a folder of <profile>.yaml
-                dest = dest / f"{Path(target).name.removesuffix('.yaml')}.yaml"
-            try:
-                path = write_recorded_profile(target, recorded_values(report.steps), dest,
-                                              f"{profile.name} at {report.base_url}")
-                report.steps.append(StepResult("record-baseline", "pass", f"wrote {path}"))
-                say(f"record-baseline: wrote {path}")
-            except RegressError as exc:
-                _record(report, say, StepResult("record-baseline", "error", str(exc),
-                                                findings=[Finding("record-baseline", "harness", str(exc))]))
+    failed = failed_checks(report.steps)
+    if baselines and failed:
+        say(f"record-baseline: {', '.join(failed)} left out: the check failed, its numbers are no baseline")
+    for target, dest in baselines:
+        try:
+            path = write_recorded_profile(target, recorded_values(report.steps), dest,
+                                          f"{profile.name} at {report.base_url}")
+            left = f" ({', '.join(failed)} left out: failed)" if failed else ""
+            report.steps.append(StepResult("record-baseline", "pass", f"wrote {path}{left}"))
+            say(f"record-baseline: wrote {path}{left}")
+        except RegressError as exc:
+            _record(report, say, StepResult("record-baseline", "error", str(exc),
+                                            findings=[Finding("record-baseline", "harness", str(exc))]))
     report.verdict, report.exit_code = verdict(report.steps)
     report.seconds = time.monotonic() - start
 
@@ -136,6 +140,12 @@ def _run_step(check: Check, ctx: StepContext, report: RunReport) -> bool:
     except RegressError as exc:
         _record(report, say, StepResult(name, "error", str(exc), time.monotonic() - t0,
                                         findings=[Finding(name, "harness", str(exc))]))
+        return False
+    except Exception as exc:  # a harness bug: still the harness's failure, and the report is still written
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        msg = f"{type(exc).__name__}: {exc} (at {Path(where.filename).name}:{where.lineno}; a harness bug)"
+        _record(report, say, StepResult(name, "error", msg, time.monotonic() - t0,
+                                        findings=[Finding(name, "harness", msg)]))
         return False
     _record(report, say, StepResult(name, step_status(findings), _summary(check, data, findings),
                                     time.monotonic() - t0, data, findings))

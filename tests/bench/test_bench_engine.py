@@ -543,3 +543,21 @@ def test_regress_stream_timing_survives_unicode_line_separators() -> None:
         lambda request: httpx.Response(200, headers={"Content-Type": "text/event-stream"}, content=_sse_body())))
     timing = client.stream_completion("hi", 3)
     assert timing.output_tokens == 3 and len(timing.itls_s) == 2
+
+
+def test_a_server_dying_mid_cell_keeps_the_cells_runs(tmp_path: Path, model_dir: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 25, smaller item: a server dying mid-cell dropped that cell's measured runs from engine.json
+    and quoted the last access-log line as its error."""
+    monkeypatch.setenv("BENCH_STANDIN_A", "--ttft-ms 5 --tpot-ms 1")
+    monkeypatch.setenv("BENCH_STANDIN_B", "--ttft-ms 5 --tpot-ms 1 --die-after 10")
+    proc = bench(tmp_path, model_dir, "--cells", "1x64,2x64", "--decode-tokens", "8", "--repeats", "3",
+                 "--cell-seconds", "0", "--no-twin")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    [line] = [ln for ln in proc.stderr.splitlines() if ln.startswith("bench-engine:")]
+    assert "server B (VLLM_DCP_PROJECT_BEFORE_MERGE=0) was killed by signal 9" in line
+    assert line.endswith("server-B.log: (no error in its output)") and "POST" not in line, line
+    result = json.loads((tmp_path / "out" / "engine.json").read_text())
+    assert list(result["cells"]) == ["1x64"] and result["partial"] is True
+    died = [r for r in result["runs"] if r["cell"] == "2x64" and not r["warmup"]]
+    assert {r["server"] for r in died} == {"A", "B"}, result["runs"]  # round 0 of the cell, before B died

@@ -140,3 +140,48 @@ def test_glm5_per_rank_matches_production_bytes_per_rank(tmp_path: Path) -> None
     assert not list(out.glob("*.safetensors")) and (out / "tokenizer.json").is_file()
     with pytest.raises(OverlayError, match="exists"):
         write_config_only(out, spec)
+
+
+def test_a_damaged_checkpoint_is_generated_again_not_reused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 25 item 17: a folder whose model.safetensors was cut to 1000 bytes and whose tokenizer.json was
+    deleted was reused (exit 0); now the sizes are checked before reuse and the checkpoint is made again."""
+    out = generate(tmp_path / "m", SMALL, seed=1)
+    good = _digests(out)
+    with (out / "model.safetensors").open("r+b") as fh:
+        fh.truncate(1000)
+    (out / "tokenizer.json").unlink()
+    generate(out, SMALL, seed=1)
+    err = capsys.readouterr().err
+    assert "model.safetensors is 1000 bytes" in err and "tokenizer.json is missing" in err
+    assert "generating it again" in err
+    assert _digests(out) == good
+
+
+def test_verify_checks_the_digests_too(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 25 item 17 (digest when asked): a same-size edit passes the size check, not ``verify``."""
+    out = generate(tmp_path / "m", SMALL, seed=1)
+    good = _digests(out)
+    text = (out / "config.json").read_text()
+    (out / "config.json").write_text(text.replace('"', "'", 1))
+    before = (out / "model.safetensors").stat().st_mtime_ns
+    generate(out, SMALL, seed=1)  # same sizes: kept
+    assert (out / "model.safetensors").stat().st_mtime_ns == before
+    generate(out, SMALL, seed=1, verify=True)
+    assert "config.json's sha256 is not the one written" in capsys.readouterr().err and _digests(out) == good
+
+
+@pytest.mark.parametrize("where", ["proc", "under-a-file"])
+def test_an_unwritable_out_is_refused_before_anything_is_drawn(tmp_path: Path, where: str) -> None:
+    """Issue 25 item 6: ``engine-checkpoint --out /proc/ckpt`` or ``--out <a file>/ck``: one line, exit 2."""
+    from overlay.cli import main
+
+    (tmp_path / "file").write_text("x")
+    out = Path("/proc/ckpt") if where == "proc" else tmp_path / "file" / "ck"
+    from overlay.outpaths import OutPathError
+
+    with pytest.raises(OutPathError) as exc:
+        generate(out, SMALL)
+    assert exc.value.exit_code == 2
+    assert str(exc.value).startswith(f"checkpoint folder {out}: ")
+    assert ("cannot write in /proc" if where == "proc" else f"{tmp_path / 'file'} is a file") in str(exc.value)
+    assert main(["engine-checkpoint", "--out", str(out)]) == 2

@@ -22,6 +22,11 @@ deterministic toy model, so that two healthy stand-ins agree exactly. Streamed (
 they come one token per chunk, with ``stream_options`` ``include_usage`` / ``continuous_usage_stats``
 honoured (``make bench-engine``'s tests).
 
+``--reply-fault`` breaks the token-id replies (no choices, prompt logprobs cut short, top logprobs
+as lists, 3 tokens whatever ``max_tokens``): a reference server gone wrong.
+
+``--die-after N`` kills the process (SIGKILL, no message) on request N + 1: a server dying mid-run.
+
 ``--start-delay`` makes any mode start slowly: the port is bound only after that many seconds,
 as vLLM binds only once the engine is loaded.
 """
@@ -33,6 +38,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -74,6 +80,8 @@ class State:
         """Count a request; return the corruption level it is answered with."""
         with self.lock:
             self.requests += 1
+            if self.args.die_after and self.requests > self.args.die_after:
+                os.kill(os.getpid(), signal.SIGKILL)  # killed without a word, as the OOM killer does
             if self.args.mode == "accumulate":
                 if self.long_seen:
                     self.corruption += 1
@@ -308,9 +316,10 @@ class Handler(BaseHTTPRequestHandler):
         if req.get("stream"):
             self._stream_tokens(tokens, len(ids), req)
             return
+        choices = _fault(st.args.reply_fault, choice)
         self._json(200, {"id": "cmpl-standin", "object": "text_completion", "model": st.args.model_name,
-                         "choices": [choice], "usage": {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
-                                                        "total_tokens": len(ids) + len(tokens)}})
+                         "choices": choices, "usage": {"prompt_tokens": len(ids), "completion_tokens": len(tokens),
+                                                       "total_tokens": len(ids) + len(tokens)}})
 
     def _stream_tokens(self, tokens: list[int], prompt_tokens: int, req: dict[str, object]) -> None:
         """A token-id prompt streamed as vLLM streams it: one chunk per token (``--ttft-ms``, then
@@ -375,6 +384,28 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
+def _fault(fault: str | None, choice: dict[str, object]) -> list[object]:
+    """A token-id reply broken on purpose (``--reply-fault``): a reference server gone wrong."""
+    if fault is None:
+        return [choice]
+    if fault == "no-choices":
+        return []
+    lp = choice["logprobs"]
+    assert isinstance(lp, dict)
+    if fault == "short-prompt-logprobs":
+        rows = choice["prompt_logprobs"]
+        assert isinstance(rows, list)
+        choice["prompt_logprobs"] = rows[: len(rows) // 2]
+    elif fault == "top-logprobs-lists":
+        lp["top_logprobs"] = [list(row.items()) for row in lp["top_logprobs"]]
+    elif fault == "short-tokens":  # 3 tokens whatever max_tokens asked
+        tokens = choice["token_ids"]
+        assert isinstance(tokens, list)
+        choice["token_ids"] = tokens[:3]
+        lp["tokens"], lp["top_logprobs"] = lp["tokens"][:3], lp["top_logprobs"][:3]
+    return [choice]
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
@@ -389,6 +420,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--start-delay", type=float, default=0.0, help="seconds before the port is bound")
     p.add_argument("--ttft-ms", type=float, default=20.0)
     p.add_argument("--tpot-ms", type=float, default=0.5)
+    p.add_argument("--die-after", type=int, default=0, help="SIGKILL itself on request N + 1 (0: never)")
+    p.add_argument("--reply-fault", choices=["no-choices", "short-prompt-logprobs", "top-logprobs-lists",
+                                             "short-tokens"], help="token-id replies broken so (a bad reference)")
     args = p.parse_args(argv)
     state = State(args)
     time.sleep(args.start_delay)

@@ -16,6 +16,7 @@ from regress_helpers import make_profile, run_cli
 from overlay.regress import differential
 from overlay.regress.errors import ProfileError
 from overlay.regress.profiles import DifferentialSpec, load_profile
+from overlay.regress.reference import ShapeError, parse_reply
 
 # short prompts beside ones past index_topk (2048) and past the workspace capacity
 DIFF = {"checks": ["differential"], "checks_off": {"long_context": "the test runs one check", "gsm8k": "ditto"},
@@ -39,11 +40,11 @@ def test_parse_choice_reads_vllm_completions_logprobs() -> None:
                                                        {"6": {"logprob": -0.25, "rank": 1}, "8": {"logprob": -3.0}}],
               "logprobs": {"tokens": ["token_id:7", "token_id:9"],
                            "top_logprobs": [{"token_id:7": -0.1, "token_id:3": -2.0}, {"token_id:9": -0.2}]}}
-    rec = differential.parse_choice(choice, [4, 5, 6])
+    rec = parse_reply({"choices": [choice]}, [4, 5, 6], "ref")
     assert rec == {"prompt_len": 3, "prompt_logprobs": [None, -1.5, -0.25], "tokens": [7, 9],
                    "top": [[[7, -0.1], [3, -2.0]], [[9, -0.2]]]}
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        differential.parse_choice({"logprobs": None}, [1, 2])
+    with pytest.raises(ShapeError, match=r"^ref: the reply has no prompt_logprobs"):
+        parse_reply({"choices": [{"logprobs": None}]}, [1, 2], "ref")
 
 
 def test_prompts_are_seeded_token_ids() -> None:

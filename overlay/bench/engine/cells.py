@@ -38,6 +38,8 @@ def parse_cells(spec: str | None, batches: list[int], contexts: list[int], *, mi
             if not m or int(m.group(1)) < 1 or int(m.group(2)) <= TAIL_TOKENS:
                 raise ValueError(f"--cells: {item!r} is not BATCHxCONTEXT (context > {TAIL_TOKENS}) or 'mixed'")
             cells.append(Cell(int(m.group(1)), int(m.group(2))))
+        if not cells:
+            raise ValueError(f"--cells {spec!r}: no cell in it (BATCHxCONTEXT or 'mixed', comma-separated)")
     else:
         for b in batches:
             for c in contexts:

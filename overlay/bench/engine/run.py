@@ -36,6 +36,8 @@ from overlay.bench.engine.servers import (
 )
 from overlay.bench.engine.stats import cell_summary, summarize
 from overlay.bench.engine.stream import itl_ms_between, run_once, scrape_itl
+from overlay.interrupt import raise_interrupt
+from overlay.outpaths import check_dir
 from overlay.regress.server import Server
 
 
@@ -53,10 +55,12 @@ def _model_config(model: Path, generate: bool) -> dict[str, Any]:
         raise BenchError(f"{cfg}: cannot read the checkpoint's config ({exc})") from None
 
 
-def run_cell(cell: Cell, servers: dict[str, Server], st: Settings, timeout_s: float) -> list[dict[str, Any]]:
-    """Warm-ups then the measured rounds of one cell (``round_order``); every run's record."""
+def run_cell(cell: Cell, servers: dict[str, Server], st: Settings, timeout_s: float,
+             records: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Warm-ups then the measured rounds of one cell (``round_order``); every run's record, appended to
+    ``records`` as it is made (so a cell cut short by a dead server keeps what it measured)."""
     prompts = cell_prompts(cell, st.seed)
-    records: list[dict[str, Any]] = []
+    records = [] if records is None else records
     sides = [side for side in st.sides() if side in servers]
     count = {side: 0 for side in sides}
 
@@ -141,7 +145,7 @@ class RunOptions:
 
 def run(opts: RunOptions) -> int:
     """One whole run: cells parsed, servers started, cells measured round by round, results written."""
-    out: Path = opts.out
+    out: Path = check_dir(opts.out, "--out")
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
     try:
@@ -160,6 +164,11 @@ def run(opts: RunOptions) -> int:
         raise BenchUsageError(str(exc)) from None
     layers = int(config.get("num_hidden_layers") or 0)  # the MTP layer is not loaded without spec decode
     biggest = max(c.context for c in cells) + opts.decode_tokens + MODEL_LEN_MARGIN
+    limit = config.get("max_position_embeddings")
+    too_long = [c.name for c in cells if isinstance(limit, int) and c.context > limit]
+    if too_long:  # decode and margin past it are covered by --hf-overrides (Settings.args); a prompt is not
+        raise BenchUsageError(f"{model}: the model holds prompts of {limit} tokens (max_position_embeddings); "
+                              f"cell(s) {', '.join(too_long)} want more: choose shorter --cells/--contexts")
     st = Settings(
         model=str(model), tp=opts.tp, dcp=opts.dcp, transport=opts.transport,
         gpu_memory_utilization=opts.gpu_memory_utilization,
@@ -185,7 +194,7 @@ def run(opts: RunOptions) -> int:
     result["gpu"] = f"{len(gpus)}x {gpus[0].split(',')[0]}" if gpus else ""
     ports = dict(zip(FLAGS, [*opts.ports, max(opts.ports) + 1][:3], strict=True))
     servers: dict[str, Server] = {}
-    signal.signal(signal.SIGTERM, _interrupt)  # `timeout`, a job scheduler: write what was measured, stop all
+    signal.signal(signal.SIGTERM, raise_interrupt)  # `timeout`, a job scheduler: write what was measured, stop all
     rc = 0
     try:
         for side in st.sides():
@@ -208,9 +217,12 @@ def run(opts: RunOptions) -> int:
                 break
             progress(f"cell {cell.name} ({i + 1}/{len(cells)})")
             t = time.monotonic()
-            records = run_cell(cell, servers, st, opts.request_timeout)
+            records: list[dict[str, Any]] = []
+            try:
+                run_cell(cell, servers, st, opts.request_timeout, records)
+            finally:  # a server dying mid-cell: the runs measured before stay in engine.json
+                result["runs"] += records
             durations.append(time.monotonic() - t)
-            result["runs"] += records
             summary = cell_summary(records, expect_cached=st.prefix_caching, mixed=cell.mixed, name=cell.name)
             summary["seconds"] = durations[-1]
             result["cells"][cell.name] = summary
@@ -243,16 +255,13 @@ def run(opts: RunOptions) -> int:
     return rc
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def redraw(source: Path, out: Path, *, recompute: bool) -> int:
     """``--plot`` / ``--reanalyze``: an earlier ``engine.json`` (or ``.gz``) drawn again, or recomputed first."""
     try:
         result = load_result(source)
     except (OSError, ValueError, EOFError) as exc:
         raise BenchUsageError(f"{source}: cannot read an engine.json ({exc})") from None
+    check_dir(out, "--out")
     if recompute:
         result = reanalyze(result, source.name)
     out.mkdir(parents=True, exist_ok=True)
@@ -267,5 +276,3 @@ def check_options(opts: RunOptions) -> None:
         raise BenchUsageError(f"--b-tree {opts.b_tree}: not a vLLM tree (no vllm/ folder in it)")
     if opts.b_tree is not None and opts.null:
         raise BenchUsageError("--b-tree and --null exclude each other (a null run compares A with itself)")
-    if opts.repeats < 1 or opts.max_repeats < 1 or opts.decode_tokens < 2 or opts.cell_seconds < 0:
-        raise BenchUsageError("--repeats and --max-repeats must be >= 1, --decode-tokens >= 2, --cell-seconds >= 0")

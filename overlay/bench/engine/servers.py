@@ -24,7 +24,7 @@ from overlay.bench.engine.common import (
     BenchError,
     progress,
 )
-from overlay.engine.env import PORT_BASE, PORT_STRIDE, REPO, SAFE_ENV, STANDIN, error_line
+from overlay.engine.env import PORT_BASE, PORT_STRIDE, REPO, SAFE_ENV, STANDIN, error_cause, error_line
 from overlay.regress.server import Server
 
 
@@ -173,10 +173,12 @@ def _death(server: Server) -> str | None:
         except subprocess.TimeoutExpired:
             pass
     rc = server.exited()
-    how = f"exited with status {rc}" if rc is not None else "stopped answering /health"
+    how = ("stopped answering /health" if rc is None else f"was killed by signal {-rc}" if rc < 0
+           else f"exited with status {rc}")
     log = server.log_path.read_text(encoding="utf-8", errors="replace") if server.log_path else ""
-    return (f"server {side} (VLLM_DCP_PROJECT_BEFORE_MERGE={FLAGS.get(side, '?')}) {how}; "
-            f"{server.log_path}: {error_line(log)}")
+    # killed by a signal with no exception logged: the log's last line would be a served request
+    why = (error_cause(log) or "(no error in its output)") if rc is not None and rc < 0 else error_line(log)
+    return f"server {side} (VLLM_DCP_PROJECT_BEFORE_MERGE={FLAGS.get(side, '?')}) {how}; {server.log_path}: {why}"
 
 
 def stop_all(servers: list[Server], grace_s: float = 15.0) -> None:

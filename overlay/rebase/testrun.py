@@ -82,6 +82,16 @@ class TestRun:
         return self.summary
 
 
+def describe(run: TestRun) -> str:
+    """What a run says, in words: it passed, some tests fail by behaviour, or it cannot run (why)."""
+    if run.status == "passed":
+        return f"pass: {run.summary}"
+    if run.cannot_run:
+        return f"cannot run: {run.first_error()}"
+    harness = f"; {len(run.harness_failed)} cannot run ({run.first_error()})" if run.harness_failed else ""
+    return f"fail: {len(run.behaviour_failed)} by behaviour{harness} ({run.summary})"
+
+
 TestRunner = Callable[[Patch, Path], TestRun | None]
 """``run(patch, tree)`` runs the patch's tests with ``import vllm`` resolving to ``tree``;
 ``None`` when the patch has no tests."""

@@ -178,6 +178,12 @@ def cmd_rebase_continue(ns: argparse.Namespace) -> int:
     return _print_outcome(out.message, out.done)
 
 
+def cmd_patch_tests_matrix(ns: argparse.Namespace) -> int:
+    from overlay.rebase.matrix import main as matrix_main
+
+    return matrix_main(_root(ns), ns.vllm, ns.releases, Path(ns.out), Path(ns.tests), [Path(ns.pins)])
+
+
 def cmd_cherry_pick(ns: argparse.Namespace) -> int:
     from overlay.cherry_pick import cherry_pick_continue, cherry_pick_release
 
@@ -274,6 +280,8 @@ COMMANDS: dict[str, tuple[str, Handler]] = {
                cmd_rebase),
     "rebase-continue": ("take up a rebase stopped at a conflict after it was resolved with git",
                         cmd_rebase_continue),
+    "patch-tests-matrix": ("every patch's own tests on every release of --releases, without and with the patch: "
+                           "one table of patch x release; exit 1 when a cell is red", cmd_patch_tests_matrix),
     "cherry-pick": ("add an upstream PR number, commit or patch file to the series; exit 2 at a conflict",
                     cmd_cherry_pick),
     "upstream-tests": ("vLLM's own tests of the touched modules, from the verified sdist, on the patched tree; "
@@ -373,6 +381,12 @@ def parser() -> argparse.ArgumentParser:
             sp.add_argument("--to", required=name == "rebase", help="target release x.y.z")
             sp.add_argument("--tests", default="tests/patches", help="the patches' own tests (default %(default)s)")
             sp.add_argument("--no-tests", action="store_true", help="skip the upstream-by-behaviour test runs")
+        elif name == "patch-tests-matrix":
+            sp.add_argument("--releases", nargs="+", required=True, metavar="X.Y.Z", help="the releases to run on")
+            sp.add_argument("--out", default="patch-tests-matrix", help="report folder (default %(default)s)")
+            sp.add_argument("--tests", default="tests/patches", help="the patches' own tests (default %(default)s)")
+            sp.add_argument("--pins", default="tests/pins", help="pins of releases without a series "
+                                                                 "(default %(default)s; others: the index)")
         elif name == "cherry-pick":
             sp.add_argument("ref", nargs="?", help="upstream PR number, commit, or patch file")
             sp.add_argument("--remote", help="vLLM git remote (default $VLLM_REMOTE or GitHub)")

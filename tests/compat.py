@@ -130,7 +130,10 @@ def exercising(what: str) -> AbstractContextManager[None]:
     return _region(what, BehaviourFailure)
 
 
-def added(name: str, attr: str) -> Any:
-    """``symbol(name, attr)`` for a name the patch adds: its absence is a behaviour failure."""
-    with exercising(f"{module_path(name)}.{attr}, which the patch adds"):
-        return getattr(module(name), attr)
+def added(owner: str | object, attr: str) -> Any:
+    """``owner.attr`` for a name the patch adds (``owner``: a logical module name, or any object): its
+    absence is a behaviour failure, not a harness error."""
+    where = (module_path(owner) if isinstance(owner, str)
+             else owner.__name__ if isinstance(owner, type) else type(owner).__name__)
+    with exercising(f"{where}.{attr}, which the patch adds"):
+        return getattr(module(owner) if isinstance(owner, str) else owner, attr)

@@ -98,9 +98,12 @@ def test_markdown_marks_red_cells() -> None:
     from overlay.rebase.matrix import Cell
 
     cells = [Cell("a.patch", "0.30.0", "passes without it", "3 passed"),
-             Cell("a.patch", "0.31.0", "cannot run", "without it: TypeError: x", red=True)]
-    text = markdown(cells, ["0.30.0", "0.31.0"], "0.28.0")
-    assert "| `a` | passes without it | **cannot run** |" in text
+             Cell("a.patch", "0.31.0", "cannot run", "without it: TypeError: x", red=True),
+             Cell("a.patch", "0.32.0", "fails", "it does not merge"),
+             Cell("a.patch", "0.33.0", "fails", "still fail", red=True, with_patch={"status": "failed"})]
+    text = markdown(cells, ["0.30.0", "0.31.0", "0.32.0", "0.33.0"], "0.28.0")
+    assert ("| `a` | passes without it | **cannot run** | fails without it; not applied | **fails with the patch** |"
+            in text)
     assert "- `a` on 0.31.0: cannot run (red): without it: TypeError: x (0 s)" in text
 
 

@@ -59,6 +59,15 @@ class Cell:
     with_patch: dict = field(default_factory=dict)
     seconds: float = 0.0
 
+    def short(self) -> str:
+        """The table's text: the verdict, said more exactly where it has two readings; red in bold."""
+        text = self.verdict
+        if self.verdict == "fails":
+            text = "fails with the patch" if self.with_patch else "fails without it; not applied"
+        elif self.verdict == "cannot run" and not self.red:
+            text = "cannot run (skipped)"
+        return f"**{text}**" if self.red else text
+
 
 Trees = Callable[[str], Path]
 """``tree(version)`` is that release's unpacked text tree (:func:`overlay.trees.release_tree`)."""
@@ -198,7 +207,7 @@ def markdown(cells: list[Cell], releases: list[str], from_version: str) -> str:
         row = []
         for release in releases:
             c = by.get((name, release))
-            row.append("" if c is None else f"**{c.verdict}**" if c.red else c.verdict)
+            row.append("" if c is None else c.short())
         lines.append(f"| `{name.removesuffix('.patch')}` | " + " | ".join(row) + " |")
     lines += ["", "## Why, per cell", ""]
     for c in cells:

@@ -126,3 +126,21 @@ def test_a_contradicted_patch_a_person_drops(tmp_path: Path) -> None:
     assert done.done and (dropped["outcome"], dropped["carried"]) == ("conflict-resolved", False)
     assert dropped["evidence"].startswith("its tests contradicted the target's own behaviour; a person resolved it "
                                           "to no change")
+
+
+def test_a_test_the_target_skips_with_a_reason_does_not_block_upstream_by_behaviour(tmp_path: Path) -> None:
+    """flashmla-sparse-dcp on 0.30.0: its localization test skips there (Triton only), the rest pass."""
+    old = TestRun("failed", failed=("test_bug", "test_localize"), summary="2 failed",
+                  reasons=("assert 1 == 2", "compat.BehaviourFailure: no localize"), kinds=("behaviour", "behaviour"))
+    target = TestRun("passed", passed=("test_bug",), skipped=("test_localize",), skip_reason="Triton only",
+                     summary="1 passed, 1 skipped")
+    out, entry, _ = _rebase(tmp_path, CLASH, old, target)
+    assert out.done and entry["outcome"] == "upstream-by-behaviour"
+    assert "; 1 skipped there (Triton only)" in entry["evidence"]
+
+
+def test_tests_all_skipped_on_the_target_cannot_tell(tmp_path: Path) -> None:
+    target = TestRun("skipped", skipped=("test_bug",), skip_reason="Triton only", summary="1 skipped")
+    out, entry, _ = _rebase(tmp_path, APPLIES, BUG, target)
+    assert out.done and entry["outcome"] == "applied"
+    assert "its tests cannot run on the target (every test skipped: Triton only)" in entry["evidence"]

@@ -29,7 +29,8 @@ def behaviour_verdict(runs: dict[str, dict], tests: str) -> tuple[str, list[str]
         return "unknown", [], [], f"its tests cannot run on the target ({new.first_error()}): fix {tests} first"
     fixed = sorted(judged & set(new.passed))
     still = sorted(judged & set(new.behaviour_failed))
-    blocked = sorted(judged - set(fixed) - set(still))  # harness errors or skipped on the target
+    skipped = sorted(judged & set(new.skipped))  # the test itself says it does not apply there
+    blocked = sorted(judged - set(fixed) - set(still) - set(skipped))  # harness errors (or gone) there
     contradicted = sorted(set(old.passed) & set(new.behaviour_failed))
     if contradicted:
         why = dict(zip(new.failed, new.reasons, strict=False))
@@ -42,9 +43,13 @@ def behaviour_verdict(runs: dict[str, dict], tests: str) -> tuple[str, list[str]
                                       f"without it, {len(blocked)} cannot run there ({new.first_error()}): "
                                       f"fix {tests} first")
     cannot = f"; {len(blocked)} cannot run there ({new.first_error()})" if blocked else ""
+    if not still and not fixed:
+        return "unknown", [], [], (f"its tests that fail on the old base are all skipped on the target "
+                                   f"({new.skip_reason}): they cannot tell")
     if not still:
+        skips = f"; {len(skipped)} skipped there ({new.skip_reason})" if skipped else ""
         return "absorbed", fixed, [], (f"its tests fail on the old base ({describe(old)}) and pass on the "
-                                       f"target without it ({describe(new)})")
+                                       f"target without it ({describe(new)}){skips}")
     if fixed:
         return "partial", fixed, still, (f"of its tests that fail on the old base, {len(fixed)} pass on the "
                                          f"target without it ({', '.join(fixed)}) and {len(still)} still fail "

@@ -44,15 +44,14 @@ def spawn_ranks(target: Callable[..., None], args: Callable[[int, int], tuple[An
         if p.is_alive():
             p.kill()
         p.join()
-    reports = []
-    for r in range(world):
-        rep = _read(tmp / f"rank{r}.json")
-        if not rep:
-            raise compat.HarnessError(f"rank {r} wrote no result (exit code {procs[r].exitcode})")
+    reports = [_read(tmp / f"rank{r}.json") for r in range(world)]
+    for r, rep in enumerate(reports):  # a rank's own failure first: the others may be stopped for it
         if "fatal" in rep:
             error = compat.BehaviourFailure if rep.get("fatal_kind") == "behaviour" else compat.HarnessError
             raise error(f"rank {r}: {rep['fatal'].strip().splitlines()[-1]}\n{rep['fatal']}")
-        reports.append(rep)
+    for r, rep in enumerate(reports):
+        if not rep:
+            raise compat.HarnessError(f"rank {r} wrote no result (exit code {procs[r].exitcode})")
     return reports
 
 

@@ -79,6 +79,11 @@ rebase: $(TOOL_STAMP) ## carry the series onto release TO: every patch classifie
 	@test -n "$(TO)" || { echo "usage: make rebase TO=x.y.z" >&2; exit 1; }
 	$(OVERLAY) rebase --vllm $(VLLM) --to $(TO)$(if $(NO_TESTS), --no-tests)
 
+.PHONY: patch-tests-matrix
+MATRIX_RELEASES ?= 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0
+patch-tests-matrix: $(BUILD_STAMP) ## every patch's tests on every release, without and with it: OUT/matrix.md; exit 0 green or explained, 1 a red cell [RELEASES="0.29.0 ... 0.33.0" OUT=patch-tests-matrix]
+	$(OVERLAY) patch-tests-matrix --vllm $(VLLM) --releases $(or $(RELEASES),$(MATRIX_RELEASES)) --out $(or $(OUT),patch-tests-matrix)
+
 rebase-continue: $(TOOL_STAMP) ## go on with a rebase that set patches aside, once the current one is resolved with git in .work/rebase-<TO>/
 	$(OVERLAY) rebase-continue$(if $(TO), --to $(TO))$(if $(NO_TESTS), --no-tests)
 

@@ -126,6 +126,13 @@ def default_version(patches_root: Path) -> str:
     return text
 
 
+def check_version(text: str, what: str) -> str:
+    """``text`` when it is a release version like 0.30.0, else a one-line ``PinError`` naming ``what``."""
+    if not _VERSION.match(text):
+        raise PinError(f"{what}: {text!r} is not a release version like 0.30.0")
+    return text
+
+
 def pin_dir(patches_root: Path, version: str) -> Path:
     """The folder holding a release's ``pin.toml``, ``series`` and patches."""
     return patches_root / version

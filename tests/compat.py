@@ -1,13 +1,24 @@
-"""Where vLLM symbols live, per release, so a patch's tests can run on other releases.
+"""Where vLLM symbols live, per release, so a patch's tests can run on other releases; and which
+part of a test is its harness and which the behaviour it judges.
 
 Tests ask ``compat.module("dcp")`` instead of importing ``vllm.v1.attention.ops.dcp_utils``
 directly; the rebase tool runs a patch's own tests against a newer base to find out whether
 upstream absorbed the fix in its own way (0.29.0 renamed ``dcp_utils.py`` to ``ops/dcp.py``).
+
+A failure there means something only when it is about the behaviour. ``with compat.setup(what):``
+marks harness code that calls into vLLM (building configs, metadata, stand-ins): whatever it
+raises is a :class:`HarnessError`, and the test "cannot run" on that release.
+``with compat.exercising(what):`` marks a call of the code under test whose raising is the
+failure the test is about (:class:`BehaviourFailure`); :func:`added` looks up a name the patch
+adds, whose absence is such a failure. ``overlay/rebase/failkind.py`` reads the two classes'
+``overlay_failure`` and judges unmarked failures by where they were raised.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from types import ModuleType
 from typing import Any
 
@@ -85,3 +96,44 @@ def renamed(name: str, version: Version | None = None) -> object:
 def name(key: str, version: Version | None = None) -> str:
     """The attribute name logical ``key`` (see ``NAMES``) has in the vLLM under test."""
     return _newest(NAMES, key, version)[0]
+
+
+class HarnessError(RuntimeError):
+    """The test's own setup failed on the vLLM under test: it judged nothing there."""
+
+    overlay_failure = "harness"
+
+
+class BehaviourFailure(AssertionError):
+    """The code under test raised where the test requires it to work."""
+
+    overlay_failure = "behaviour"
+
+
+@contextmanager
+def _region(what: str, error: type[Exception]) -> Iterator[None]:
+    try:
+        yield
+    except (HarnessError, BehaviourFailure):
+        raise  # an inner region already said what it is
+    except Exception as exc:
+        raise error(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def setup(what: str) -> AbstractContextManager[None]:
+    """Harness code calling into vLLM: anything it raises is a :class:`HarnessError` about ``what``."""
+    return _region(what, HarnessError)
+
+
+def exercising(what: str) -> AbstractContextManager[None]:
+    """The code under test runs here: anything it raises is a :class:`BehaviourFailure`."""
+    return _region(what, BehaviourFailure)
+
+
+def added(owner: str | object, attr: str) -> Any:
+    """``owner.attr`` for a name the patch adds (``owner``: a logical module name, or any object): its
+    absence is a behaviour failure, not a harness error."""
+    where = (module_path(owner) if isinstance(owner, str)
+             else owner.__name__ if isinstance(owner, type) else type(owner).__name__)
+    with exercising(f"{where}.{attr}, which the patch adds"):
+        return getattr(module(owner) if isinstance(owner, str) else owner, attr)

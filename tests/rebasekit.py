@@ -7,7 +7,6 @@ the patch's way, one made differently, a rename, a fold, a fix of upstream's own
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from overlay.git import git, init_repo
@@ -101,6 +100,8 @@ def cached_tree(version: str) -> Path | None:
 
 def copy_of(tree: Path):
     """A tree source that copies ``tree`` (the cached tree itself is never written to)."""
-    def fill(dest: Path) -> None:
-        shutil.copytree(tree, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
-    return fill
+    from functools import partial
+
+    from overlay.trees import copy_tree
+
+    return partial(copy_tree, tree)

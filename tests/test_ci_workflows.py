@@ -30,7 +30,7 @@ def _runs(doc: dict) -> list[str]:
 
 def test_workflows_exist() -> None:
     assert [p.name for p in WORKFLOWS] == ["build-test.yml", "image-smoke.yml", "image.yml", "nightly-rebase.yml",
-                                           "regress.yml"]
+                                           "patch-tests-matrix.yml", "regress.yml"]
 
 
 def test_actionlint_clean() -> None:
@@ -127,6 +127,15 @@ def test_nightly_rebase_onto_the_newest_release() -> None:
     assert publish["if"] == "always()" and "REBASE.md" in publish["run"]
 
 
+def test_patch_tests_matrix_nightly_publishes_its_table() -> None:
+    doc = _load("patch-tests-matrix.yml")
+    assert "schedule" in doc["on"]
+    runs = _runs(doc)
+    assert runs.index("make build") < runs.index("make patch-tests-matrix OUT=patch-tests-matrix")
+    publish = next(s for s in doc["jobs"]["matrix"]["steps"] if s.get("name") == "Publish matrix.md")
+    assert publish["if"] == "always()" and "patch-tests-matrix/matrix.md" in publish["run"]
+
+
 def test_newest_version_parsing_matches_pip_index_output() -> None:
     """The nightly's sed expression against the first line `pip index versions` prints."""
     step = next(r for r in _runs(_load("nightly-rebase.yml")) if "pip index versions" in r)
@@ -136,7 +145,7 @@ def test_newest_version_parsing_matches_pip_index_output() -> None:
     assert proc.stdout == "0.33.0\n"
 
 
-@pytest.mark.parametrize("target", ["build", "test", "image", "regress", "rebase"])
+@pytest.mark.parametrize("target", ["build", "test", "image", "regress", "rebase", "patch-tests-matrix"])
 def test_make_targets_called_by_ci_exist(target: str) -> None:
     called = {m for wf in WORKFLOWS for m in re.findall(r"\bmake ([a-z-]+)", wf.read_text())}
     assert target in called

@@ -202,7 +202,7 @@ def test_tests_that_do_not_run_on_the_target_decide_nothing(tmp_path: Path) -> N
           runner=runner)
     entry = json.loads((root / TO / "rebase.json").read_text())["patches"][0]
     assert entry["outcome"] == "applied"
-    assert "its tests could not run on the target (rc=2: ImportError" in entry["evidence"]
+    assert "its tests cannot run on the target (rc=2: ImportError: cannot import name 'X'): fix " in entry["evidence"]
 
 
 def test_conflict_flow_end_to_end(tmp_path: Path) -> None:

@@ -176,7 +176,7 @@ def test_no_candidate_passes_so_the_conflict_stays(tmp_path: Path) -> None:
     assert set(tried) == {"target-side", "patch-side"}
     assert not any(c["accepted"] for c in tried.values())
     assert all(c["tests"]["status"] == "failed" for c in tried.values())
-    assert "target-side: its tests failed with it" in entry["evidence"]
+    assert "target-side: with it, its tests fail: 1 by behaviour" in entry["evidence"]
     assert porcelain(work) == "UU vllm/c.py\n"
 
 

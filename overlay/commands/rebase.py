@@ -1,4 +1,4 @@
-"""Carrying the series: ``rebase`` onto a new release, ``rebase-continue`` after a conflict, ``cherry-pick``."""
+"""Carrying the series: ``rebase``, ``rebase-continue``, ``cherry-pick``, and ``patch-tests-matrix``."""
 
 from __future__ import annotations
 
@@ -35,6 +35,17 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--continue", dest="continue_", action="store_true",
                     help="finish a cherry-pick stopped at a conflict")
     sp.set_defaults(handler=cmd_cherry_pick)
+
+    text = ("every patch's own tests on every release of --releases, without and with the patch: "
+            "one table of patch x release; exit 1 when a cell is red")
+    sp = sub.add_parser("patch-tests-matrix", help=text, description=text)
+    add_vllm(sp)
+    sp.add_argument("--releases", nargs="+", required=True, metavar="X.Y.Z", help="the releases to run on")
+    sp.add_argument("--out", default="patch-tests-matrix", help="report folder (default %(default)s)")
+    sp.add_argument("--tests", default="tests/patches", help="the patches' own tests (default %(default)s)")
+    sp.add_argument("--pins", default="tests/pins", help="pins of releases without a series "
+                                                         "(default %(default)s; others: the index)")
+    sp.set_defaults(handler=cmd_patch_tests_matrix)
 
 
 def _print_outcome(message: str, done: bool) -> int:
@@ -76,3 +87,9 @@ def cmd_cherry_pick(ns: argparse.Namespace) -> int:
     if out.done:
         print(out.patch)
     return _print_outcome(out.message, out.done)
+
+
+def cmd_patch_tests_matrix(ns: argparse.Namespace) -> int:
+    from overlay.rebase.matrix import main as matrix_main
+
+    return matrix_main(root(ns), ns.vllm, ns.releases, Path(ns.out), Path(ns.tests), [Path(ns.pins)])

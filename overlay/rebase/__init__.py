@@ -18,14 +18,22 @@ then classified, in series order, on ``new``:
     carried, but part of it is already there (hunks the target has, or tests that already pass);
 ``conflict`` / ``conflict-resolved``
     the merge stopped: the run reports the hunks and leaves the worktree for plain git;
-    ``make rebase-continue`` picks up after a person resolved it.
+    ``make rebase-continue`` picks up after a person resolved it;
+``contradicted``
+    some of its tests pass on the old base and fail on the target without it: the target behaves
+    otherwise than the tests expect, so they cannot vouch for carrying it; set aside for a person.
+
+Only behaviour failures judge (``failkind``): tests that cannot run on a tree (a harness error,
+everything skipped) decide nothing there, and the evidence names the test file to fix first.
 
 Nothing is written under ``patches/<to>/`` until every patch is classified: the folder is
 written under a temporary name and renamed. Tests drive :func:`start` and :func:`resume`
 with tree-filling callables and a fake test runner; the CLI uses :func:`rebase_release`.
 
 The package's rooms: ``classify`` (the run and each patch's classification), ``testrun`` (a patch's
-own tests with their JUnit report), ``resolve`` (candidate resolutions of a conflict, judged by the
+own tests with their JUnit report), ``failkind`` (the pytest plugin that tells a harness error from a
+behaviour failure), ``verdict`` (what the runs on the old base and the target say), ``matrix``
+(``make patch-tests-matrix``), ``resolve`` (candidate resolutions of a conflict, judged by the
 tests), ``report`` (the release folder, ``REBASE.md``, ``rebase.json``), ``stale`` (what later pins
 say of the current series, for ``make status``), ``state`` and ``release`` (the CLI's entry points).
 """

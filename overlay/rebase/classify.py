@@ -15,10 +15,11 @@ from overlay.git import git, git_text
 from overlay.interrupt import sigterm_as_interrupt
 from overlay.pins import Pin, pin_dir
 from overlay.rebase.report import _finish, _write_report
-from overlay.rebase.resolve import abort, pick, try_candidates
+from overlay.rebase.resolve import NOTHING_LEFT, abort, pick, try_candidates
 from overlay.rebase.stale import sha256_of
 from overlay.rebase.state import STATE, Outcome, RebaseError, Result, State, prepared_pin
-from overlay.rebase.testrun import TestRun, TestRunner
+from overlay.rebase.testrun import TestRun, TestRunner, test_file
+from overlay.rebase.verdict import behaviour_verdict
 from overlay.replay import (
     ConflictHunk,
     TreeSource,
@@ -67,7 +68,7 @@ def start(
     work.parent.mkdir(parents=True, exist_ok=True)
     try:
         with sigterm_as_interrupt():  # SIGTERM cleans up as SIGINT does
-            old_commits = _prepare(work, series, from_version, to, fill_base, fill_target)
+            old_commits = prepare(work, series, from_version, to, fill_base, fill_target)
             state = State(from_version, to, {"version": to, "wheel": target_pin.wheel, "sha256": target_pin.sha256},
                           str(patches_root), str(tests_dir), [p.name for p in series.patches], old_commits)
             state.save(work)
@@ -120,16 +121,21 @@ def resume(work: Path, *, runner: TestRunner | None = None) -> Outcome:
     behaviour = state.pending.get("behaviour", {})
     conflicts = state.pending.get("conflicts", [])
     where = ", ".join(sorted({c["path"] for c in conflicts}))
+    if state.pending.get("outcome") == "contradicted":
+        why = "its tests contradicted the target's own behaviour" + (
+            f" and the 3-way merge conflicted in {where}" if conflicts else "")
+    else:
+        why = f"the 3-way merge conflicted in {where}"
     if head == head_before:
         res = Result(patch.name, "conflict-resolved",
-                     f"the 3-way merge conflicted in {where}; a person resolved it to no change, so the patch "
+                     f"{why}; a person resolved it to no change, so the patch "
                      "is dropped (judged already upstream)", behaviour=behaviour, conflicts=conflicts)
     else:
         if git_text(["rev-list", "--count", f"{head_before}..{head}"], work).strip() != "1":
             raise RebaseError(f"{patch.name}: resolve into one commit on top of {head_before[:12]}")
         kept, gone = absorbed_hunks(patch.raw, format_patch(work, head))
         res = Result(patch.name, "conflict-resolved",
-                     f"the 3-way merge conflicted in {where}; a person resolved it"
+                     f"{why}; a person resolved it"
                      + (f"; hunks no longer needed: {', '.join(gone)}" if gone else ""),
                      still_needed=kept, absorbed=gone, behaviour=behaviour, conflicts=conflicts, carried=True)
         state.exported[patch.name] = head
@@ -164,7 +170,7 @@ def _clear_worktree(repo: Path) -> None:
             entry.unlink()
 
 
-def _prepare(work: Path, series: Series, from_version: str, to: str,
+def prepare(work: Path, series: Series, from_version: str, to: str,
              fill_base: TreeSource, fill_target: TreeSource) -> list[str]:
     """History ``base`` -> ``target`` (branch ``new``) and ``base`` + series (branch ``old``)."""
     init_base(work, fill_base, from_version)
@@ -182,7 +188,7 @@ def _prepare(work: Path, series: Series, from_version: str, to: str,
     return old_commits
 
 
-def _tree_at(work: Path, rev: str, dest: Path) -> Path:
+def tree_at(work: Path, rev: str, dest: Path) -> Path:
     """Check out ``rev`` into ``dest`` without touching the worktree or its index."""
     dest.mkdir(parents=True, exist_ok=True)
     import tarfile
@@ -200,7 +206,7 @@ def _behaviour(work: Path, patch: Patch, old_parent: str, runner: TestRunner | N
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="overlay-rebase-trees-") as tmp:
         for label, rev in (("old-base", old_parent), ("target", "HEAD")):
-            tree = _tree_at(work, rev, Path(tmp) / label)
+            tree = tree_at(work, rev, Path(tmp) / label)
             run = runner(patch, tree)
             if run is None:
                 return {}
@@ -208,49 +214,12 @@ def _behaviour(work: Path, patch: Patch, old_parent: str, runner: TestRunner | N
     return runs
 
 
-def _behaviour_verdict(runs: dict[str, dict]) -> tuple[str, list[str], list[str], str]:
-    """("absorbed" | "partial" | "needed" | "unknown", tests now passing, still failing, note)."""
-    if not runs:
-        return "unknown", [], [], "no tests of its own"
-    old, new = TestRun.from_dict(runs["old-base"]), TestRun.from_dict(runs["target"])
-    if old.status != "failed":
-        return "unknown", [], [], (f"its tests do not fail on the old base ({old.status}: {old.summary}); "
-                                   "they cannot tell whether upstream fixed it")
-    if new.status == "error":
-        return "unknown", [], [], f"its tests could not run on the target ({new.summary})"
-    fixed = sorted(set(old.failed) & set(new.passed))
-    still = sorted(set(old.failed) & set(new.failed))
-    if new.status == "passed":
-        return "absorbed", fixed, [], (f"its tests fail on the old base ({old.summary}) and pass on the "
-                                       f"target without it ({new.summary})")
-    if fixed:
-        return "partial", fixed, still, (f"of its tests that fail on the old base, {len(fixed)} pass on the "
-                                         f"target without it ({', '.join(fixed)}) and {len(still)} still fail "
-                                         f"({', '.join(still)})" + _differently(old, new))
-    return "needed", [], still, (f"its tests still fail on the target without it ({new.summary})"
-                                 + _differently(old, new))
-
-
-def _differently(old: TestRun, new: TestRun) -> str:
-    """A warning when the tests fail on the target for other reasons than on the old base.
-
-    A test that fails there with, say, an AttributeError from its own harness may not fit the
-    release (``tests/compat.py``) rather than show that the bug is still there.
-    """
-    before = dict(zip(old.failed, old.reasons, strict=False))
-    changed = [(t, why) for t, why in zip(new.failed, new.reasons, strict=False) if t in before and before[t] != why]
-    if not changed:
-        return ""
-    test, why = changed[0]
-    return (f"; but {len(changed)} of them fail differently there (e.g. {test}: {why}), so the tests may not "
-            "fit this release: check tests/compat.py before trusting this")
-
-
 def _run(work: Path, state: State, series: Series, runner: TestRunner | None) -> Outcome:
     """Classify every patch from ``state.index`` on; a conflict is set aside and the run goes on.
 
     A conflicting patch first gets its mechanical candidates (:mod:`overlay.rebase.resolve`);
-    when none passes its tests it is set aside (``conflict``) and the later patches are
+    when none passes its tests it is set aside (``conflict``), as is a patch whose tests the
+    target contradicts (``contradicted``, no candidates), and the later patches are
     classified on the target plus what was carried so far. With nothing set aside the release
     folder is written. Otherwise the report goes into ``work`` and the worktree is put back on
     the first set-aside patch's conflict: ``make rebase-continue`` takes up from there.
@@ -265,7 +234,9 @@ def _run(work: Path, state: State, series: Series, runner: TestRunner | None) ->
         print(f"rebase {state.to_version}: {patch.name} ...", file=sys.stderr, flush=True)
         res, stop = _classify(work, state, patch, old_commit, old_parent, head, runner)
         res.source_sha256 = sha256_of(patch.raw)
-        if stop is not None:
+        if res.outcome == "contradicted":
+            aside.append((i, head))  # no candidate either: the tests cannot vouch for any
+        elif stop is not None:
             later = list(zip([p.name for p in series.patches[i + 1:]], state.old_commits[i + 1:], strict=True))
             if _resolve(work, state, patch, res, stop, head, old_commit, later, runner) is None:
                 aside.append((i, head))
@@ -290,12 +261,17 @@ def _resolve(work: Path, state: State, patch: Patch, res: Result, stop: list[Con
     res.conflicts = [c.to_dict() for c in stop]
     where = ", ".join(sorted({c.path for c in stop}))
     accepted, attempts, note = try_candidates(work, patch, head, old_commit, later, runner,
-                                              res.behaviour.get("target"), _tree_at)
+                                              res.behaviour.get("target"), tree_at)
     res.candidates = [a.to_dict() for a in attempts]
     if accepted is None:
         tried = "; ".join(f"{a.name}: {a.why}" for a in attempts) or note
         res.evidence = (f"the 3-way merge conflicted in {where} ({len(stop)} hunk(s)); set aside for a person "
                         f"(candidates: {tried})")
+        target = TestRun.from_dict(res.behaviour["target"]) if res.behaviour.get("target") else None
+        if target is not None and target.cannot_run and any(a.why == NOTHING_LEFT for a in attempts):
+            res.evidence += (f"; the target's side leaves nothing of the patch, but its tests cannot run on the "
+                             f"target ({target.first_error()}): fix {_tests_of(state, patch)} first, and a "
+                             "rebase judges it by behaviour")
         return None
     kept, gone = absorbed_hunks(patch.raw, format_patch(work, accepted.commit))
     res.outcome, res.carried, res.still_needed, res.absorbed = "auto-resolved", True, kept, gone
@@ -353,10 +329,15 @@ def _stop_at_first(work: Path, state: State, series: Series, results: list[Resul
     state.exported = {n: v for n, v in state.exported.items() if n in names[:first]}
     res = results[first]
     state.pending = {"head": head, "behaviour": res.behaviour, "conflicts": [c.to_dict() for c in hunks],
-                     "candidates": res.candidates}
+                     "candidates": res.candidates, "outcome": res.outcome}
     state.save(work)
     return Outcome(False, None, results, hunks, work,
                    _conflict_message(work, series.patches[first], hunks, results, [j for j, _ in aside]))
+
+
+def _tests_of(state: State, patch: Patch) -> str:
+    """The patch's test file, as the evidence names it (the one to fix when its tests cannot run)."""
+    return str(test_file(Path(state.tests_dir), patch.name))
 
 
 def _classify(work: Path, state: State, patch: Patch, old_commit: str, old_parent: str, head: str,
@@ -365,10 +346,12 @@ def _classify(work: Path, state: State, patch: Patch, old_commit: str, old_paren
     if applies(work, patch.raw, reverse=True):
         return Result(patch.name, "upstream", f"reverse-applies to vllm {to}: upstream has this exact change"), None
     runs = _behaviour(work, patch, old_parent, runner)
-    verdict, fixed, still, note = _behaviour_verdict(runs)
+    verdict, fixed, still, note = behaviour_verdict(runs, _tests_of(state, patch))
     if verdict == "absorbed":
         return Result(patch.name, "upstream-by-behaviour", note + "; dropped", absorbed=fixed,
                       behaviour=runs), None
+    if verdict == "contradicted":  # never carried on tests the target contradicts: set aside
+        return Result(patch.name, "contradicted", note, still_needed=still, absorbed=fixed, behaviour=runs), []
     if applies(work, patch.raw):
         am(work, patch, f"vllm {to}")
         state.exported[patch.name] = "verbatim"
@@ -438,8 +421,14 @@ def _conflict_message(work: Path, patch: Patch, hunks: list[ConflictHunk], resul
     for r in results:
         counts[r.outcome] = counts.get(r.outcome, 0) + 1
     lines = [f"classified {len(results)} patch(es): " + ", ".join(f"{n} {o}" for o, n in counts.items())
-             + f"; {len(names)} need(s) a person: {', '.join(names)}; the report is {work / 'REBASE.md'}",
-             f"conflict: {patch.name} does not merge onto the target; {len(hunks)} hunk(s) to resolve in {work}:"]
+             + f"; {len(names)} need(s) a person: {', '.join(names)}; the report is {work / 'REBASE.md'}"]
+    if results[aside[0]].outcome == "contradicted":
+        lines.append(f"contradicted: {patch.name}'s tests contradict the target's own behaviour (see the report)")
+        if not hunks:
+            lines += [f"it is applied in {work} as the commit on top: keep it (or amend it), or drop it with "
+                      "`git reset --hard HEAD~1`; then run `make rebase-continue`."]
+            return "\n".join(lines)
+    lines.append(f"conflict: {patch.name} does not merge onto the target; {len(hunks)} hunk(s) to resolve in {work}:")
     lines += [f"  {h.describe()}" for h in hunks]
     lines += [
         "resolve there with plain git (edit, `git add <file>`; `git cherry-pick --continue` is optional),",

@@ -14,6 +14,7 @@ from overlay.errors import OverlayError
 from overlay.pins import Pin, pin_dir
 from overlay.rebase.stale import later_pin_notes
 from overlay.rebase.state import RebaseError, Result, State, prepared_pin
+from overlay.rebase.testrun import TestRun, describe
 from overlay.replay import (
     ConflictHunk,
 )
@@ -98,6 +99,8 @@ _MEANING = {
     "upstream-by-behaviour": "upstream fixed it its own way (its tests pass without it); dropped",
     "partly-upstream": "part of it is upstream; the rest is carried",
     "conflict": "set aside: needs a person",
+    "contradicted": ("set aside: needs a person; its tests contradict the target's own behaviour, so they "
+                     "cannot vouch for carrying it"),
     "conflict-resolved": "conflicted; resolved by a person",
     "auto-resolved": ("conflicted; a mechanical candidate was accepted because the patch's own tests pass on "
                       "the target with it and the later patches still merge"),
@@ -127,7 +130,9 @@ def report_markdown(state: State, results: list[Result], *, work: Path | None = 
         lines.append(f"| `{r.name}` | {r.outcome} | {'yes' if r.carried else 'no'} | {short} |")
     if pending:
         lines += ["", f"## To resolve: {len(pending)} patch(es) need a person", "",
-                  f"`{pending[0]}` waits in `{work}` mid-cherry-pick, its conflicts staged as in any git merge.",
+                  f"`{pending[0]}` waits in `{work}` mid-cherry-pick, its conflicts staged as in any git merge "
+                  "(a patch whose tests the target contradicts and that merges cleanly waits applied as the "
+                  "commit on top: keep or amend it, or drop it with `git reset --hard HEAD~1`).",
                   "",
                   "1. Resolve there with plain git (edit, `git add <file>`), or make the patch empty "
                   "(`git checkout HEAD -- .`) to drop it.",
@@ -143,11 +148,13 @@ def report_markdown(state: State, results: list[Result], *, work: Path | None = 
             lines += ["Still needed: " + ", ".join(f"`{s}`" for s in r.still_needed) + ".", ""]
         if r.absorbed:
             lines += ["Already upstream: " + ", ".join(f"`{s}`" for s in r.absorbed) + ".", ""]
-        for label, run in r.behaviour.items():
-            lines.append(f"- its tests on the {label.replace('-', ' ')}: {run['status']} ({run['summary']})")
+        for label, raw in r.behaviour.items():
+            run = TestRun.from_dict(raw)
+            lines.append(f"- its tests on the {label.replace('-', ' ')}: {describe(run)}")
             if label == "target":
-                for test, why in list(zip(run["failed"], run.get("reasons", []), strict=False))[:5]:
-                    lines.append(f"  - still failing there: `{test}`: {why}")
+                for test, kind, why in list(zip(run.failed, run.kinds, run.reasons, strict=False))[:5]:
+                    said = "cannot run there (harness error)" if kind == "harness" else "still failing there"
+                    lines.append(f"  - {said}: `{test}`: {why}")
         for c in r.conflicts:
             lines.append(f"- conflict: {ConflictHunk(**c).describe()}")
         for a in r.candidates:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from overlay.git import git, git_text
+from overlay.rebase.testrun import TestRun, describe
 from overlay.replay import FIND_RENAMES, Followed, follow_deleted, in_progress, unmerged
 from overlay.series import Patch
 
@@ -161,7 +162,8 @@ def later_merging(work: Path, onto: str, later: list[tuple[str, str]]) -> list[s
     return clean
 
 
-Runner = Callable[[Patch, Path], object]
+Runner = Callable[[Patch, Path], TestRun | None]
+NOTHING_LEFT = "leaves nothing of the patch"  # a candidate whose tree is the target's as it is
 
 
 def try_candidates(work: Path, patch: Patch, head: str, old_commit: str, later: list[tuple[str, str]],
@@ -196,7 +198,7 @@ def try_candidates(work: Path, patch: Patch, head: str, old_commit: str, later: 
         tree = git_text(["write-tree"], work).strip()
         abort(work)
         if tree == git_text(["rev-parse", f"{head}^{{tree}}"], work).strip():
-            attempt.why = "leaves nothing of the patch"
+            attempt.why = NOTHING_LEFT
             continue
         if tree in seen:
             attempt.why = "the same tree as an earlier candidate"
@@ -211,9 +213,9 @@ def try_candidates(work: Path, patch: Patch, head: str, old_commit: str, later: 
         if run is None:
             attempt.why = "the patch has no tests of its own"
             return None, attempts, "the patch has no tests of its own, so no candidate can be accepted"
-        attempt.tests = run.to_dict()  # type: ignore[attr-defined]
+        attempt.tests = run.to_dict()
         if attempt.tests["status"] != "passed":
-            attempt.why = f"its tests {attempt.tests['status']} with it ({attempt.tests['summary']})"
+            attempt.why = f"with it, its tests {describe(run)}"
             continue
         if later:
             attempt.later_lost = sorted(baseline - set(later_merging(work, attempt.commit, later)))

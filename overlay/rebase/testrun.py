@@ -1,5 +1,6 @@
 """Running a patch's own tests on a tree: pytest with a JUnit report, and what each test did
-(passed, failed, errored, with the first error line)."""
+(passed, failed with the first error line, skipped), each failure told as the harness's or the
+behaviour's (:mod:`overlay.rebase.failkind`, loaded into the run)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,14 @@ from pathlib import Path
 
 from overlay.series import Patch
 
+STATUSES = {
+    "passed": "passed",  # rc 0, at least one test passed, none failed
+    "failed": "fail",  # some test failed by behaviour: an assertion about what the code did
+    "harness": "cannot run",  # every failure is a harness error (setup, helpers, fixtures, imports)
+    "skipped": "cannot run",  # nothing ran: every test skipped or deselected
+    "error": "cannot run",  # pytest itself did not finish (timeout, internal or usage error)
+}
+
 
 @dataclass(frozen=True)
 class TestRun:
@@ -21,19 +30,66 @@ class TestRun:
 
     __test__ = False  # not a pytest test class, whatever its name
 
-    status: str  # "passed" (rc 0), "failed" (rc 1: tests ran, some failed), "error" (did not run)
+    status: str  # a key of STATUSES
     passed: tuple[str, ...] = ()
     failed: tuple[str, ...] = ()
     summary: str = ""
     reasons: tuple[str, ...] = ()  # per failed test, the first line of its failure message
+    kinds: tuple[str, ...] = ()  # per failed test, "harness" or "behaviour" (failkind)
+    where: tuple[str, ...] = ()  # per failed test, file:line of the innermost test-code frame, or ""
+    skipped: tuple[str, ...] = ()  # tests skipped, with the first reason in skip_reason
+    skip_reason: str = ""
 
     def to_dict(self) -> dict[str, object]:
         return {"status": self.status, "passed": list(self.passed), "failed": list(self.failed),
-                "summary": self.summary, "reasons": list(self.reasons)}
+                "summary": self.summary, "reasons": list(self.reasons), "kinds": list(self.kinds),
+                "where": list(self.where), "skipped": list(self.skipped), "skip_reason": self.skip_reason}
 
     @classmethod
     def from_dict(cls, d: dict) -> TestRun:
-        return cls(d["status"], tuple(d["passed"]), tuple(d["failed"]), d["summary"], tuple(d.get("reasons", ())))
+        # Reports written before failures were told apart have no kinds: every failure counted.
+        failed = tuple(d["failed"])
+        kinds = tuple(d.get("kinds") or ("behaviour",) * len(failed))
+        return cls(d["status"], tuple(d["passed"]), failed, d["summary"], tuple(d.get("reasons", ())), kinds,
+                   tuple(d.get("where", ())), tuple(d.get("skipped", ())), d.get("skip_reason", ""))
+
+    def _of(self, kind: str) -> tuple[str, ...]:
+        return tuple(t for t, k in zip(self.failed, self.kinds, strict=False) if k == kind)
+
+    @property
+    def behaviour_failed(self) -> tuple[str, ...]:
+        """Tests that failed by an assertion about what the code did."""
+        return self._of("behaviour")
+
+    @property
+    def harness_failed(self) -> tuple[str, ...]:
+        """Tests whose own setup, helpers or fixtures failed: they judged nothing."""
+        return self._of("harness")
+
+    @property
+    def cannot_run(self) -> bool:
+        """Nothing in the run judged the behaviour: harness errors only, all skipped, or no run."""
+        return STATUSES.get(self.status) == "cannot run"
+
+    def first_error(self) -> str:
+        """The first harness error (test, why, where), else the summary: what to fix first."""
+        for test, kind, why, at in zip(self.failed, self.kinds, self.reasons, self.where or [""] * len(self.failed),
+                                       strict=False):
+            if kind == "harness":
+                return f"{why or 'error'} ({test}" + (f", at {at})" if at else ")")
+        if self.status == "skipped":
+            return f"every test skipped: {self.skip_reason or self.summary}"
+        return self.summary
+
+
+def describe(run: TestRun) -> str:
+    """What a run says, in words: it passed, some tests fail by behaviour, or it cannot run (why)."""
+    if run.status == "passed":
+        return f"pass: {run.summary}"
+    if run.cannot_run:
+        return f"cannot run: {run.first_error()}"
+    harness = f"; {len(run.harness_failed)} cannot run ({run.first_error()})" if run.harness_failed else ""
+    return f"fail: {len(run.behaviour_failed)} by behaviour{harness} ({run.summary})"
 
 
 TestRunner = Callable[[Patch, Path], TestRun | None]
@@ -56,56 +112,95 @@ def pytest_runner(tests_dir: Path, *, cwd: Path | None = None, timeout: float = 
     """Run a patch's :func:`test_files` in a subprocess with ``OVERLAY_VLLM_TREE=<tree>``.
 
     Like ``tests/test_patches_against_base.py``: the repository's ``conftest.py`` puts the
-    tree first on ``sys.path``; ``PYTHONPATH`` does the same for test folders without it.
+    tree first on ``sys.path``; ``PYTHONPATH`` does the same for test folders without it, and
+    then names this tool's folder so that the :mod:`overlay.rebase.failkind` plugin loads.
     """
-    import subprocess
 
     def run(patch: Patch, tree: Path) -> TestRun | None:
         files = test_files(tests_dir, patch.name)
         if not files[0].is_file():
             return None
-        env = dict(os.environ)
-        env["OVERLAY_VLLM_TREE"] = str(tree)
-        env["PYTHONPATH"] = os.pathsep.join([str(tree), *filter(None, [env.get("PYTHONPATH")])])
-        env["PYTHONDONTWRITEBYTECODE"] = "1"  # never leave __pycache__ in a tree under test
-        with tempfile.TemporaryDirectory(prefix="overlay-tests-") as tmp:
-            junit = Path(tmp) / "junit.xml"
-            cmd = [sys.executable, "-m", "pytest", *map(str, files), "-m", "not gpu", "-q", "-p", "no:cacheprovider",
-                   "-o", "addopts=", f"--junitxml={junit}"]
-            try:
-                proc = subprocess.run(cmd, cwd=cwd or tests_dir, env=env, capture_output=True, text=True,
-                                      check=False, timeout=timeout)
-            except subprocess.TimeoutExpired:
-                return TestRun("error", summary=f"timed out after {timeout:.0f} s")
-            passed, failed, reasons = _junit(junit)
-        tail = [ln for ln in (proc.stdout + proc.stderr).strip().splitlines() if ln.strip()]
-        summary = tail[-1] if tail else f"pytest exited {proc.returncode}"
-        status = {0: "passed", 1: "failed"}.get(proc.returncode, "error")
-        if status == "error":
-            summary = f"rc={proc.returncode}: " + " | ".join(tail[-3:])
-        return TestRun(status, passed, failed, summary, reasons)
+        return run_files(files, tree, cwd=cwd or tests_dir, timeout=timeout)
 
     return run
 
 
-def _junit(path: Path) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+def run_files(files: list[Path], tree: Path, *, cwd: Path, timeout: float = 900) -> TestRun:
+    """pytest on ``files`` with ``import vllm`` resolving to ``tree``; what each test did."""
+    import subprocess
+
+    env = dict(os.environ)
+    env["OVERLAY_VLLM_TREE"] = str(tree)
+    env["PYTHONPATH"] = os.pathsep.join([str(tree), str(_TOOL_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # never leave __pycache__ in a tree under test
+    with tempfile.TemporaryDirectory(prefix="overlay-tests-") as tmp:
+        junit = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", *map(str, files), "-m", "not gpu", "-q", "-p", "no:cacheprovider",
+               "-p", "overlay.rebase.failkind", "-o", "addopts=", f"--junitxml={junit}"]
+        try:
+            proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return TestRun("error", summary=f"timed out after {timeout:.0f} s")
+        cases = _junit(junit)
+    tail = [ln for ln in (proc.stdout + proc.stderr).strip().splitlines() if ln.strip()]
+    summary = tail[-1] if tail else f"pytest exited {proc.returncode}"
+    return _run_of(proc.returncode, summary, tail, cases)
+
+
+_TOOL_ROOT = Path(__file__).resolve().parent.parent.parent  # the folder holding the overlay package
+
+
+@dataclass
+class _Cases:
+    passed: list[str]
+    failed: list[str]
+    reasons: list[str]
+    kinds: list[str]
+    where: list[str]
+    skipped: list[str]
+    skip_reasons: list[str]
+
+
+def _run_of(rc: int, summary: str, tail: list[str], c: _Cases) -> TestRun:
+    """The status of a run from pytest's exit code and the JUnit cases (see ``STATUSES``)."""
+    if rc in (0, 1, 2, 5) and (c.passed or c.failed or c.skipped or rc == 5):
+        if c.failed:
+            status = "failed" if "behaviour" in c.kinds else "harness"
+        elif c.passed:
+            status = "passed"
+        else:
+            status = "skipped"
+    else:
+        status = "error"
+        summary = f"rc={rc}: " + " | ".join(tail[-3:])
+    return TestRun(status, tuple(c.passed), tuple(c.failed), summary, tuple(c.reasons), tuple(c.kinds),
+                   tuple(c.where), tuple(c.skipped), c.skip_reasons[0] if c.skip_reasons else "")
+
+
+def _junit(path: Path) -> _Cases:
+    cases = _Cases([], [], [], [], [], [], [])
     if not path.exists():
-        return (), (), ()
-    passed: list[str] = []
-    failed: list[str] = []
-    reasons: list[str] = []
+        return cases
     for case in ET.parse(path).getroot().iter("testcase"):
         name = case.get("name", "?")
-        bad = case.find("failure")
-        bad = bad if bad is not None else case.find("error")
+        props = {p.get("name"): p.get("value", "") for p in case.iter("property")}
+        failure, error = case.find("failure"), case.find("error")
+        bad = failure if failure is not None else error
         if bad is not None:
-            failed.append(name)
-            reasons.append(_reason(bad.get("message") or "", bad.text or ""))
-        elif case.find("skipped") is None:
-            passed.append(name)
-    return tuple(passed), tuple(failed), tuple(reasons)
-
-
+            message = bad.get("message") or ""
+            cases.failed.append(name)
+            cases.reasons.append(_reason(message, bad.text or ""))
+            # without the plugin's verdict (a collection failure has none): a failed call is the
+            # behaviour's, an error (setup, teardown, collection) the harness's
+            cases.kinds.append(props.get("overlay-failure") or ("behaviour" if failure is not None else "harness"))
+            cases.where.append(props.get("overlay-failure-at", ""))
+        elif (skip := case.find("skipped")) is not None:
+            cases.skipped.append(name)
+            cases.skip_reasons.append((skip.get("message") or "").removeprefix("Skipped: "))
+        else:
+            cases.passed.append(name)
+    return cases
 _EXC = re.compile(r"^\s*(?:E\s+)?([A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt)\b.*)$")
 
 

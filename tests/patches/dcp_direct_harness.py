@@ -22,11 +22,10 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
-from ranks import spawn_ranks
+from ranks import fatal_report, spawn_ranks
 
 H = 4  # query/output heads per TP rank
 QD = 32  # query head dim (kv_lora_rank + rope in the real model)
@@ -220,8 +219,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, modes: dict[str, d
                     padded_num_heads=None, is_lse_base_on_e=False, use_pcp=False)
                 results[mode] = {"capacity": manager.max_num_tokens,
                                  "scenarios": _run_sizes(manager, rank, world, sizes, calls, a2a)}
-    except Exception:
-        results["fatal"] = traceback.format_exc()
+    except Exception as exc:
+        results.update(fatal_report(exc))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 

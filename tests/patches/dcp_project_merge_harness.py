@@ -24,12 +24,11 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 import types
 from pathlib import Path
 from typing import Any
 
-from ranks import spawn_ranks
+from ranks import fatal_report, spawn_ranks
 
 # Batches: (name, query lens, local seq lens of ranks 0 and 1, rows with no local top-k on
 # ranks 0 and 1); ranks 2, 3, ... are derived from these by ``rank_batch``. Rows with no local
@@ -243,7 +242,8 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
                     ["direct_q_gather", "direct_a2a", "nccl_a2a", "nccl_all_gather"], 0))
                 _install_ag_rs_standin()
             layer = make_layer(heads, nope, lora, v, rank, device, project=True)
-            report["W_UV_dcp_shape"] = list(layer.W_UV_dcp.shape) if layer.W_UV_dcp is not None else None
+            w_uv_dcp = compat.added(layer, "W_UV_dcp")  # gathered by the patched weight processing
+            report["W_UV_dcp_shape"] = list(w_uv_dcp.shape) if w_uv_dcp is not None else None
 
             def manager(transport: str, head_dim: int):
                 vc.parallel_config.dcp_comm_backend = "ag_rs" if transport == "ag_rs" else "a2a"
@@ -296,8 +296,8 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
                         torch.cuda.synchronize()
                     group.barrier()
                     report["checks"].append(row)
-    except Exception:
-        report["fatal"] = traceback.format_exc()
+    except Exception as exc:
+        report.update(fatal_report(exc))
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report, indent=1))
 
 

@@ -17,33 +17,58 @@ def free_port() -> int:
 
 
 def spawn_ranks(target: Callable[..., None], args: Callable[[int, int], tuple[Any, ...]], tmp: Path,
-                world: int = 2, timeout: float = 240) -> list[dict[str, Any]]:
+                world: int = 2, timeout: float = 240, grace: float = 30) -> list[dict[str, Any]]:
     """Start ``target(*args(rank, port))`` on ``world`` spawned processes; each writes ``tmp/rank<r>.json``.
 
-    Ranks still running after ``timeout`` are killed. Asserts every rank wrote a report and
-    none of them carries a ``fatal`` traceback.
+    Ranks still running after ``timeout`` are killed, and the others ``grace`` seconds after one rank
+    reported a fatal error (they would wait on it in a collective). Every rank must write a report
+    without a ``fatal`` traceback (see :func:`fatal_report`): a missing report or a fatal one of the
+    harness raises ``compat.HarnessError``, a fatal one of the code under test ``compat.BehaviourFailure``.
     """
     import multiprocessing as mp
+    import time
+
+    import compat
 
     port = free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=target, args=args(r, port)) for r in range(world)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout)
+    deadline = time.monotonic() + timeout
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if any("fatal" in _read(tmp / f"rank{r}.json") for r in range(world)):
+            deadline = min(deadline, time.monotonic() + grace)
+        time.sleep(0.5)
     for p in procs:
         if p.is_alive():
             p.kill()
-            p.join()
-    reports = []
-    for r in range(world):
-        f = tmp / f"rank{r}.json"
-        assert f.exists(), f"rank {r} wrote no result (exit code {procs[r].exitcode})"
-        rep = json.loads(f.read_text())
-        assert "fatal" not in rep, rep["fatal"]
-        reports.append(rep)
+        p.join()
+    reports = [_read(tmp / f"rank{r}.json") for r in range(world)]
+    for r, rep in enumerate(reports):  # a rank's own failure first: the others may be stopped for it
+        if "fatal" in rep:
+            error = compat.BehaviourFailure if rep.get("fatal_kind") == "behaviour" else compat.HarnessError
+            raise error(f"rank {r}: {rep['fatal'].strip().splitlines()[-1]}\n{rep['fatal']}")
+    for r, rep in enumerate(reports):
+        if not rep:
+            raise compat.HarnessError(f"rank {r} wrote no result (exit code {procs[r].exitcode})")
     return reports
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # not written yet, or being written
+        return {}
+
+
+def fatal_report(exc: BaseException) -> dict[str, str]:
+    """What a rank writes when it stops on ``exc``: the traceback, and whose failure it is
+    (``behaviour`` when raised in a ``compat.exercising`` region, else ``harness``)."""
+    import traceback
+
+    kind = getattr(type(exc), "overlay_failure", "harness")
+    return {"fatal": "".join(traceback.format_exception(exc)), "fatal_kind": kind}
 
 
 RANKS_ENV = "OVERLAY_DCP_RANKS"

@@ -16,9 +16,12 @@ is vLLM's float reference ``_lse_weighted_combine``.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,38 +83,102 @@ def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 8, max_num_batched_
     tmp = model_dir / f"config.json.{os.getpid()}"
     tmp.write_text(json.dumps(glm5_config(dcp * heads_per_rank)))
     os.replace(tmp, model_dir / "config.json")
-    model_config = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True,
-                               dtype="bfloat16", max_model_len=4096)
-    return VllmConfig(
-        device_config=DeviceConfig(device=device),
-        model_config=model_config,
-        parallel_config=ParallelConfig(tensor_parallel_size=dcp, decode_context_parallel_size=dcp,
-                                       cp_kv_cache_interleave_size=interleave,
-                                       dcp_comm_backend="a2a" if dcp > 1 else "ag_rs"),
-        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                         max_num_batched_tokens=max_num_batched_tokens,
-                                         max_model_len=4096, is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK),
-    )
+    with compat.setup("the VllmConfig of the test model"):
+        model_config = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True,
+                                   dtype="bfloat16", max_model_len=4096)
+        return VllmConfig(
+            device_config=DeviceConfig(device=device),
+            model_config=model_config,
+            parallel_config=ParallelConfig(tensor_parallel_size=dcp, decode_context_parallel_size=dcp,
+                                           cp_kv_cache_interleave_size=interleave,
+                                           dcp_comm_backend="a2a" if dcp > 1 else "ag_rs"),
+            scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                             max_num_batched_tokens=max_num_batched_tokens,
+                                             max_model_len=4096, is_encoder_decoder=False),
+            cache_config=CacheConfig(block_size=BLOCK),
+        )
 
 
-def _replace_token_to_req_kernel() -> None:
-    """0.33.0 maps tokens to requests with a Triton kernel: the same mapping in torch."""
+class _TokenToRequestKernel:
+    """vLLM's Triton ``_token_request_mapping_kernel[grid](...)`` (0.30.0+) in torch: token ``t`` ->
+    the request whose query range holds it (0 past ``num_mapped``)."""
+
+    def __getitem__(self, grid):
+        def run(query_start_loc, output, num_reqs, num_mapped, num_tokens, **_launch):
+            token = torch.arange(num_tokens, device=query_start_loc.device)
+            req = torch.searchsorted(query_start_loc[1:].long(), token, right=True).clamp(max=num_reqs - 1)
+            output[:num_tokens] = torch.where(token < num_mapped, req, 0).to(output.dtype)
+        return run
+
+
+def install_cpu_kernels(set_attr: Callable[[Any, str, Any], None] = setattr) -> None:
+    """The Triton kernels the metadata builders launch on their way, replaced by torch (CPU has no
+    Triton); by release: 0.30.0 maps tokens to requests with ``_token_request_mapping_kernel``
+    (0.32.0 through ``compute_token_to_req_indices``), earlier releases on the host. ``set_attr``:
+    ``setattr``, or ``monkeypatch.setattr`` to undo it after the test."""
     try:
         import vllm.v1.attention.ops.metadata as ops_metadata
-    except ImportError:  # releases before 0.33.0 compute it on the host
+    except ImportError:  # releases before 0.30.0
         return
-    if not hasattr(ops_metadata, "compute_token_to_req_indices"):
-        return
+    if hasattr(ops_metadata, "_token_request_mapping_kernel"):
+        set_attr(ops_metadata, "_token_request_mapping_kernel", _TokenToRequestKernel())
 
-    def compute_token_to_req_indices(query_start_loc, out, num_mapped_tokens, num_tokens):
-        num_reqs = query_start_loc.shape[0] - 1
-        token = torch.arange(num_tokens, device=query_start_loc.device)
-        req = torch.searchsorted(query_start_loc[1:].long(), token, right=True).clamp(max=num_reqs - 1)
-        out[:num_tokens] = torch.where(token < num_mapped_tokens, req, 0).to(out.dtype)
-        return out[:num_tokens]
 
-    ops_metadata.compute_token_to_req_indices = compute_token_to_req_indices
+# CommonAttentionMetadata fields a test may give that some releases do not have (dropped there)
+_OPTIONAL_FIELDS = {"_seq_lens_cpu"}  # 0.32.0 dropped it (seq_lens_cpu_upper_bound serves)
+
+
+def common_attention_metadata(**fields: Any):
+    """vLLM's ``CommonAttentionMetadata`` of ``fields``, less the optional ones this release lacks."""
+    import dataclasses
+
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    have = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
+    return CommonAttentionMetadata(**{k: v for k, v in fields.items() if k in have or k not in _OPTIONAL_FIELDS})
+
+
+def no_pinned_memory(set_attr: Callable[[Any, str, Any], None]) -> None:
+    """``PIN_MEMORY`` off (pinned host memory needs an accelerator; no effect on the values) where
+    vLLM reads it: ``vllm.utils.torch_utils`` and the modules that bind their own copy (0.30.0+:
+    ``sparse_mla_attention``; 0.33.0: ``mla_attention`` too). ``set_attr``: ``setattr``, or
+    ``monkeypatch.setattr`` to undo it after the test."""
+    import vllm.utils.torch_utils as torch_utils
+
+    set_attr(torch_utils, "PIN_MEMORY", False)
+    sparse = importlib.import_module("vllm.model_executor.layers.attention.sparse_mla_attention")
+    for mod in (sparse, compat.module("mla_attention")):
+        if hasattr(mod, "PIN_MEMORY"):
+            set_attr(mod, "PIN_MEMORY", False)
+
+
+class UnpinnedTorch:
+    """``torch`` for a vLLM module that allocates pinned host memory unconditionally (0.29.0+'s
+    FlashMLA-sparse builder: ``torch.empty(..., pin_memory=True)``), which needs an accelerator:
+    the same allocations, unpinned (no effect on the values). Everything else is torch's own."""
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(torch, name)
+        if name in ("empty", "zeros", "ones", "full", "tensor", "arange"):
+            def unpinned(*args: Any, **kwargs: Any) -> torch.Tensor:
+                kwargs.pop("pin_memory", None)
+                return value(*args, **kwargs)
+            return unpinned
+        return value
+
+
+@contextmanager
+def transport_for_builders(vllm_config) -> Iterator[None]:
+    """The DCP comm backend set to ``ag_rs`` while a backend's own metadata builder is made: vLLM
+    0.29.0-0.32.0's FlashMLA-sparse builder refuses DCP with ``a2a``. Its reorder threshold, the
+    setting read here, does not depend on the transport (the combine is a stand-in anyway)."""
+    parallel = vllm_config.parallel_config
+    saved = parallel.dcp_comm_backend
+    parallel.dcp_comm_backend = "ag_rs"
+    try:
+        yield
+    finally:
+        parallel.dcp_comm_backend = saved
 
 
 def build_metadata(vllm_config, layer_name: str, metadata_cls: type, query_lens: list[int],
@@ -123,35 +190,30 @@ def build_metadata(vllm_config, layer_name: str, metadata_cls: type, query_lens:
     where the backend keeps multi-token decodes under DCP they stay decodes, elsewhere the
     threshold drops to 1 and they become prefills (the forced-MQA path).
     """
-    import vllm.utils.torch_utils as torch_utils
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+    with compat.setup(f"building {metadata_cls.__name__} with vLLM's sparse builder"):
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    sparse = __import__("vllm.model_executor.layers.attention.sparse_mla_attention",
-                        fromlist=["SparseMLACommonMetadataBuilder"])
-    builder_cls = type("Builder", (sparse.SparseMLACommonMetadataBuilder,), {"metadata_cls": metadata_cls})
-    spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=LORA + ROPE, dtype=torch.bfloat16)
-    torch_utils.PIN_MEMORY = False  # pinned host memory needs a GPU; no effect on the values
-    for mod in (sparse, compat.module("mla_attention")):  # 0.33.0 binds its own copies
-        if hasattr(mod, "PIN_MEMORY"):
-            mod.PIN_MEMORY = False
-    _replace_token_to_req_kernel()
-    builder = builder_cls(spec, [layer_name], vllm_config, torch.device("cpu"))
-    builder._init_reorder_batch_threshold(
-        decode_threshold,
-        supports_dcp_with_varlen=keeps_dcp_varlen_decodes(vllm_config, layer_name, metadata_cls, spec))
-    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    sl = torch.tensor(seq_lens, dtype=torch.int32)
-    blocks = max(math.ceil(s / BLOCK) for s in seq_lens)
-    common = CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=sl,
-        num_reqs=len(query_lens), num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_table_tensor=torch.arange(len(query_lens) * blocks, dtype=torch.int32).view(-1, blocks),
-        slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
-        seq_lens_cpu_upper_bound=sl.clone(),
-    )
-    return builder.build(0, common)
+        sparse = importlib.import_module("vllm.model_executor.layers.attention.sparse_mla_attention")
+        builder_cls = type("Builder", (sparse.SparseMLACommonMetadataBuilder,), {"metadata_cls": metadata_cls})
+        spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=LORA + ROPE, dtype=torch.bfloat16)
+        no_pinned_memory(setattr)
+        install_cpu_kernels()
+        builder = builder_cls(spec, [layer_name], vllm_config, torch.device("cpu"))
+        builder._init_reorder_batch_threshold(
+            decode_threshold,
+            supports_dcp_with_varlen=keeps_dcp_varlen_decodes(vllm_config, layer_name, metadata_cls, spec))
+        qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+        sl = torch.tensor(seq_lens, dtype=torch.int32)
+        blocks = max(math.ceil(s / BLOCK) for s in seq_lens)
+        common = common_attention_metadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=sl,
+            num_reqs=len(query_lens), num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            block_table_tensor=torch.arange(len(query_lens) * blocks, dtype=torch.int32).view(-1, blocks),
+            slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
+            seq_lens_cpu_upper_bound=sl.clone(),
+        )
+        return builder.build(0, common)
 
 
 def keeps_dcp_varlen_decodes(vllm_config, layer_name: str, metadata_cls: type, spec) -> bool:
@@ -170,7 +232,8 @@ def keeps_dcp_varlen_decodes(vllm_config, layer_name: str, metadata_cls: type, s
     if saved is not None:  # FlashMLA sizes its scheduler buffers by the GPU's SM count
         module.num_compute_units = lambda index=None: 132
     try:
-        real = real_cls(spec, [layer_name], vllm_config, torch.device("cpu"))
+        with transport_for_builders(vllm_config):
+            real = real_cls(spec, [layer_name], vllm_config, torch.device("cpu"))
     finally:
         if saved is not None:
             module.num_compute_units = saved
@@ -303,7 +366,8 @@ def run_forward(layer, metadata, num_tokens: int, seed: int = 1):
 
     layer.impl.forward_mqa = spy
     try:
-        layer.forward_impl(q, kv, pe, torch.empty(0), metadata, output=output)
+        with compat.exercising("MLAAttention.forward_impl"):
+            layer.forward_impl(q, kv, pe, torch.empty(0), metadata, output=output)
     finally:
         layer.impl.forward_mqa = inner
     return output, produced

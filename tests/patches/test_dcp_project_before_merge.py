@@ -94,7 +94,7 @@ def test_switch_decides(monkeypatch: pytest.MonkeyPatch, env: str | None, dcp: i
     else:
         monkeypatch.setenv("VLLM_DCP_PROJECT_BEFORE_MERGE", env)
     mla = compat.module("mla_attention")
-    assert mla.MLAAttention.use_dcp_project_before_merge(dcp, pcp) is expected
+    assert compat.added(mla.MLAAttention, "use_dcp_project_before_merge")(dcp, pcp) is expected
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,7 +160,7 @@ def test_forward_projects_before_merge_when_on(vllm_config, batch: str) -> None:
 def test_forward_untouched_when_switch_off(vllm_config, batch: str) -> None:
     out, expected, seen, layer = _forward(vllm_config, f"layers.p9off.{batch}.attn", batch,
                                           project=False)
-    assert not layer.dcp_project_before_merge  # the class default: off unless __init__ enables
+    assert not compat.added(layer, "dcp_project_before_merge")  # the class default: off unless __init__ enables
     assert seen["dim"] == h.LORA
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
@@ -169,9 +169,9 @@ def test_dcp1_process_weights_gathers_nothing(monkeypatch: pytest.MonkeyPatch) -
     """DCP = 1 (switch on): no gathered W_UV, no DCP collective at weight processing."""
     mla = compat.module("mla_attention")
     monkeypatch.setattr(mla, "get_dcp_group", lambda: pytest.fail("DCP group used with DCP = 1"))
-    flag = mla.MLAAttention.use_dcp_project_before_merge(1, False)
+    flag = compat.added(mla.MLAAttention, "use_dcp_project_before_merge")(1, False)
     layer = pm.make_layer(4, 16, 64, 32, 0, torch.device("cpu"), project=flag)
-    assert layer.W_UV_dcp is None and not layer.dcp_project_before_merge
+    assert compat.added(layer, "W_UV_dcp") is None and not layer.dcp_project_before_merge
     assert tuple(layer.W_UV.shape) == (4, 64, 32)
 
 

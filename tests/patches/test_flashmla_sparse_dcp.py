@@ -25,6 +25,7 @@ from typing import Any
 
 import compat
 import pytest
+import sparse_dcp_harness as h
 import torch
 from ranks import free_port, gpu_ranks
 
@@ -253,15 +254,16 @@ def make_vllm_config(model_dir: Path, dcp: int, interleave: int, backend: str = 
         VllmConfig,
     )
 
-    model = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True,
-                        dtype="bfloat16", max_model_len=8192)
-    parallel = ParallelConfig(tensor_parallel_size=dcp, decode_context_parallel_size=dcp,
-                              cp_kv_cache_interleave_size=interleave, dcp_comm_backend=backend)
-    cache = CacheConfig(cache_dtype=cache_dtype, block_size=BLOCK)
-    spec = (SpeculativeConfig(method="mtp", num_speculative_tokens=mtp, target_model_config=model,
-                              target_parallel_config=parallel) if mtp else None)
-    return VllmConfig(model_config=model, parallel_config=parallel, cache_config=cache,
-                      device_config=DeviceConfig(device=device), speculative_config=spec)
+    with compat.setup("the VllmConfig of the test model"):
+        model = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True,
+                            dtype="bfloat16", max_model_len=8192)
+        parallel = ParallelConfig(tensor_parallel_size=dcp, decode_context_parallel_size=dcp,
+                                  cp_kv_cache_interleave_size=interleave, dcp_comm_backend=backend)
+        cache = CacheConfig(cache_dtype=cache_dtype, block_size=BLOCK)
+        spec = (SpeculativeConfig(method="mtp", num_speculative_tokens=mtp, target_model_config=model,
+                                  target_parallel_config=parallel) if mtp else None)
+        return VllmConfig(model_config=model, parallel_config=parallel, cache_config=cache,
+                          device_config=DeviceConfig(device=device), speculative_config=spec)
 
 
 def make_impl(vllm_config: Any, num_heads: int, topk_buffer: torch.Tensor,
@@ -313,7 +315,6 @@ def make_layer(impl: Any, dcp_manager: Any = None) -> Any:
 def build_metadata(vllm_config: Any, layer: Any, batch: Batch, block_table: torch.Tensor,
                    device: str) -> Any:
     """Run the real ``FlashMLASparseMetadataBuilder`` on a ``CommonAttentionMetadata``."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     name = "model.layers.0.self_attn.attn"
@@ -324,7 +325,7 @@ def build_metadata(vllm_config: Any, layer: Any, batch: Batch, block_table: torc
     builder = builder_cls(spec, [name], vllm_config, torch.device(device))
     qsl = torch.tensor([0, *torch.tensor(batch.query_lens).cumsum(0).tolist()], dtype=torch.int32)
     seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int32)
-    common = CommonAttentionMetadata(
+    common = h.common_attention_metadata(
         query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq_lens.to(device),
         num_reqs=len(batch.seq_lens), num_actual_tokens=int(qsl[-1]),
         max_query_len=max(batch.query_lens), max_seq_len=max(batch.seq_lens),
@@ -350,11 +351,10 @@ def cpu_env(monkeypatch: pytest.MonkeyPatch) -> Any:
     from vllm.v1.worker import workspace
 
     fs = compat.module("flashmla_sparse")
-    import vllm.utils.torch_utils as torch_utils
-
     monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
-    monkeypatch.setattr(torch_utils, "PIN_MEMORY", False)  # page-locking needs CUDA
+    h.no_pinned_memory(monkeypatch.setattr)  # page-locking needs CUDA
     monkeypatch.setattr(fs, "num_compute_units", lambda index=None: 132)
+    monkeypatch.setattr(fs, "torch", h.UnpinnedTorch())  # 0.29.0+: a literal pin_memory=True
     if not workspace.is_workspace_manager_initialized():
         workspace.init_workspace_manager(torch.device("cpu"))
 
@@ -371,13 +371,19 @@ def cpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     fs = compat.module("flashmla_sparse")
 
     def convert(req_id, block_table, token_indices, BLOCK_SIZE=64, NUM_TOPK_TOKENS=2048,
-                return_valid_counts=False, **_: Any):  # the DCP = 1 conversion, in torch
+                return_valid_counts=False, BLOCK_STRIDE_ROWS=None, **_: Any):  # the DCP = 1 conversion, in torch
         tok = token_indices.long()
         block_id = tok.clamp_min(0) // BLOCK_SIZE
         valid = (tok >= 0) & (block_id < block_table.shape[1])
         base = block_table.long()[req_id.long()[:, None], block_id.clamp_max(block_table.shape[1] - 1)]
-        out = torch.where(valid, base * BLOCK_SIZE + tok % BLOCK_SIZE, -1).to(torch.int32)
+        out = torch.where(valid, base * (BLOCK_STRIDE_ROWS or BLOCK_SIZE) + tok % BLOCK_SIZE, -1).to(torch.int32)
         return (out, valid.sum(1, dtype=torch.int32)) if return_valid_counts else out
+
+    def convert_for_group(self, topk, attn_metadata, *, block_stride_rows, return_valid_counts):
+        # 0.33.0: decode-only DCP = 1 batches convert once per index group on a CUDA side stream
+        return convert(attn_metadata.req_id_per_token[: topk.shape[0]], attn_metadata.block_table, topk,
+                       BLOCK_SIZE=attn_metadata.block_size, BLOCK_STRIDE_ROWS=block_stride_rows,
+                       return_valid_counts=return_valid_counts)
 
     def kernel(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False,
@@ -387,9 +393,33 @@ def cpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
         return sparse_decode_contract(q, kv, indices, softmax_scale)
 
     monkeypatch.setattr(fs, "triton_convert_req_index_to_global_index", convert)
+    h.install_cpu_kernels(monkeypatch.setattr)  # the builders' own (token -> request mapping)
+    if hasattr(fs.FlashMLASparseImpl, "_convert_logical_to_physical_topk"):
+        monkeypatch.setattr(fs.FlashMLASparseImpl, "_convert_logical_to_physical_topk", convert_for_group)
+    if hasattr(fs, "triton_filter_and_convert_dcp_index"):  # 0.29.0+: the DCP path calls Triton directly
+        monkeypatch.setattr(fs, "triton_filter_and_convert_dcp_index", localize_standin)
     monkeypatch.setattr(fs, "flash_mla_with_kvcache", kernel)
     # The scheduler-metadata holder comes from the compiled extension's interface module.
     monkeypatch.setattr(fs, "get_mla_metadata", lambda *a, **k: (object(), None))
+
+
+def localize_standin(req_id, block_table, token_indices, dcp_size, dcp_rank, cp_kv_cache_interleave_size=1,
+                     BLOCK_SIZE=64, BLOCK_STRIDE_ROWS=None, NUM_TOPK_TOKENS=2048, BLOCK_N=128,
+                     return_valid_counts=False, compact_valid_to_front=True):
+    """The documented contract of vLLM's Triton ``triton_filter_and_convert_dcp_index`` in torch:
+    global positions -> this rank's slots (see :func:`py_localize`), -1 elsewhere; with
+    ``compact_valid_to_front`` the valid slots first (order within them unspecified)."""
+    tok = token_indices.long()
+    il, n = cp_kv_cache_interleave_size, dcp_size
+    local = (tok // (n * il)) * il + tok % il
+    block = local // BLOCK_SIZE
+    valid = (tok >= 0) & ((tok // il) % n == dcp_rank) & (block < block_table.shape[1])
+    base = block_table.long()[req_id.long()[:, None], block.clamp(0, block_table.shape[1] - 1)]
+    out = torch.where(valid, base * (BLOCK_STRIDE_ROWS or BLOCK_SIZE) + local % BLOCK_SIZE, -1)
+    if compact_valid_to_front:
+        out = torch.gather(out, 1, torch.argsort((~valid).int(), dim=1, stable=True))
+    out = out.to(torch.int32)
+    return (out, valid.sum(1, dtype=torch.int32)) if return_valid_counts else out
 
 
 # --------------------------------------------------------------------------------------------
@@ -522,7 +552,11 @@ def convert_whole(batch: Batch, table: torch.Tensor) -> torch.Tensor:
 
 def test_localization_matches_python_reference() -> None:
     """Global top-k positions -> rank-local slots, against a plain-Python model, random cases."""
-    localize = compat.symbol("sparse_utils", "filter_and_convert_dcp_index")
+    if not hasattr(compat.module("sparse_utils"), "filter_and_convert_dcp_index") and \
+            hasattr(compat.module("flashmla_sparse"), "triton_filter_and_convert_dcp_index"):
+        pytest.skip(f"vLLM {compat.vllm_version()} localizes FlashMLA-sparse's DCP top-k with its Triton kernel "
+                    "only (no CPU path to check here); the forward tests run it as localize_standin")
+    localize = compat.added("sparse_utils", "filter_and_convert_dcp_index")
     rng = random.Random(0)
     n_cases = 0
     for dcp in (2, 4, 8):

@@ -1,0 +1,34 @@
+"""The shared harness of the patch tests (``tests/patches/ranks.py``): a rank's own failure is what a
+multi-rank test reports, as the harness's or the behaviour's, even when the other ranks are stopped."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent / "patches")]
+import compat  # noqa: E402
+from ranks import fatal_report, spawn_ranks  # noqa: E402
+
+
+def _rank(rank: int, out: str, kind: str) -> None:
+    if rank == 0:
+        time.sleep(600)  # waits on rank 1 in a collective that never comes
+    error = compat.BehaviourFailure("the code under test raised") if kind == "behaviour" else KeyError("helper")
+    try:
+        raise error
+    except Exception as exc:
+        Path(out, f"rank{rank}.json").write_text(json.dumps(fatal_report(exc)))
+
+
+@pytest.mark.parametrize(("kind", "raised"), [("behaviour", compat.BehaviourFailure), ("harness", compat.HarnessError)])
+def test_a_rank_that_fails_stops_the_others_and_is_reported(tmp_path: Path, kind: str, raised: type) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(raised, match=r"^rank 1: ") as info:
+        spawn_ranks(_rank, lambda r, port: (r, str(tmp_path), kind), tmp_path, world=2, timeout=300, grace=2)
+    assert time.monotonic() - t0 < 120  # rank 0 stopped after the grace, not at the timeout
+    assert "wrote no result" not in str(info.value)

@@ -1,0 +1,174 @@
+"""A patch's test run tells a harness error from a behaviour failure (``overlay/rebase/failkind.py``,
+read by ``overlay/rebase/testrun.py``): real pytest runs of small test files against a tiny tree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from overlay.rebase.testrun import TestRun, run_files
+
+TESTS = Path(__file__).resolve().parent
+
+CODE = '''
+def guard(meta):
+    return meta["decode"]
+
+
+def build(table):
+    return table[0]
+'''
+
+HELPER = '''
+import vllm.fix
+
+
+def make():
+    return vllm.fix.build(len)  # raises inside the code under test, called by the harness
+'''
+
+TEST = f'''
+import sys
+
+sys.path.insert(0, {str(TESTS)!r})  # tests/compat.py
+import compat
+import helper
+import pytest
+import vllm.fix
+
+
+class Meta:
+    decode = "d"
+
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("fixture broke")
+
+
+def test_code_raises():
+    assert vllm.fix.guard(Meta()) == "d"
+
+
+def test_assertion():
+    assert 1 == 2
+
+
+def test_own_error():
+    {{}}["missing"]
+
+
+def test_fixture(broken):
+    pass
+
+
+def test_setup_region():
+    with compat.setup("building the batch"):
+        helper.make()
+
+
+def test_exercising_region():
+    with compat.exercising("the guard"):
+        raise KeyError("decode")
+
+
+def test_added_name_missing():
+    compat.added("cp_utils", "not_there")
+
+
+def test_passes():
+    pass
+
+
+@pytest.mark.skip(reason="not on this release")
+def test_skipped():
+    pass
+'''
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    """A tiny ``vllm`` the tests import (``compat.added`` looks in its ``v1/worker/cp_utils.py``)."""
+    root = tmp_path / "tree"
+    (root / "vllm" / "v1" / "worker").mkdir(parents=True)
+    (root / "vllm" / "__init__.py").write_text('__version__ = "0.28.0"\n')
+    (root / "vllm" / "v1" / "__init__.py").write_text("")
+    (root / "vllm" / "v1" / "worker" / "__init__.py").write_text("")
+    (root / "vllm" / "v1" / "worker" / "cp_utils.py").write_text("")
+    (root / "vllm" / "fix.py").write_text(CODE)
+    return root
+
+
+def _write(tmp_path: Path, files: dict[str, str]) -> Path:
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    for name, text in files.items():
+        (tests / name).write_text(text)
+    return tests
+
+
+def test_each_failure_is_told_harness_or_behaviour(tmp_path: Path, tree: Path) -> None:
+    tests = _write(tmp_path, {"helper.py": HELPER, "test_x.py": TEST})
+    run = run_files([tests / "test_x.py"], tree, cwd=tests)
+    kinds = dict(zip(run.failed, run.kinds, strict=True))
+    assert kinds == {
+        "test_code_raises": "behaviour",  # raised inside the code under test
+        "test_assertion": "behaviour",
+        "test_own_error": "harness",  # raised by the test itself
+        "test_fixture": "harness",
+        "test_setup_region": "harness",  # raised in vLLM, but inside compat.setup(...)
+        "test_exercising_region": "behaviour",
+        "test_added_name_missing": "behaviour",  # a name the patch adds is missing: the bug itself
+    }
+    assert run.status == "failed" and run.passed == ("test_passes",)
+    assert run.skipped == ("test_skipped",) and run.skip_reason == "not on this release"
+    reasons = dict(zip(run.failed, run.reasons, strict=True))
+    assert reasons["test_setup_region"].startswith("compat.HarnessError: building the batch: TypeError: "
+                                                   "'builtin_function_or_method' object is not subscriptable")
+    where = dict(zip(run.failed, run.where, strict=True))
+    assert where["test_setup_region"] == "helper.py:6"  # the harness line, not the region's re-raise
+    assert where["test_own_error"].startswith("test_x.py:")
+    assert run.behaviour_failed == ("test_code_raises", "test_assertion", "test_exercising_region",
+                                    "test_added_name_missing")
+    assert not run.cannot_run
+    assert run.first_error() == f"KeyError: 'missing' (test_own_error, at {where['test_own_error']})"
+
+
+def test_only_harness_errors_mean_the_tests_cannot_run(tmp_path: Path, tree: Path) -> None:
+    tests = _write(tmp_path, {"test_y.py": "import vllm.fix\n\n\ndef test_a():\n    vllm.fix.gone()\n\n\n"
+                                           "def test_b():\n    pass\n"})
+    run = run_files([tests / "test_y.py"], tree, cwd=tests)
+    assert (run.status, run.failed, run.kinds, run.passed) == ("harness", ("test_a",), ("harness",), ("test_b",))
+    assert run.cannot_run
+    assert run.first_error().startswith("AttributeError: module 'vllm.fix' has no attribute 'gone' (test_a, at ")
+
+
+def test_an_import_error_of_a_test_only_name_is_a_harness_error(tmp_path: Path, tree: Path) -> None:
+    tests = _write(tmp_path, {"test_z.py": "from helper_gone import thing\n\n\ndef test_a():\n    pass\n"})
+    run = run_files([tests / "test_z.py"], tree, cwd=tests)
+    assert run.status == "harness" and run.kinds == ("harness",)
+    assert "No module named 'helper_gone'" in run.first_error()
+
+
+def test_a_run_that_skips_everything_passes_nothing(tmp_path: Path, tree: Path) -> None:
+    tests = _write(tmp_path, {"test_s.py": "import pytest\n\n\ndef test_a():\n    pytest.skip('Triton only')\n"})
+    run = run_files([tests / "test_s.py"], tree, cwd=tests)
+    assert run.status == "skipped" and run.cannot_run
+    assert run.first_error() == "every test skipped: Triton only"
+
+
+def test_a_gpu_only_error_raised_in_the_code_is_the_harness_s(tmp_path: Path, tree: Path) -> None:
+    (tree / "vllm" / "fix.py").write_text(CODE + "\n\ndef pinned():\n    raise RuntimeError('pin_memory=True "
+                                          "requires a CUDA or other accelerator backend')\n")
+    tests = _write(tmp_path, {"test_g.py": "import vllm.fix\n\n\ndef test_a():\n    vllm.fix.pinned()\n"})
+    run = run_files([tests / "test_g.py"], tree, cwd=tests)
+    assert run.status == "harness"
+
+
+def test_reports_written_before_the_kinds_read_as_behaviour() -> None:
+    old = {"status": "failed", "passed": ["a"], "failed": ["b"], "summary": "1 failed, 1 passed",
+           "reasons": ["assert 1 == 2"]}
+    run = TestRun.from_dict(old)
+    assert run.behaviour_failed == ("b",) and not run.cannot_run
+    assert TestRun.from_dict(run.to_dict()) == run

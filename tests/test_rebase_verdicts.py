@@ -1,0 +1,146 @@
+"""``make rebase`` judges a patch only by behaviour failures: tests that cannot run on the target (a
+harness error) say so and name the file to fix; tests the target contradicts set the patch aside for
+a person; a conflicting patch whose tests pass on the target is upstream by behaviour."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from overlay.rebase import TestRun, resume, start
+from overlay.series import Patch, Series
+from tests.rebasekit import BASE, FROM, TARGET, TARGET_PIN, TO, fill, lines, make_patch, series_dir
+
+APPLIES = {"vllm/a.py": lines("a", 40, l30="a_30 = 'patched'")}  # applies to the target as it is
+CLASH = {"vllm/c.py": lines("c", 40, l10="c_10 = 'ours'")}  # the target changed line 10 otherwise
+
+BUG = TestRun("failed", failed=("test_bug",), summary="1 failed", reasons=("assert 'wrong' == 'right'",),
+              kinds=("behaviour",))
+HARNESS = TestRun("harness", failed=("test_bug",), summary="1 failed",
+                  reasons=("TypeError: 'function' object is not subscriptable",), kinds=("harness",),
+                  where=("tests/patches/sparse_dcp_harness.py:142",))
+
+
+def _on_target(tree: Path) -> bool:
+    return (tree / "vllm/v1/attention/ops/dcp.py").exists()
+
+
+def _runner(old: TestRun, target: TestRun):
+    def run(patch: Patch, tree: Path) -> TestRun:
+        return target if _on_target(tree) else old
+    return run
+
+
+def _rebase(tmp_path: Path, changes: dict[str, str], old: TestRun, target: TestRun):
+    root = tmp_path / "patches"
+    series_dir(root, {"p.patch": make_patch(tmp_path, "p", changes)})
+    work = tmp_path / "work"
+    out = start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=work, tests_dir=Path("tests/patches"),
+                runner=_runner(old, target))
+    report = (root / TO) if out.done else work
+    return out, json.loads((report / "rebase.json").read_text())["patches"][0], (report / "REBASE.md").read_text()
+
+
+def test_tests_that_cannot_run_on_the_target_are_not_a_failure(tmp_path: Path) -> None:
+    out, entry, report = _rebase(tmp_path, APPLIES, BUG, HARNESS)
+    assert out.done and entry["outcome"] == "applied"
+    assert ("its tests cannot run on the target (TypeError: 'function' object is not subscriptable (test_bug, at "
+            "tests/patches/sparse_dcp_harness.py:142)): fix tests/patches/test_p.py first") in entry["evidence"]
+    assert "still fail" not in entry["evidence"]
+    assert "- its tests on the target: cannot run: TypeError: 'function' object is not subscriptable" in report
+    assert "  - cannot run there (harness error): `test_bug`" in report
+    assert "- its tests on the old base: fail: 1 by behaviour (1 failed)" in report
+
+
+def test_behaviour_failures_on_the_target_still_say_the_patch_is_needed(tmp_path: Path) -> None:
+    out, entry, report = _rebase(tmp_path, APPLIES, BUG, BUG)
+    assert out.done and entry["outcome"] == "applied"
+    assert "its tests still fail on the target without it (fail: 1 by behaviour (1 failed))" in entry["evidence"]
+    assert "  - still failing there: `test_bug`: assert 'wrong' == 'right'" in report
+
+
+def test_harness_errors_on_the_old_base_judge_nothing(tmp_path: Path) -> None:
+    out, entry, _ = _rebase(tmp_path, APPLIES, HARNESS, TestRun("passed", passed=("test_bug",), summary="1 passed"))
+    assert out.done and entry["outcome"] == "applied"  # never upstream-by-behaviour on such evidence
+    assert "its tests cannot run on the old base (TypeError" in entry["evidence"]
+
+
+def test_a_conflicting_patch_whose_tests_pass_on_the_target_is_upstream_by_behaviour(tmp_path: Path) -> None:
+    passed = TestRun("passed", passed=("test_bug",), summary="1 passed")
+    out, entry, _ = _rebase(tmp_path, CLASH, BUG, passed)
+    assert out.done and (entry["outcome"], entry["carried"]) == ("upstream-by-behaviour", False)
+    assert Series.load(tmp_path / "patches" / TO).patches == ()
+
+
+def test_a_conflict_that_leaves_nothing_with_tests_that_cannot_run_names_the_file(tmp_path: Path) -> None:
+    out, entry, report = _rebase(tmp_path, CLASH, BUG, HARNESS)
+    assert not out.done and entry["outcome"] == "conflict"
+    tried = {c["name"]: c["why"] for c in entry["candidates"]}
+    assert tried["target-side"] == "leaves nothing of the patch"
+    assert tried["patch-side"].startswith("with it, its tests cannot run: TypeError")
+    assert ("the target's side leaves nothing of the patch, but its tests cannot run on the target (TypeError: "
+            "'function' object is not subscriptable (test_bug, at tests/patches/sparse_dcp_harness.py:142)): fix "
+            "tests/patches/test_p.py first") in entry["evidence"]
+    assert "fix tests/patches/test_p.py first" in report
+
+
+# Two tests: one shows the bug (fails on the old base), one pins a mode the old base has; the target
+# deliberately chose another mode, so the second fails there without the patch.
+MODE_OLD = TestRun("failed", passed=("test_mode",), failed=("test_bug",), summary="1 failed, 1 passed",
+                   reasons=("assert 'wrong' == 'right'",), kinds=("behaviour",))
+MODE_TARGET = TestRun("failed", failed=("test_mode", "test_bug"), summary="2 failed",
+                      reasons=("AssertionError: assert 'FULL_AND_PIECEWISE' == 'PIECEWISE'",
+                               "assert 'wrong' == 'right'"),
+                      kinds=("behaviour", "behaviour"))
+
+
+def test_a_patch_whose_tests_the_target_contradicts_waits_for_a_person(tmp_path: Path) -> None:
+    out, entry, report = _rebase(tmp_path, APPLIES, MODE_OLD, MODE_TARGET)
+    assert not out.done and not (tmp_path / "patches" / TO).exists()
+    assert (entry["outcome"], entry["carried"]) == ("contradicted", False)
+    assert ("1 of its tests pass on the old base and fail on the target without it (e.g. test_mode: AssertionError: "
+            "assert 'FULL_AND_PIECEWISE' == 'PIECEWISE'): the target's own behaviour contradicts them"
+            ) in entry["evidence"]
+    assert entry["candidates"] == []
+    assert "| `p.patch` | contradicted | no |" in report and "## To resolve: 1 patch(es) need a person" in report
+    assert "contradicted: p.patch's tests contradict the target's own behaviour" in out.message
+    assert "git reset --hard HEAD~1" in out.message
+    work = tmp_path / "work"
+    log = subprocess.run(["git", "-C", str(work), "log", "-1", "--format=%s"], capture_output=True, text=True,
+                         check=True).stdout
+    assert log.strip() == "Fix p"  # applied as the commit on top, for the person to keep or drop
+    done = resume(work)  # kept as it is
+    assert done.done, done.message
+    kept = json.loads((tmp_path / "patches" / TO / "rebase.json").read_text())["patches"][0]
+    assert (kept["outcome"], kept["carried"]) == ("conflict-resolved", True)
+    assert kept["evidence"].startswith("its tests contradicted the target's own behaviour; a person resolved it")
+
+
+def test_a_contradicted_patch_a_person_drops(tmp_path: Path) -> None:
+    _rebase(tmp_path, APPLIES, MODE_OLD, MODE_TARGET)
+    work = tmp_path / "work"
+    subprocess.run(["git", "-C", str(work), "reset", "-q", "--hard", "HEAD~1"], check=True)
+    done = resume(work)
+    dropped = json.loads((tmp_path / "patches" / TO / "rebase.json").read_text())["patches"][0]
+    assert done.done and (dropped["outcome"], dropped["carried"]) == ("conflict-resolved", False)
+    assert dropped["evidence"].startswith("its tests contradicted the target's own behaviour; a person resolved it "
+                                          "to no change")
+
+
+def test_a_test_the_target_skips_with_a_reason_does_not_block_upstream_by_behaviour(tmp_path: Path) -> None:
+    """flashmla-sparse-dcp on 0.30.0: its localization test skips there (Triton only), the rest pass."""
+    old = TestRun("failed", failed=("test_bug", "test_localize"), summary="2 failed",
+                  reasons=("assert 1 == 2", "compat.BehaviourFailure: no localize"), kinds=("behaviour", "behaviour"))
+    target = TestRun("passed", passed=("test_bug",), skipped=("test_localize",), skip_reason="Triton only",
+                     summary="1 passed, 1 skipped")
+    out, entry, _ = _rebase(tmp_path, CLASH, old, target)
+    assert out.done and entry["outcome"] == "upstream-by-behaviour"
+    assert "; 1 skipped there (Triton only)" in entry["evidence"]
+
+
+def test_tests_all_skipped_on_the_target_cannot_tell(tmp_path: Path) -> None:
+    target = TestRun("skipped", skipped=("test_bug",), skip_reason="Triton only", summary="1 skipped")
+    out, entry, _ = _rebase(tmp_path, APPLIES, BUG, target)
+    assert out.done and entry["outcome"] == "applied"
+    assert "its tests cannot run on the target (every test skipped: Triton only)" in entry["evidence"]

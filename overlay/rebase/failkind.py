@@ -16,7 +16,9 @@ The rule for a failed test, first match wins:
    what the code did;
 4. an exception that says the machine lacks a GPU (``pin_memory=True requires a CUDA ...``, ``Torch
    not compiled with CUDA``, a Triton kernel launched where vLLM found no Triton: ``'function' object
-   is not subscriptable``) is the harness's: the tests run on CPU and did not stand in for it;
+   is not subscriptable``) is the harness's: the tests run on CPU and did not stand in for it; so is
+   an import of a module outside vLLM that fails (the environment lacks a dependency the release
+   needs, ``overlay/rebase/deps.py``);
 5. any other exception, by where it was raised: walking out from the innermost frame, library
    frames (the standard library, ``site-packages``) skipped, a frame in the code under test (the
    imported ``vllm`` package, or ``$OVERLAY_VLLM_TREE``) makes it behaviour, a frame of the tests
@@ -55,6 +57,13 @@ def _marked(exc: BaseException | None) -> str | None:
             return kind
         exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return None
+
+
+def _missing_dependency(exc: BaseException) -> bool:
+    """A module outside vLLM that does not import: the environment lacks what the release needs
+    (``overlay/rebase/deps.py``), whatever code imported it."""
+    name = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
+    return bool(name) and name.split(".")[0] != "vllm"
 
 
 def _triton_launch_without_triton(exc: BaseException) -> bool:
@@ -141,7 +150,7 @@ def failure_kind(when: str, exc: BaseException, tb: TracebackType | None,
         return "harness"
     if isinstance(exc, AssertionError | pytest.fail.Exception):
         return "behaviour"
-    if _NEEDS_GPU.search(str(exc)) or _triton_launch_without_triton(exc):
+    if _NEEDS_GPU.search(str(exc)) or _triton_launch_without_triton(exc) or _missing_dependency(exc):
         return "harness"
     return raised_in(tb, code_under_test() if under_test is None else under_test)
 

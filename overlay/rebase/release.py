@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from overlay.pins import load_pin
+from overlay.pins import Pin, load_pin
 from overlay.rebase.classify import resume, start
-from overlay.rebase.state import STATE, Outcome, RebaseError, prepared_pin, work_dir
+from overlay.rebase.deps import deps_for
+from overlay.rebase.state import STATE, Outcome, RebaseError, State, prepared_pin, work_dir
 from overlay.rebase.testrun import pytest_runner
 from overlay.workspace import extract_text_tree
 
@@ -25,7 +26,8 @@ def rebase_release(patches_root: Path, from_version: str, to_version: str, *,
         target_pin, target_wheel = prepared, fetch_wheel(prepared)
     else:
         target_pin, target_wheel = fetch_release(to_version)
-    runner = pytest_runner(tests_dir, cwd=Path.cwd()) if run_tests else None
+    deps = deps_for({from_version: base_wheel, target_pin.version: target_wheel})
+    runner = pytest_runner(tests_dir, cwd=Path.cwd(), deps=deps) if run_tests else None
     return start(patches_root, from_version, target_pin,
                  lambda d: _extract(base_wheel, d), lambda d: _extract(target_wheel, d),
                  work=work_dir(to_version, work_root), tests_dir=tests_dir, runner=runner)
@@ -45,7 +47,15 @@ def continue_release(to_version: str | None = None, *, work_root: Path = Path(".
         if len(found) > 1:
             raise RebaseError(f"several rebases in progress ({', '.join(p.name for p in found)}); pass TO=")
         work = found[0]
-    runner = pytest_runner(tests_dir, cwd=Path.cwd()) if run_tests else None
+    runner = None
+    if run_tests:
+        from overlay.fetch import fetch_wheel
+
+        state = State.load(work)
+        target = Pin.from_dict(state.pin, f"target pin of the rebase onto {state.to_version}")
+        wheels = {state.from_version: fetch_wheel(load_pin(Path(state.patches_root), state.from_version)),
+                  target.version: fetch_wheel(target)}
+        runner = pytest_runner(tests_dir, cwd=Path.cwd(), deps=deps_for(wheels))
     return resume(work, runner=runner)
 
 

@@ -108,30 +108,42 @@ def test_files(tests_dir: Path, patch_name: str) -> list[Path]:
     return [main, *sorted(main.parent.glob(f"{main.stem}__*.py"))]
 
 
-def pytest_runner(tests_dir: Path, *, cwd: Path | None = None, timeout: float = 900) -> TestRunner:
+Deps = Callable[[str], Path | None]
+"""``deps(release)``: the folder of what that release needs beyond this environment
+(:func:`overlay.rebase.deps.release_deps`), or None."""
+
+
+def pytest_runner(tests_dir: Path, *, cwd: Path | None = None, timeout: float = 900,
+                  deps: Deps | None = None) -> TestRunner:
     """Run a patch's :func:`test_files` in a subprocess with ``OVERLAY_VLLM_TREE=<tree>``.
 
     Like ``tests/test_patches_against_base.py``: the repository's ``conftest.py`` puts the
-    tree first on ``sys.path``; ``PYTHONPATH`` does the same for test folders without it, and
-    then names this tool's folder so that the :mod:`overlay.rebase.failkind` plugin loads.
+    tree first on ``sys.path``; ``PYTHONPATH`` does the same for test folders without it, then
+    the dependencies the tree's release needs beyond this environment (``deps``, by the release
+    ``vllm/_version.py`` names), and this tool's folder so that :mod:`overlay.rebase.failkind` loads.
     """
+    from overlay.rebase.deps import tree_version
 
     def run(patch: Patch, tree: Path) -> TestRun | None:
         files = test_files(tests_dir, patch.name)
         if not files[0].is_file():
             return None
-        return run_files(files, tree, cwd=cwd or tests_dir, timeout=timeout)
+        release = tree_version(tree) if deps is not None else None
+        extra = deps(release) if deps is not None and release else None
+        return run_files(files, tree, cwd=cwd or tests_dir, timeout=timeout, deps=extra)
 
     return run
 
 
-def run_files(files: list[Path], tree: Path, *, cwd: Path, timeout: float = 900) -> TestRun:
-    """pytest on ``files`` with ``import vllm`` resolving to ``tree``; what each test did."""
+def run_files(files: list[Path], tree: Path, *, cwd: Path, timeout: float = 900, deps: Path | None = None) -> TestRun:
+    """pytest on ``files`` with ``import vllm`` resolving to ``tree`` (and ``deps`` next on the
+    path); what each test did."""
     import subprocess
 
     env = dict(os.environ)
     env["OVERLAY_VLLM_TREE"] = str(tree)
-    env["PYTHONPATH"] = os.pathsep.join([str(tree), str(_TOOL_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    first = [str(tree), *([str(deps)] if deps else []), str(_TOOL_ROOT)]
+    env["PYTHONPATH"] = os.pathsep.join([*first, *filter(None, [env.get("PYTHONPATH")])])
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # never leave __pycache__ in a tree under test
     with tempfile.TemporaryDirectory(prefix="overlay-tests-") as tmp:
         junit = Path(tmp) / "junit.xml"

@@ -1,0 +1,118 @@
+"""The dependencies a release pins that this environment does not satisfy, installed beside it for
+that release's test runs (``make rebase``, ``make patch-tests-matrix``).
+
+The environment is built for the default release (``make build``). A later release may import a
+newer dependency than it has: vLLM 0.32.0 imports ``humming.tune.process_input``, which
+``humming-kernels`` 0.1.12 (0.28.0's pin) lacks, so its model runner does not even import. For a
+tree of such a release the runs put ``<cache>/deps/<version>-<key>/`` after the tree on
+``sys.path``: the release's own ``Requires-Dist`` that this environment does not satisfy, installed
+there with ``pip install --no-deps --target`` once (small: 45 MB for 0.32.0). The torch family is
+left to the environment's CPU build (PyPI's builds are CUDA ones that do not import beside it):
+0.33.0 pins torch 2.14.0 and runs on 2.13.0 here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from overlay.errors import OverlayError
+from overlay.fetch import cache_dir
+from overlay.install import CPU_SKIP, requirements
+
+ENV_SERVES = CPU_SKIP | {"torch"}  # the environment's own CPU torch serves every release
+_VERSION = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
+DONE = ".complete"
+
+Installer = Callable[[list[str], Path], None]
+"""``install(requirements, dest)`` puts those packages (no dependencies) into the folder ``dest``."""
+
+
+def tree_version(tree: Path) -> str | None:
+    """The vLLM release a text tree holds (``vllm/_version.py``), or None when it does not say."""
+    try:
+        found = _VERSION.search((tree / "vllm" / "_version.py").read_text(encoding="utf-8"))
+    except OSError:
+        return None
+    return found[1] if found else None
+
+
+def unmet(wheel: Path) -> list[str]:
+    """The wheel's requirements (markers of this machine, extras dropped, the torch family left out)
+    that the packages installed here do not satisfy, sorted."""
+    out: list[str] = []
+    for text in requirements(wheel):
+        req = Requirement(text)
+        if canonicalize_name(req.name) in ENV_SERVES:
+            continue
+        try:
+            have = version(req.name)
+        except PackageNotFoundError:
+            have = None
+        if have is None or not req.specifier.contains(have, prereleases=True):
+            out.append(f"{req.name}{req.specifier}")
+    return sorted(out)
+
+
+def pip_target(reqs: list[str], dest: Path) -> None:
+    """``pip install --no-deps --target dest`` of binary wheels."""
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
+           "--only-binary=:all:", "--target", str(dest), *reqs]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        raise OverlayError(f"pip could not install {' '.join(reqs)} for the test runs: {last}")
+
+
+def release_deps(release: str, wheel: Path, *, cache: Path | None = None,
+                 installer: Installer | None = None) -> Path | None:
+    """The folder of what ``wheel`` (release ``release``) needs beyond this environment, installed
+    once; None when the environment satisfies it."""
+    reqs = unmet(wheel)
+    if not reqs:
+        return None
+    key = hashlib.sha256("\n".join([wheel.name, sys.version, *reqs]).encode()).hexdigest()[:12]
+    root = (cache or cache_dir()) / "deps"
+    dest = root / f"{release}-{key}"
+    if (dest / DONE).is_file():
+        return dest
+    print(f"deps {release}: installing what it pins beyond this environment: {', '.join(reqs)}",
+          file=sys.stderr, flush=True)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=root))
+    try:
+        (installer or pip_target)(reqs, tmp)
+        (tmp / DONE).write_text("\n".join(reqs) + "\n")
+        if dest.exists():
+            shutil.rmtree(dest)  # an earlier attempt that did not complete
+        os.replace(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return dest
+
+
+def deps_for(wheels: dict[str, Path]) -> Callable[[str], Path | None]:
+    """``deps(release)`` for a test runner: :func:`release_deps` of ``wheels[release]``, made once per
+    release and only when a run needs it; None for a release not in ``wheels``."""
+    made: dict[str, Path | None] = {}
+
+    def deps(release: str) -> Path | None:
+        if release not in wheels:
+            return None
+        if release not in made:
+            made[release] = release_deps(release, wheels[release])
+        return made[release]
+
+    return deps

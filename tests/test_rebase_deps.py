@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from overlay.errors import OverlayError
 from overlay.rebase.deps import deps_for, release_deps, tree_version, unmet
 from overlay.rebase.testrun import pytest_runner, run_files
 from tests.wheelkit import make_wheel
@@ -71,3 +72,44 @@ def test_a_tree_runs_with_the_deps_of_its_release(tmp_path: Path) -> None:
         mp.setattr("overlay.rebase.deps.release_deps", lambda release, wheel: deps)
         run = runner(SimpleNamespace(name="p.patch"), tree)
     assert run is not None and run.status == "passed"
+
+
+def _dist(dest: Path, name: str, ver: str, *requires: str) -> None:
+    info = dest / f"{name.replace('-', '_')}-{ver}.dist-info"
+    info.mkdir(parents=True)
+    lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {ver}",
+             *(f"Requires-Dist: {r}" for r in requires)]
+    (info / "METADATA").write_text("\n".join(lines) + "\n")
+
+
+def test_what_the_installed_packages_require_is_installed_too(tmp_path: Path) -> None:
+    """0.31.0 pins transformers<5.18, whose 5.17 requires huggingface-hub<2 where the environment has
+    2.4: installing only the release's own pins left transformers refusing to import."""
+    calls: list[list[str]] = []
+
+    def install(reqs: list[str], dest: Path) -> None:
+        calls.append(reqs)
+        if reqs == ["no-such-package-overlay-test==2.0"]:
+            _dist(dest, "no-such-package-overlay-test", "2.0", "packaging<0.1", "pytest>=1",
+                  "torch==99.0", "winonly-overlay-test; sys_platform == 'win32'",
+                  "extra-only-overlay-test; extra == 'dev'", "no-such-package-overlay-test>=1")
+        else:
+            _dist(dest, "packaging", "0.0.9", "other-overlay-test==1.0")
+            _dist(dest, "other-overlay-test", "1.0")
+
+    wheel = _wheel(tmp_path, "no-such-package-overlay-test==2.0")
+    dest = release_deps("9.9.0", wheel, cache=tmp_path / "cache", installer=install)
+    assert calls == [["no-such-package-overlay-test==2.0"], ["packaging<0.1"]]
+    assert dest is not None
+    assert (dest / ".complete").read_text().split() == ["no-such-package-overlay-test==2.0", "packaging<0.1"]
+
+
+def test_a_closure_that_keeps_growing_is_refused(tmp_path: Path) -> None:
+    def install(reqs: list[str], dest: Path) -> None:
+        n = len(list(dest.glob("*.dist-info")))
+        _dist(dest, f"chain{n}-overlay-test", "1.0", f"chain{n + 1}-overlay-test==1.0")
+
+    wheel = _wheel(tmp_path, "chain0-overlay-test==1.0")
+    with pytest.raises(OverlayError, match="still grow after 8 rounds"):
+        release_deps("9.9.0", wheel, cache=tmp_path / "cache", installer=install)
+    assert not any((tmp_path / "cache" / "deps").iterdir())  # nothing half-made is left to be reused

@@ -6,9 +6,11 @@ newer dependency than it has: vLLM 0.32.0 imports ``humming.tune.process_input``
 ``humming-kernels`` 0.1.12 (0.28.0's pin) lacks, so its model runner does not even import. For a
 tree of such a release the runs put ``<cache>/deps/<version>-<key>/`` after the tree on
 ``sys.path``: the release's own ``Requires-Dist`` that this environment does not satisfy, installed
-there with ``pip install --no-deps --target`` once (small: 45 MB for 0.32.0). The torch family is
-left to the environment's CPU build (PyPI's builds are CUDA ones that do not import beside it):
-0.33.0 pins torch 2.14.0 and runs on 2.13.0 here.
+there with ``pip install --no-deps --target`` once (small: 45 MB for 0.32.0), and then what those
+packages require that neither the folder nor the environment satisfies, round by round until
+nothing is missing (0.31.0 pins ``transformers<5.18``; 5.17 requires ``huggingface-hub<2``, and the
+environment has 2.4). The torch family is left to the environment's CPU build (PyPI's builds are
+CUDA ones that do not import beside it): 0.33.0 pins torch 2.14.0 and runs on 2.13.0 here.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError, distributions, version
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -34,6 +36,7 @@ from overlay.install import CPU_SKIP, requirements
 ENV_SERVES = CPU_SKIP | {"torch"}  # the environment's own CPU torch serves every release
 _VERSION = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
 DONE = ".complete"
+ROUNDS = 8  # dependency rounds before the closure is called runaway
 
 Installer = Callable[[list[str], Path], None]
 """``install(requirements, dest)`` puts those packages (no dependencies) into the folder ``dest``."""
@@ -65,6 +68,55 @@ def unmet(wheel: Path) -> list[str]:
     return sorted(out)
 
 
+def _in_folder(folder: Path) -> dict[str, str]:
+    """Canonical name -> version of the distributions installed in ``folder``."""
+    return {canonicalize_name(d.metadata["Name"]): d.version for d in distributions(path=[str(folder)])}
+
+
+def unmet_in(folder: Path, asked: set[str]) -> list[str]:
+    """What the distributions in ``folder`` require (markers of this machine, no extras) that
+    neither ``folder`` nor this environment satisfies, leaving out the torch family and the names
+    in ``asked`` (already installed there), sorted."""
+    have_here = _in_folder(folder)
+    out: set[str] = set()
+    for dist in distributions(path=[str(folder)]):
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+                continue
+            name = canonicalize_name(req.name)
+            if name in ENV_SERVES or name in asked:
+                continue
+            have = have_here.get(name)
+            if have is None:
+                try:
+                    have = version(req.name)
+                except PackageNotFoundError:
+                    have = None
+            if have is None or not req.specifier.contains(have, prereleases=True):
+                out.add(f"{req.name}{req.specifier}")
+    return sorted(out)
+
+
+def install_closure(reqs: list[str], dest: Path, installer: Installer) -> list[str]:
+    """Install ``reqs`` into ``dest``, then what they need beyond ``dest`` and this environment,
+    round by round; every requirement installed, in order."""
+    done: list[str] = []
+    asked: set[str] = set()
+    for _ in range(ROUNDS):
+        if not reqs:
+            return done
+        if done:
+            print(f"deps: and what those require beyond this environment: {', '.join(reqs)}",
+                  file=sys.stderr, flush=True)
+        installer(reqs, dest)
+        done += reqs
+        asked |= {canonicalize_name(Requirement(r).name) for r in reqs}
+        reqs = unmet_in(dest, asked)
+    raise OverlayError(f"the dependencies for the test runs still grow after {ROUNDS} rounds "
+                       f"(last: {', '.join(reqs)}); install them into the environment instead")
+
+
 def pip_target(reqs: list[str], dest: Path) -> None:
     """``pip install --no-deps --target dest`` of binary wheels."""
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
@@ -82,7 +134,7 @@ def release_deps(release: str, wheel: Path, *, cache: Path | None = None,
     reqs = unmet(wheel)
     if not reqs:
         return None
-    key = hashlib.sha256("\n".join([wheel.name, sys.version, *reqs]).encode()).hexdigest()[:12]
+    key = hashlib.sha256("\n".join([wheel.name, sys.version, "closure", *reqs]).encode()).hexdigest()[:12]
     root = (cache or cache_dir()) / "deps"
     dest = root / f"{release}-{key}"
     if (dest / DONE).is_file():
@@ -92,8 +144,8 @@ def release_deps(release: str, wheel: Path, *, cache: Path | None = None,
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=root))
     try:
-        (installer or pip_target)(reqs, tmp)
-        (tmp / DONE).write_text("\n".join(reqs) + "\n")
+        done = install_closure(reqs, tmp, installer or pip_target)
+        (tmp / DONE).write_text("\n".join(done) + "\n")
         if dest.exists():
             shutil.rmtree(dest)  # an earlier attempt that did not complete
         os.replace(tmp, dest)

@@ -54,18 +54,21 @@ def tree_version(tree: Path) -> str | None:
 def unmet(wheel: Path) -> list[str]:
     """The wheel's requirements (markers of this machine, extras dropped, the torch family left out)
     that the packages installed here do not satisfy, sorted."""
-    out: list[str] = []
-    for text in requirements(wheel):
-        req = Requirement(text)
-        if canonicalize_name(req.name) in ENV_SERVES:
-            continue
+    reqs = [Requirement(text) for text in requirements(wheel)]
+    return sorted(f"{r.name}{r.specifier}" for r in reqs
+                  if canonicalize_name(r.name) not in ENV_SERVES and not _satisfied(r, {}))
+
+
+def _satisfied(req: Requirement, first: dict[str, str]) -> bool:
+    """Whether the version in ``first`` (canonical name -> version), else the one installed here,
+    meets ``req``."""
+    have = first.get(canonicalize_name(req.name))
+    if have is None:
         try:
             have = version(req.name)
         except PackageNotFoundError:
-            have = None
-        if have is None or not req.specifier.contains(have, prereleases=True):
-            out.append(f"{req.name}{req.specifier}")
-    return sorted(out)
+            return False
+    return req.specifier.contains(have, prereleases=True)
 
 
 def _in_folder(folder: Path) -> dict[str, str]:
@@ -85,15 +88,7 @@ def unmet_in(folder: Path, asked: set[str]) -> list[str]:
             if req.marker is not None and not req.marker.evaluate({"extra": ""}):
                 continue
             name = canonicalize_name(req.name)
-            if name in ENV_SERVES or name in asked:
-                continue
-            have = have_here.get(name)
-            if have is None:
-                try:
-                    have = version(req.name)
-                except PackageNotFoundError:
-                    have = None
-            if have is None or not req.specifier.contains(have, prereleases=True):
+            if name not in ENV_SERVES and name not in asked and not _satisfied(req, have_here):
                 out.add(f"{req.name}{req.specifier}")
     return sorted(out)
 

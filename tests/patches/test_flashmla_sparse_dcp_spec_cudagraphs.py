@@ -32,12 +32,15 @@ def _builder():
     return compat.symbol("flashmla_sparse", "FlashMLASparseMetadataBuilder")
 
 
-def _support(vllm_config):
+def _spec():
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    spec = MLAAttentionSpec(block_size=h.BLOCK, num_kv_heads=1, head_size=656, dtype=__import__("torch").uint8,
+    return MLAAttentionSpec(block_size=h.BLOCK, num_kv_heads=1, head_size=656, dtype=__import__("torch").uint8,
                             cache_dtype_str="fp8_ds_mla")
-    return _builder().get_cudagraph_support(vllm_config, spec)
+
+
+def _support(vllm_config):
+    return _builder().get_cudagraph_support(vllm_config, _spec())
 
 
 def _resolve(support, uniform_decode_query_len: int):
@@ -49,6 +52,24 @@ def _resolve(support, uniform_decode_query_len: int):
                            max_cudagraph_capture_size=16, splitting_ops=list(CompilationConfig._attention_ops))
     assert cc.splitting_ops_contain_attention()
     return cc.resolve_cudagraph_mode_and_sizes(support, "FlashMLASparseBackend", uniform_decode_query_len)
+
+
+@pytest.mark.parametrize(("layout", "decodes"), [((1, 1), True), ((2, 1), True), ((2, 16), False)])
+def test_mtp_steps_stay_decodes_only_where_the_builder_keeps_them(configs, layout, decodes):
+    """The premise of the support levels below, read from the builder itself: its reorder threshold
+    stays above 1 under DCP only with interleave 1. A release whose builder keeps (1 + k)-token
+    steps as decodes at interleave 16 wants them in full graphs, and this patch would demote them to
+    PIECEWISE: there the patch is contradicted, and the rebase leaves it to a person."""
+    dcp, interleave = layout
+    name = f"layers.premise.{dcp}.{interleave}.attn"
+    with compat.setup("a sparse MLA layer for the FlashMLA-sparse builder"):
+        h.make_layer(configs[layout], name, h.Recorder())  # the builder looks its layer up
+    metadata_cls = compat.symbol("flashmla_sparse", "FlashMLASparseMetadata")
+    kept = h.keeps_dcp_varlen_decodes(configs[layout], name, metadata_cls, _spec())
+    assert kept == decodes, (
+        f"DCP {dcp}, interleave {interleave}: the builder "
+        + ("keeps" if kept else "does not keep")
+        + " multi-token steps as decodes; the full-graph support below assumes the opposite")
 
 
 @pytest.mark.parametrize(("layout", "support"), [

@@ -39,6 +39,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_test_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every patch-test run a test starts really runs: none is read from the user's cache of runs
+    (``overlay/rebase/runcache.py``; its own tests give it a folder of their own)."""
+    monkeypatch.setenv("OVERLAY_TESTRUN_CACHE", "0")
+
+
 @pytest.fixture(scope="session")
 def base_wheel() -> Path:
     """The real, verified vLLM base wheel (downloaded once into the cache)."""

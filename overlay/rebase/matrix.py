@@ -223,6 +223,7 @@ def main(patches_root: Path, from_version: str, releases: list[str], out: Path, 
     exit 1 when a cell is red."""
     from overlay.fetch import fetch_wheel
     from overlay.rebase.deps import deps_for
+    from overlay.rebase.runcache import maybe_cached
     from overlay.rebase.testrun import pytest_runner
     from overlay.trees import release_tree
 
@@ -234,7 +235,8 @@ def main(patches_root: Path, from_version: str, releases: list[str], out: Path, 
     pins = {v: release_tree(v, roots) for v in dict.fromkeys([from_version, *releases])}
     deps = deps_for({v: fetch_wheel(pin) for v, (pin, _) in pins.items()})
     cells = run_matrix(patches_root, from_version, releases, lambda v: pins[v][1],
-                       pytest_runner(tests_dir, cwd=Path.cwd(), deps=deps), tests_dir=tests_dir)
+                       maybe_cached(pytest_runner(tests_dir, cwd=Path.cwd(), deps=deps), tests_dir, cwd=Path.cwd()),
+                       tests_dir=tests_dir)
     report = write_report(out, cells, releases, from_version)
     red = [c for c in cells if c.red]
     counts = {v: sum(c.verdict == v for c in cells) for v in VERDICTS}

@@ -8,6 +8,7 @@ from pathlib import Path
 from overlay.pins import Pin, load_pin
 from overlay.rebase.classify import resume, start
 from overlay.rebase.deps import deps_for
+from overlay.rebase.runcache import maybe_cached
 from overlay.rebase.state import STATE, Outcome, RebaseError, State, prepared_pin, work_dir
 from overlay.rebase.testrun import pytest_runner
 from overlay.workspace import extract_text_tree
@@ -27,7 +28,8 @@ def rebase_release(patches_root: Path, from_version: str, to_version: str, *,
     else:
         target_pin, target_wheel = fetch_release(to_version)
     deps = deps_for({from_version: base_wheel, target_pin.version: target_wheel})
-    runner = pytest_runner(tests_dir, cwd=Path.cwd(), deps=deps) if run_tests else None
+    runner = (maybe_cached(pytest_runner(tests_dir, cwd=Path.cwd(), deps=deps), tests_dir, cwd=Path.cwd())
+              if run_tests else None)
     return start(patches_root, from_version, target_pin,
                  lambda d: _extract(base_wheel, d), lambda d: _extract(target_wheel, d),
                  work=work_dir(to_version, work_root), tests_dir=tests_dir, runner=runner)
@@ -55,7 +57,8 @@ def continue_release(to_version: str | None = None, *, work_root: Path = Path(".
         target = Pin.from_dict(state.pin, f"target pin of the rebase onto {state.to_version}")
         wheels = {state.from_version: fetch_wheel(load_pin(Path(state.patches_root), state.from_version)),
                   target.version: fetch_wheel(target)}
-        runner = pytest_runner(tests_dir, cwd=Path.cwd(), deps=deps_for(wheels))
+        runner = maybe_cached(pytest_runner(tests_dir, cwd=Path.cwd(), deps=deps_for(wheels)), tests_dir,
+                              cwd=Path.cwd())
     return resume(work, runner=runner)
 
 

@@ -55,7 +55,7 @@ def _resolve(support, uniform_decode_query_len: int):
 
 
 @pytest.mark.parametrize(("layout", "decodes"), [((1, 1), True), ((2, 1), True), ((2, 16), False)])
-def test_mtp_steps_stay_decodes_only_where_the_builder_keeps_them(configs, layout, decodes):
+def test_mtp_steps_stay_decodes_only_where_the_builder_keeps_them(configs, layout, decodes, monkeypatch):
     """The premise of the support levels below, read from the builder itself: its reorder threshold
     stays above 1 under DCP only with interleave 1. A release whose builder keeps (1 + k)-token
     steps as decodes at interleave 16 wants them in full graphs, and this patch would demote them to
@@ -63,6 +63,8 @@ def test_mtp_steps_stay_decodes_only_where_the_builder_keeps_them(configs, layou
     dcp, interleave = layout
     name = f"layers.premise.{dcp}.{interleave}.attn"
     with compat.setup("a sparse MLA layer for the FlashMLA-sparse builder"):
+        h.no_pinned_memory(monkeypatch.setattr)  # page-locking needs CUDA
+        monkeypatch.setattr(compat.module("flashmla_sparse"), "torch", h.UnpinnedTorch())  # 0.29.0+
         h.make_layer(configs[layout], name, h.Recorder())  # the builder looks its layer up
     metadata_cls = compat.symbol("flashmla_sparse", "FlashMLASparseMetadata")
     kept = h.keeps_dcp_varlen_decodes(configs[layout], name, metadata_cls, _spec())

@@ -32,3 +32,22 @@ def test_a_rank_that_fails_stops_the_others_and_is_reported(tmp_path: Path, kind
         spawn_ranks(_rank, lambda r, port: (r, str(tmp_path), kind), tmp_path, world=2, timeout=300, grace=2)
     assert time.monotonic() - t0 < 120  # rank 0 stopped after the grace, not at the timeout
     assert "wrote no result" not in str(info.value)
+
+
+def test_a_rank_stopped_by_vllm_source_that_does_not_compile_reports_the_behaviour(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tree = tmp_path / "tree"
+    (tree / "vllm").mkdir(parents=True)
+    broken = tree / "vllm" / "merged.py"
+    broken.write_text("def f(:\n    pass\n")
+    monkeypatch.setenv("OVERLAY_VLLM_TREE", str(tree))
+    try:
+        compile(broken.read_text(), str(broken), "exec")
+    except SyntaxError as exc:
+        in_code = fatal_report(exc)
+    helper = tmp_path / "helper.py"
+    try:
+        compile("def g(:\n", str(helper), "exec")
+    except SyntaxError as exc:
+        in_harness = fatal_report(exc)
+    assert (in_code["fatal_kind"], in_harness["fatal_kind"]) == ("behaviour", "harness")

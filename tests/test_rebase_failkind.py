@@ -172,3 +172,27 @@ def test_reports_written_before_the_kinds_read_as_behaviour() -> None:
     run = TestRun.from_dict(old)
     assert run.behaviour_failed == ("b",) and not run.cannot_run
     assert TestRun.from_dict(run.to_dict()) == run
+
+
+def test_code_under_test_that_does_not_compile_is_the_behaviour_s(tmp_path: Path, tree: Path) -> None:
+    """A conflict candidate whose merge left broken lines: the tests stop where vLLM is imported
+    (collection, a fixture, a ``compat.setup`` region), and that is the code's failure, not the
+    harness's; a test helper that does not compile stays the harness's."""
+    (tree / "vllm" / "merged.py").write_text("def f(:\n    pass\n")
+    tests = _write(tmp_path, {
+        "test_collect.py": "import vllm.merged\n\n\ndef test_a():\n    pass\n",
+        "test_fixture.py": f"import sys\n\nsys.path.insert(0, {str(TESTS)!r})\nimport compat\nimport pytest\n\n\n"
+                           "@pytest.fixture\ndef merged():\n    import vllm.merged\n\n\n"
+                           "def test_f(merged):\n    pass\n\n\n"
+                           "def test_setup():\n    with compat.setup('the layer'):\n"
+                           "        import vllm.merged  # noqa\n",
+        "helper_broken.py": "def g(:\n    pass\n",
+        "test_helper.py": "import helper_broken\n\n\ndef test_h():\n    pass\n",
+    })
+    collect = run_files([tests / "test_collect.py"], tree, cwd=tests)
+    assert (collect.status, collect.kinds) == ("failed", ("behaviour",))
+    assert collect.reasons[0].startswith("SyntaxError")
+    inner = run_files([tests / "test_fixture.py"], tree, cwd=tests)
+    assert dict(zip(inner.failed, inner.kinds, strict=True)) == {"test_f": "behaviour", "test_setup": "behaviour"}
+    helper = run_files([tests / "test_helper.py"], tree, cwd=tests)
+    assert (helper.status, helper.kinds) == ("harness", ("harness",))

@@ -8,6 +8,10 @@ on this tree (its setup, its helpers or fixtures failed, a test-only name did no
 
 The rule for a failed test, first match wins:
 
+0. the code under test does not compile: a ``SyntaxError`` in the exception's chain whose file is
+   in the code under test is the code's failure, wherever it surfaced (a conflict candidate whose
+   merge left broken lines; the same rule holds for a rank's report, ``tests/patches/ranks.py``, and
+   for a test file that does not import, ``testrun``);
 1. the exception says what it is: a class attribute ``overlay_failure`` (``tests/compat.py``'s
    ``HarnessError`` from a ``compat.setup(...)`` region, ``BehaviourFailure`` from a
    ``compat.exercising(...)`` region); the outermost such exception of the chain;
@@ -25,7 +29,8 @@ The rule for a failed test, first match wins:
    makes it the harness's; only library frames: the harness's.
 
 Collection errors (a test file that does not import) never reach a test: ``testrun`` counts them
-as harness errors from JUnit's ``collection failure`` entries.
+as harness errors from JUnit's ``collection failure`` entries, unless the code under test does not
+compile (rule 0).
 """
 
 from __future__ import annotations
@@ -57,6 +62,18 @@ def _marked(exc: BaseException | None) -> str | None:
             return kind
         exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
     return None
+
+
+def does_not_compile(exc: BaseException | None, under_test: list[Path]) -> bool:
+    """A ``SyntaxError`` (or ``IndentationError``) in ``exc``'s chain raised for a file of the code
+    under test: that code is broken, whatever imported it."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, SyntaxError) and exc.filename and _under(Path(exc.filename).resolve(), under_test):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _missing_dependency(exc: BaseException) -> bool:
@@ -143,6 +160,9 @@ def test_code_frame(tb: TracebackType | None, under_test: list[Path], root: Path
 def failure_kind(when: str, exc: BaseException, tb: TracebackType | None,
                  under_test: list[Path] | None = None) -> str:
     """``harness`` or ``behaviour`` for an exception that failed a test in phase ``when``."""
+    under_test = code_under_test() if under_test is None else under_test
+    if does_not_compile(exc, under_test):
+        return "behaviour"
     marked = _marked(exc)
     if marked is not None:
         return marked
@@ -152,7 +172,7 @@ def failure_kind(when: str, exc: BaseException, tb: TracebackType | None,
         return "behaviour"
     if _NEEDS_GPU.search(str(exc)) or _triton_launch_without_triton(exc) or _missing_dependency(exc):
         return "harness"
-    return raised_in(tb, code_under_test() if under_test is None else under_test)
+    return raised_in(tb, under_test)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -154,7 +154,7 @@ def run_files(files: list[Path], tree: Path, *, cwd: Path, timeout: float = 900,
                                   timeout=timeout)
         except subprocess.TimeoutExpired:
             return TestRun("error", summary=f"timed out after {timeout:.0f} s")
-        cases = _junit(junit)
+        cases = _junit(junit, tree)
     tail = [ln for ln in (proc.stdout + proc.stderr).strip().splitlines() if ln.strip()]
     summary = tail[-1] if tail else f"pytest exited {proc.returncode}"
     return _run_of(proc.returncode, summary, tail, cases)
@@ -190,7 +190,23 @@ def _run_of(rc: int, summary: str, tail: list[str], c: _Cases) -> TestRun:
                    tuple(c.where), tuple(c.skipped), c.skip_reasons[0] if c.skip_reasons else "")
 
 
-def _junit(path: Path) -> _Cases:
+_FILE_LINE = re.compile(r'File "([^"]+)", line \d+')
+
+
+def _broken_in(text: str, reason: str, tree: Path | None) -> bool:
+    """A collection failure whose innermost exception is a ``SyntaxError`` in a file of ``tree``:
+    the code under test does not compile (failkind's rule 0), not a harness error."""
+    if tree is None or not reason.startswith(("SyntaxError", "IndentationError", "TabError")):
+        return False
+    files = _FILE_LINE.findall(text)
+    if not files:
+        return False
+    last = Path(files[-1]).resolve()
+    root = tree.resolve()
+    return last == root or root in last.parents
+
+
+def _junit(path: Path, tree: Path | None = None) -> _Cases:
     cases = _Cases([], [], [], [], [], [], [])
     if not path.exists():
         return cases
@@ -201,11 +217,14 @@ def _junit(path: Path) -> _Cases:
         bad = failure if failure is not None else error
         if bad is not None:
             message = bad.get("message") or ""
+            reason = _reason(message, bad.text or "")
             cases.failed.append(name)
-            cases.reasons.append(_reason(message, bad.text or ""))
+            cases.reasons.append(reason)
             # without the plugin's verdict (a collection failure has none): a failed call is the
-            # behaviour's, an error (setup, teardown, collection) the harness's
-            cases.kinds.append(props.get("overlay-failure") or ("behaviour" if failure is not None else "harness"))
+            # behaviour's, an error (setup, teardown, collection) the harness's, unless the code
+            # under test does not compile
+            default = "behaviour" if failure is not None or _broken_in(bad.text or "", reason, tree) else "harness"
+            cases.kinds.append(props.get("overlay-failure") or default)
             cases.where.append(props.get("overlay-failure-at", ""))
         elif (skip := case.find("skipped")) is not None:
             cases.skipped.append(name)

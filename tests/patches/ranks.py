@@ -64,11 +64,36 @@ def _read(path: Path) -> dict[str, Any]:
 
 def fatal_report(exc: BaseException) -> dict[str, str]:
     """What a rank writes when it stops on ``exc``: the traceback, and whose failure it is
-    (``behaviour`` when raised in a ``compat.exercising`` region, else ``harness``)."""
+    (``behaviour`` when raised in a ``compat.exercising`` region or when vLLM's own source does not
+    compile, else ``harness``)."""
     import traceback
 
-    kind = getattr(type(exc), "overlay_failure", "harness")
+    kind = "behaviour" if _vllm_does_not_compile(exc) else getattr(type(exc), "overlay_failure", "harness")
     return {"fatal": "".join(traceback.format_exception(exc)), "fatal_kind": kind}
+
+
+def _vllm_does_not_compile(exc: BaseException) -> bool:
+    """A ``SyntaxError`` in ``exc``'s chain for a file of the vLLM under test (``$OVERLAY_VLLM_TREE``,
+    else where ``vllm`` would be imported from): the code is broken, not the harness."""
+    import importlib.util
+    import os
+
+    roots = [Path(t).resolve() for t in [os.environ.get("OVERLAY_VLLM_TREE")] if t]
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        spec = None
+    roots += [Path(p).resolve() for p in (spec.submodule_search_locations or [])] if spec else []
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, SyntaxError) and cur.filename:
+            path = Path(cur.filename).resolve()
+            if any(path == r or r in path.parents for r in roots):
+                return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 RANKS_ENV = "OVERLAY_DCP_RANKS"

@@ -211,7 +211,8 @@ def markdown(cells: list[Cell], releases: list[str], from_version: str) -> str:
         lines.append(f"| `{name.removesuffix('.patch')}` | " + " | ".join(row) + " |")
     lines += ["", "## Why, per cell", ""]
     for c in cells:
-        how = f"; applied by {c.applied}" if c.applied else ""
+        how = {"": "", "carried": f"; applied as patches/{c.release}/ carries it"}.get(
+            c.applied, f"; applied by {c.applied}")
         lines.append(f"- `{c.patch.removesuffix('.patch')}` on {c.release}: {c.verdict}{' (red)' if c.red else ''}"
                      f": {c.why}{how} ({c.seconds:.0f} s)")
     return "\n".join(lines) + "\n"

@@ -102,3 +102,19 @@ def test_off_by_environment(layout, monkeypatch: pytest.MonkeyPatch) -> None:
     runner(PATCH, tree)
     runner(PATCH, tree)
     assert len(calls) == 1 and list((cache / "testruns").glob("*.json"))
+
+
+def test_two_checkouts_of_the_same_commit_share_runs(tmp_path: Path) -> None:
+    """The key is what the files say, not where the checkout is: a second clone (a worktree, CI's
+    checkout) reads the runs the first one kept."""
+    calls, inner = _counting()
+    tree = tmp_path / "tree"
+    (tree / "vllm").mkdir(parents=True)
+    (tree / "vllm" / "a.py").write_text("X = 1\n")
+    for clone in ("one", "two"):
+        tests = tmp_path / clone / "tests" / "patches"
+        tests.mkdir(parents=True)
+        (tests / "test_fix_a.py").write_text("def test_x():\n    pass\n")
+        (tests.parent / "conftest.py").write_text("# shared fixtures\n")
+        runcache.cached(inner, tests, cwd=tmp_path / clone, cache=tmp_path / "cache")(PATCH, tree)
+    assert len(calls) == 1

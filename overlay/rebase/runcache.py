@@ -64,8 +64,9 @@ def _conftests(tests_dir: Path, cwd: Path) -> list[str]:
     here, top = tests_dir.resolve().parent, cwd.resolve()
     while True:
         conftest = here / "conftest.py"
-        if conftest.is_file():
-            out.append(f"{conftest} {digest.of_file(conftest)}")
+        if conftest.is_file():  # where it sits, not where the checkout is: two clones share runs
+            out.append(f"{conftest.relative_to(top) if top in conftest.parents else conftest.name} "
+                       f"{digest.of_file(conftest)}")
         if here == top or here.parent == here or top not in here.parents:
             return out
         here = here.parent

@@ -51,3 +51,14 @@ def test_a_rank_stopped_by_vllm_source_that_does_not_compile_reports_the_behavio
     except SyntaxError as exc:
         in_harness = fatal_report(exc)
     assert (in_code["fatal_kind"], in_harness["fatal_kind"]) == ("behaviour", "harness")
+
+
+def _slow(rank: int, out: str) -> None:
+    time.sleep(600)
+
+
+def test_a_rank_that_runs_out_of_time_says_so(tmp_path: Path) -> None:
+    """Under load (a rebase beside other test runs on two cores) a rank can outlive the timeout:
+    the report says that, not a bare 'exit code -9'."""
+    with pytest.raises(compat.HarnessError, match=r"^rank 0 did not finish within 3 s and was killed"):
+        spawn_ranks(_slow, lambda r, port: (r, str(tmp_path)), tmp_path, world=2, timeout=3)

@@ -40,9 +40,11 @@ def spawn_ranks(target: Callable[..., None], args: Callable[[int, int], tuple[An
         if any("fatal" in _read(tmp / f"rank{r}.json") for r in range(world)):
             deadline = min(deadline, time.monotonic() + grace)
         time.sleep(0.5)
-    for p in procs:
+    killed = []
+    for r, p in enumerate(procs):
         if p.is_alive():
             p.kill()
+            killed.append(r)
         p.join()
     reports = [_read(tmp / f"rank{r}.json") for r in range(world)]
     for r, rep in enumerate(reports):  # a rank's own failure first: the others may be stopped for it
@@ -50,6 +52,9 @@ def spawn_ranks(target: Callable[..., None], args: Callable[[int, int], tuple[An
             error = compat.BehaviourFailure if rep.get("fatal_kind") == "behaviour" else compat.HarnessError
             raise error(f"rank {r}: {rep['fatal'].strip().splitlines()[-1]}\n{rep['fatal']}")
     for r, rep in enumerate(reports):
+        if not rep and r in killed:  # no rank reported a failure: the time ran out
+            raise compat.HarnessError(f"rank {r} did not finish within {timeout:.0f} s and was killed (a loaded "
+                                      "machine runs the ranks slower; run the test again)")
         if not rep:
             raise compat.HarnessError(f"rank {r} wrote no result (exit code {procs[r].exitcode})")
     return reports

@@ -118,3 +118,20 @@ def test_two_checkouts_of_the_same_commit_share_runs(tmp_path: Path) -> None:
         (tests.parent / "conftest.py").write_text("# shared fixtures\n")
         runcache.cached(inner, tests, cwd=tmp_path / clone, cache=tmp_path / "cache")(PATCH, tree)
     assert len(calls) == 1
+
+
+def test_a_run_with_one_harness_error_among_behaviour_failures_is_not_kept(layout) -> None:
+    """27 behaviour failures and one rank killed at its timeout: the run judged most of the code, but
+    the killed test is the machine's; kept, it would come back red without running again."""
+    tree, tests, cache = layout
+    calls: list[Path] = []
+
+    def inner(patch, tree: Path) -> TestRun:
+        calls.append(tree)
+        return TestRun("failed", failed=("test_a", "test_b"), kinds=("behaviour", "harness"),
+                       reasons=("AttributeError: W_UV_dcp", "compat.HarnessError: rank 0 did not finish"))
+
+    runner = runcache.cached(inner, tests, cwd=tests.parent.parent, cache=cache)
+    runner(PATCH, tree)
+    runner(PATCH, tree)
+    assert len(calls) == 2

@@ -12,9 +12,11 @@ runs the release's own tree again for every patch that follows. A run is keyed b
 - the tool's own test-running code (this package's ``testrun``, ``failkind`` and ``deps``),
 - the patch's name, Python's version and every distribution installed here (name and version).
 
-Only runs that judged the code are kept: ``passed``, ``failed`` (by behaviour) and ``skipped``.
-A harness error or a run that did not finish may be the machine's (a rank killed under load, a
-timeout) and is run again next time. ``OVERLAY_TESTRUN_CACHE=0`` turns the cache off.
+Only runs that judged the code are kept: ``passed``, ``failed`` (by behaviour) and ``skipped``,
+and none with a harness error in it. A harness error or a run that did not finish may be the
+machine's (a rank killed at its timeout under load) and is run again next time: kept, one such
+test among 27 behaviour failures made a later ``make patch-tests-matrix`` cell red without running.
+``OVERLAY_TESTRUN_CACHE=0`` turns the cache off.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ def cached(runner: TestRunner, tests_dir: Path, *, cwd: Path, cache: Path) -> Te
                   f"{kept.status} ({path.name[:12]})", file=sys.stderr, flush=True)
             return kept
         result = runner(patch, tree)
-        if result is not None and result.status in KEPT:
+        if result is not None and result.status in KEPT and not result.harness_failed:
             cache.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.{os.getpid()}")
             tmp.write_text(json.dumps(result.to_dict(), indent=1) + "\n", encoding="utf-8")

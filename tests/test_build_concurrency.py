@@ -53,7 +53,9 @@ def _temps(dist: Path) -> list[Path]:
 def test_two_builds_at_once_both_succeed(tmp_path: Path, release: tuple[Path, Path], delay: float | str) -> None:
     root, wheel = release
     dist = tmp_path / "dist"
-    first = _start(root, wheel, dist, hold=1.5)
+    # mid-write: the first build holds its temporary wheel 6 s, longer than the second one takes to
+    # start and reach the lock even on a loaded machine (with 1.5 s, under load 8, it found it free)
+    first = _start(root, wheel, dist, hold=6.0 if delay == "mid-write" else 1.5)
     if delay == "mid-write":  # start the second build while the first one's temporary wheel waits
         deadline = time.monotonic() + 60
         while not _temps(dist) and first.poll() is None and time.monotonic() < deadline:

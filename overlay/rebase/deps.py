@@ -15,7 +15,6 @@ CUDA ones that do not import beside it): 0.33.0 pins torch 2.14.0 and runs on 2.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -29,6 +28,8 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from overlay import digest
+from overlay.build import VERSION_PY
 from overlay.errors import OverlayError
 from overlay.fetch import cache_dir
 from overlay.install import CPU_SKIP, requirements
@@ -45,7 +46,7 @@ Installer = Callable[[list[str], Path], None]
 def tree_version(tree: Path) -> str | None:
     """The vLLM release a text tree holds (``vllm/_version.py``), or None when it does not say."""
     try:
-        found = _VERSION.search((tree / "vllm" / "_version.py").read_text(encoding="utf-8"))
+        found = _VERSION.search((tree / VERSION_PY).read_text(encoding="utf-8"))
     except OSError:
         return None
     return found[1] if found else None
@@ -129,7 +130,7 @@ def release_deps(release: str, wheel: Path, *, cache: Path | None = None,
     reqs = unmet(wheel)
     if not reqs:
         return None
-    key = hashlib.sha256("\n".join([wheel.name, sys.version, "closure", *reqs]).encode()).hexdigest()[:12]
+    key = digest.of_text("\n".join([wheel.name, sys.version, "closure", *reqs]))[:12]
     root = (cache or cache_dir()) / "deps"
     dest = root / f"{release}-{key}"
     if (dest / DONE).is_file():

@@ -7,7 +7,7 @@ series applied, and only the CMake extension targets that compile the touched so
 the overlay build then writes those ``.so`` files into the wheel.
 
 Which targets a touched source belongs to is read from the release's own CMake files
-(:mod:`overlay.kernels`). The plan and its build arguments are the same for every container
+(:mod:`overlay.kernels.targets`). The plan and its build arguments are the same for every container
 engine; :mod:`overlay.containers` picks the engine and turns the plan into its commands.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from overlay.containers import Engine, describe
 from overlay.errors import OverlayError
-from overlay.kernels import KernelTargets, is_cmake_source, read_kernel_map, resolve_targets
+from overlay.kernels.targets import KernelTargets, is_cmake_source, read_kernel_map, resolve_targets
 from overlay.pins import Pin, load_pin, pin_dir
 from overlay.series import Series
 

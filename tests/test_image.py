@@ -20,7 +20,7 @@ from overlay.cli import main, parser
 from overlay.containers import Engine
 from overlay.errors import FetchError, PinError
 from overlay.image import BASE_IMAGE, ImageError, format_plan, plan_image
-from overlay.kernels import KernelMapError, is_cmake_source, read_kernel_map, resolve_targets
+from overlay.kernels.targets import KernelMapError, is_cmake_source, read_kernel_map, resolve_targets
 from overlay.pins import Pin
 from overlay.sdist import fetch_sdist, find_sdist_url, read_sources
 from tests.wheelkit import format_patch, make_release, make_wheel, sha256

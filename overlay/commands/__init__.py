@@ -14,5 +14,5 @@ from __future__ import annotations
 
 # in `overlay --help` order
 MODULES: tuple[str, ...] = (
-    "build", "series", "workspace_plan", "bench", "image", "regress", "rebase", "checks", "device", "engine",
+    "build", "series", "workspace_plan", "bench", "image", "regress", "rebase", "checks", "device", "engine", "kernels",
 )

@@ -29,7 +29,7 @@ def cmd_build(ns: argparse.Namespace) -> int:
 
     kernels = None
     if ns.kernels:
-        from overlay.kernels import collect_kernels
+        from overlay.kernels.targets import collect_kernels
 
         kernels = collect_kernels(Path(ns.kernels))
     result = build(root(ns), ns.vllm, Path(ns.dist),

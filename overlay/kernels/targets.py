@@ -50,7 +50,7 @@ _CMD = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*\(")
 _ARG = re.compile(r'"(?:[^"\\]|\\.)*"|[^\s()"]+(?:"(?:[^"\\]|\\.)*")?|[()]')
 
 
-def _commands(text: str) -> list[tuple[str, list[str]]]:
+def commands(text: str) -> list[tuple[str, list[str]]]:
     """``(name, args)`` of every command call, args split as CMake does (quotes kept)."""
     text = _strip_comments(text)
     out: list[tuple[str, list[str]]] = []
@@ -77,7 +77,7 @@ def _commands(text: str) -> list[tuple[str, list[str]]]:
 _FACTS = {"VLLM_GPU_LANG": "CUDA", "VLLM_TARGET_DEVICE": "cuda"}
 
 
-def _eval_condition(args: list[str]) -> bool | None:
+def eval_condition(args: list[str]) -> bool | None:
     """Three-valued: ``False`` only when the condition is false on a CUDA build, else unknown/true."""
     tokens = [a.strip('"') if not a.startswith("${") else a for a in args]
     tokens = [re.sub(r"^\$\{(\w+)\}$", r"\1", t) for t in tokens]
@@ -174,12 +174,12 @@ def read_kernel_map(files: Mapping[str, str]) -> KernelMap:
         return out
 
     def walk(text: str, seen: tuple[str, ...]) -> None:
-        for name, args in _commands(text):
+        for name, args in commands(text):
             if name == "if":
-                v = _eval_condition(args)
+                v = eval_condition(args)
                 frames.append((v is not False, v is True))
             elif name == "elseif" and frames:
-                v = _eval_condition(args)
+                v = eval_condition(args)
                 _, taken = frames[-1]
                 frames[-1] = (not taken and v is not False, taken or v is True)
             elif name == "else" and frames:

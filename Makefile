@@ -32,7 +32,7 @@ build: $(TOOL_STAMP) ## build dist/vllm-<base>+<tag>-*.whl from the pinned wheel
 	$(OVERLAY) build --vllm $(VLLM) --install $(VENV)
 	@touch $(BUILD_STAMP)
 
-$(BUILD_STAMP): $(TOOL_STAMP) $(wildcard patches/$(VLLM)/*) $(wildcard overlay/*.py)
+$(BUILD_STAMP): $(TOOL_STAMP) $(wildcard patches/$(VLLM)/*) $(wildcard overlay/*.py overlay/build/*.py)
 	$(OVERLAY) build --vllm $(VLLM) --install $(VENV)
 	@touch $@
 

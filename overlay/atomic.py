@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from overlay.distdir import umask
+from overlay.build.distdir import umask
 
 
 @contextmanager

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
     try:
         if getattr(ns, "vllm", "") is None:
-            from overlay.pins import default_version
+            from overlay.build.pins import default_version
 
             ns.vllm = default_version(Path(ns.patches))
         return ns.handler(ns)

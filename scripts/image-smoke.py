@@ -6,7 +6,7 @@
 Imports ``vllm``, compares ``vllm.__version__`` with ``--version``, reads ``vllm/_overlay.json``
 (written by the overlay build) to check its version, base release and series tag, and counts the
 installed vLLM distributions (exactly one: pip replaced the base's). ``--expect FILE`` (``-``:
-stdin) names, per patch, the lines it adds to files of the package (``overlay.image_smoke`` derives
+stdin) names, per patch, the lines it adds to files of the package (``overlay.image.smoke`` derives
 them from the series); each must be a line of the installed file. ``--cli`` runs ``vllm --help``
 on the CPU platform. Standard library only: the runtime image does not carry the overlay tool.
 Exit 0 and one ``smoke: ok ...`` line, or exit 1 and one ``smoke: ...`` line naming every fault.

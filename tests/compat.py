@@ -10,7 +10,7 @@ marks harness code that calls into vLLM (building configs, metadata, stand-ins):
 raises is a :class:`HarnessError`, and the test "cannot run" on that release.
 ``with compat.exercising(what):`` marks a call of the code under test whose raising is the
 failure the test is about (:class:`BehaviourFailure`); :func:`added` looks up a name the patch
-adds, whose absence is such a failure. ``overlay/rebase/failkind.py`` reads the two classes'
+adds, whose absence is such a failure. ``overlay/maintain/rebase/failkind.py`` reads the two classes'
 ``overlay_failure`` and judges unmarked failures by where they were raised.
 """
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from overlay.pins import default_version
+from overlay.build.pins import default_version
 
 REPO = Path(__file__).resolve().parent.parent
 PATCHES = REPO / "patches"
@@ -42,15 +42,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _fresh_test_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every patch-test run a test starts really runs: none is read from the user's cache of runs
-    (``overlay/rebase/runcache.py``; its own tests give it a folder of their own)."""
+    (``overlay/maintain/rebase/runcache.py``; its own tests give it a folder of their own)."""
     monkeypatch.setenv("OVERLAY_TESTRUN_CACHE", "0")
 
 
 @pytest.fixture(scope="session")
 def base_wheel() -> Path:
     """The real, verified vLLM base wheel (downloaded once into the cache)."""
-    from overlay.fetch import fetch_wheel
-    from overlay.pins import load_pin
+    from overlay.build.fetch import fetch_wheel
+    from overlay.build.pins import load_pin
 
     return fetch_wheel(load_pin(PATCHES, DEFAULT_VLLM))
 

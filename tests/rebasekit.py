@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from overlay.build.pins import Pin
 from overlay.git import git, init_repo
-from overlay.pins import Pin
-from overlay.workspace import format_patch
+from overlay.maintain.workspace import format_patch
 
 FROM, TO = "0.1.0", "0.2.0"
 TARGET_PIN = Pin(TO, f"vllm-{TO}-cp38-abi3-manylinux_2_28_x86_64.whl", "ab" * 32)
@@ -86,11 +86,11 @@ def _pins_root(version: str) -> Path:
 
 
 def cached_tree(version: str) -> Path | None:
-    """The pinned release's text tree, extracted once into the cache (:func:`overlay.trees.base_tree`);
+    """The pinned release's text tree, extracted once into the cache (:func:`overlay.maintain.trees.base_tree`);
     ``None`` when its wheel was never fetched (nothing is downloaded here)."""
-    from overlay.fetch import cache_dir
-    from overlay.pins import load_pin
-    from overlay.trees import base_tree
+    from overlay.build.fetch import cache_dir
+    from overlay.build.pins import load_pin
+    from overlay.maintain.trees import base_tree
 
     root = _pins_root(version)
     if not (cache_dir() / "wheels" / load_pin(root, version).wheel).is_file():
@@ -102,6 +102,6 @@ def copy_of(tree: Path):
     """A tree source that copies ``tree`` (the cached tree itself is never written to)."""
     from functools import partial
 
-    from overlay.trees import copy_tree
+    from overlay.maintain.trees import copy_tree
 
     return partial(copy_tree, tree)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from overlay.build import build
-from overlay.distdir import LOCK_NAME
+from overlay.build.distdir import LOCK_NAME
+from overlay.build.pipeline import build
+from overlay.build.wheel import verify_record
 from overlay.errors import ApplyError, KernelPatchError, SeriesError, WheelError
-from overlay.wheel import verify_record
 from tests.wheelkit import A_PY, BASE_FILES, format_patch, good_patch, make_release, make_wheel
 from tests.wheelkit import changed as _changed
 
@@ -187,7 +187,7 @@ def test_kernel_patch_with_rebuilt_kernels(tmp_path: Path, wheel: Path) -> None:
 _KILL_SCRIPT = """
 import os, sys, time
 from pathlib import Path
-import overlay.build as b
+import overlay.build.pipeline as b
 def hang(src, dst):
     Path(sys.argv[3]).write_text(str(src))
     time.sleep(120)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from overlay.build import build
-from overlay.wheel import verify_record
+from overlay.build.pipeline import build
+from overlay.build.wheel import verify_record
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 # the window in which a second build used to delete it as "stale".
 _SLOW_BUILD = """
 import sys, time
-import overlay.build as b
+import overlay.build.pipeline as b
 from overlay.cli import main
 rewrite = b.rewrite_wheel
 def slow(*args, **kwargs):

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-import overlay.wheel
-from overlay.build import build
+import overlay.build.wheel
+from overlay.build.pipeline import build
 from overlay.cli import main
 
 
@@ -55,7 +55,7 @@ def test_disk_full_is_one_line_and_keeps_the_previous_wheel(
     def full(self: object, data: bytes) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(overlay.wheel._Writer, "_write", full)
+    monkeypatch.setattr(overlay.build.wheel._Writer, "_write", full)
     line = _cli_build(capsys, root, dist, wheel)
     assert line.startswith(f"error: {dist}/vllm-0.28.0+ovl")
     assert f"cannot write the wheel: No space left on device: free space on the filesystem of {dist}" in line

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from overlay.apply import apply_series
-from overlay.cherry_pick import CherryPickError, cherry_pick, cherry_pick_continue, web_url
+from overlay.build.apply import apply_series
+from overlay.build.series import Series
 from overlay.errors import ApplyError
 from overlay.git import git, git_text, init_repo
-from overlay.series import Series
+from overlay.maintain.cherry_pick import CherryPickError, cherry_pick, cherry_pick_continue, web_url
 from tests.rebasekit import BASE, FROM, fill, lines, make_patch, series_dir
 
 # Upstream's history: the release's files plus what the wheel does not ship (tests/, setup.py).

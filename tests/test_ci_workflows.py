@@ -59,19 +59,18 @@ def test_image_on_tags_builds_and_pushes() -> None:
 
 
 def test_image_smoke_on_every_change_to_the_image_inputs() -> None:
-    """The smoke job runs on pushes and pull requests that touch docker/, overlay/image*, the series or
+    """The smoke job runs on pushes and pull requests that touch docker/, overlay/image/plan*, the series or
     the pins, within CI's 90 minutes, through the script that also checks both negative cases."""
     doc = _load("image-smoke.yml")
     for event in ("push", "pull_request"):
         paths = doc["on"][event]["paths"]
-        assert {"docker/**", "overlay/image*.py", "overlay/standin.py", "overlay/containers.py", "patches/**",
-                "scripts/image-smoke*"} <= set(paths)
+        assert {"docker/**", "overlay/image/*.py", "patches/**", "scripts/image-smoke*"} <= set(paths)
     job = doc["jobs"]["image-smoke"]
     assert job["timeout-minutes"] <= 90 and not str(job["runs-on"]).startswith("self-hosted")
     runs = _runs(doc)
     assert any("mmdebstrap" in r and "apt-get install" in r for r in runs)
     assert any(r.startswith("sudo --preserve-env=PATH,HOME scripts/image-smoke-ci.sh") for r in runs)
-    from overlay.install import TORCH_CPU
+    from overlay.build.install import TORCH_CPU
 
     torch = next(r for r in runs if "pip download" in r)
     assert f'"{TORCH_CPU}+cpu"' in torch  # the stand-in's CPU torch is the release's pin
@@ -81,7 +80,7 @@ def test_image_smoke_ci_script_checks_both_negative_cases() -> None:
     text = (REPO / "scripts" / "image-smoke-ci.sh").read_text()
     assert "make image-smoke \"$@\"" in text and "for case in version patch; do" in text
     assert os.access(REPO / "scripts" / "image-smoke-ci.sh", os.X_OK)
-    from overlay.image_smoke import NEGATIVE_CASES
+    from overlay.image.smoke import NEGATIVE_CASES
 
     assert NEGATIVE_CASES == ("version", "patch")
 

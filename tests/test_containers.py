@@ -1,4 +1,4 @@
-"""Container engine selection and commands (overlay/containers.py), with stand-in executables on PATH:
+"""Container engine selection and commands (overlay/image/containers.py), with stand-in executables on PATH:
 the order docker, podman, buildah; the one-line error naming each engine tried; the sandbox flags in
 their one place; the same plan and build arguments for every engine. The last test builds with a
 real engine and skips with the reason when none is usable."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from overlay.containers import (
+from overlay.image.containers import (
     ENGINES,
     SANDBOX,
     Engine,

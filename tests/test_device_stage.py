@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from overlay import device as ds
-from overlay.archive import TAR_MTIME
+from overlay.build.archive import TAR_MTIME
 from overlay.cli import main
 from overlay.device import staging
 from overlay.errors import OverlayError

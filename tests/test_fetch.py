@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from overlay.build.fetch import fetch_wheel
+from overlay.build.pins import Pin
 from overlay.errors import FetchError
-from overlay.fetch import fetch_wheel
-from overlay.pins import Pin
 from tests.wheelkit import make_wheel, sha256
 
 

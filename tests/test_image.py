@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from overlay.build.pins import Pin
+from overlay.build.sdist import fetch_sdist, find_sdist_url, read_sources
 from overlay.cli import main, parser
-from overlay.containers import Engine
 from overlay.errors import FetchError, PinError
-from overlay.image import BASE_IMAGE, ImageError, format_plan, plan_image
+from overlay.image.containers import Engine
+from overlay.image.plan import BASE_IMAGE, ImageError, format_plan, plan_image
 from overlay.kernels.targets import KernelMapError, is_cmake_source, read_kernel_map, resolve_targets
-from overlay.pins import Pin
-from overlay.sdist import fetch_sdist, find_sdist_url, read_sources
 from tests.wheelkit import format_patch, make_release, make_wheel, sha256
 
 REPO = Path(__file__).resolve().parent.parent
@@ -261,7 +261,7 @@ def test_kernel_map_needs_cmakelists() -> None:
 
 def test_real_release_kernel_map() -> None:
     """vLLM 0.28.0's own CMake files (when its sdist is cached): the CUDA targets and their outputs."""
-    from overlay.fetch import cache_dir
+    from overlay.build.fetch import cache_dir
 
     sdist = cache_dir() / "sdists" / "vllm-0.28.0.tar.gz"
     if not sdist.is_file():
@@ -445,7 +445,7 @@ def test_find_sdist_url_in_pip_verbose_output() -> None:
 
 
 def test_sdist_extract_refuses_a_used_folder(tmp_path: Path) -> None:
-    from overlay.sdist import extract
+    from overlay.build.sdist import extract
 
     sdist = make_sdist(tmp_path, {"CMakeLists.txt": "x"})
     dest = tmp_path / "src"
@@ -542,7 +542,7 @@ def test_dockerignore_lets_the_copied_files_through() -> None:
 
 
 def test_pip_failure_line_names_the_cause() -> None:
-    from overlay.sdist import _last_line
+    from overlay.build.sdist import _last_line
 
     out = ("  Preparing metadata (pyproject.toml): started\n"
            "  ModuleNotFoundError: No module named 'setuptools_rust'\n"

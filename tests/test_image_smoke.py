@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from overlay.image_smoke import (
+from overlay.build.series import Series
+from overlay.image.smoke import (
     CPU_ENV,
     ENTRYPOINT,
     NO_MODEL,
@@ -24,8 +25,7 @@ from overlay.image_smoke import (
     expected_lines,
     smoke,
 )
-from overlay.series import Series
-from overlay.standin import (
+from overlay.image.standin import (
     PYTHON,
     StandinError,
     leave_out,
@@ -77,8 +77,8 @@ def test_negative_case_series_leaves_the_last_patch_out(tmp_path: Path) -> None:
 
 
 def test_unknown_negative_case(tmp_path: Path) -> None:
-    from overlay.containers import Engine
-    from overlay.image_smoke import ImageSmokeError
+    from overlay.image.containers import Engine
+    from overlay.image.smoke import ImageSmokeError
 
     with pytest.raises(ImageSmokeError, match=r"^NEGATIVE 'kernel' is not one of version, patch$"):
         smoke(tmp_path, "0.28.0", engine=Engine("docker", "docker"), repo=REPO, dist=tmp_path, negative="kernel")
@@ -200,7 +200,7 @@ def test_smoke_script_patch_lines_and_cli(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- the stand-in
 
 def test_standin_requirements_follow_the_pinned_wheel(tmp_path: Path) -> None:
-    from overlay.install import CPU_SKIP
+    from overlay.build.install import CPU_SKIP
 
     wheel = next((Path.home() / ".cache/vllm-overlay/wheels").glob("vllm-0.28.0-*.whl"), None)
     if wheel is None:

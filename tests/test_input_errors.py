@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from overlay.apply import apply_series
-from overlay.cherry_pick import CherryPickError, cherry_pick
+from overlay.build.apply import apply_series
+from overlay.build.pins import Pin, load_pin
+from overlay.build.series import Patch, Series
 from overlay.errors import ApplyError, OverlayError, PinError, SeriesError
 from overlay.git import git
-from overlay.pins import Pin, load_pin
-from overlay.series import Patch, Series
-from overlay.workspace import create, export, slug
-from overlay.workspace_plan import ServingConfig, build_config
+from overlay.maintain.cherry_pick import CherryPickError, cherry_pick
+from overlay.maintain.workspace import create, export, slug
+from overlay.regress.workspace_plan import ServingConfig, build_config
 from tests.rebasekit import BASE, FROM, fill, make_patch, series_dir
 from tests.wheelkit import format_patch, make_release, make_wheel
 

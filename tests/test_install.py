@@ -20,9 +20,9 @@ from unittest import mock
 
 import pytest
 
+from overlay.build.install import HASH_CHECK_MAX, cpu_installable, install, requirements
+from overlay.build.wheel import record_hash
 from overlay.errors import OverlayError
-from overlay.install import HASH_CHECK_MAX, cpu_installable, install, requirements
-from overlay.wheel import record_hash
 from tests.wheelkit import make_wheel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -172,7 +172,7 @@ def test_incremental_install_is_what_pip_installs(env_with_a: Path, pip_b: Path,
     assert f"Version: {B_VERSION}" in show
     links: list[str] = []
     real_link = os.link
-    with mock.patch("overlay.install.os.link", side_effect=lambda s, d: links.append(d) or real_link(s, d)):
+    with mock.patch("overlay.build.install.os.link", side_effect=lambda s, d: links.append(d) or real_link(s, d)):
         assert install(wheels[1], env, with_deps=False).how == "unchanged"
     assert links == []  # decided before staging: nothing linked into a stage only to be dropped
     subprocess.run([py, "-m", "pip", "uninstall", "-q", "-y", "vllm"], check=True)
@@ -268,9 +268,9 @@ def wrap(mod, name):
     setattr(mod, name, call)
 for name in ("link", "rename", "replace", "unlink", "mkdir", "rmdir", "chmod"):
     wrap(os, name)
-import overlay.swap
-wrap(overlay.swap, "exchange")
-from overlay.install import install
+import overlay.build.swap
+wrap(overlay.build.swap, "exchange")
+from overlay.build.install import install
 install(Path(sys.argv[2]), Path(sys.argv[3]), with_deps=False)
 print(count)
 """
@@ -333,7 +333,7 @@ def test_real_wheel_one_patch_edit_installs_incrementally(base_wheel: Path, tmp_
     """The real base: an environment holding the installed patched vLLM (hard-linked from ``.venv``), one
     patch line edited, rebuilt and installed: only the changed files are written and RECORD stays true."""
     from overlay.bench.build import _edit
-    from overlay.build import build
+    from overlay.build.pipeline import build
 
     live = Path(sysconfig.get_path("platlib"))
     infos = list(live.glob("vllm-*.dist-info"))

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from overlay.build.pins import Pin
+from overlay.build.series import Series
 from overlay.git import git, init_repo
-from overlay.patch_lint import PatchLintError, _commit_series, format_regions, lint_tree, ruff_version
-from overlay.pins import Pin
-from overlay.series import Series
-from overlay.workspace import format_patch
+from overlay.maintain.patch_lint import PatchLintError, _commit_series, format_regions, lint_tree, ruff_version
+from overlay.maintain.workspace import format_patch
 
 VLLM_PRECOMMIT = """\
 default_install_hook_types:

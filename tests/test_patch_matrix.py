@@ -1,5 +1,5 @@
 """``make patch-tests-matrix``: every patch's tests on every release, without and with the patch
-(``overlay/rebase/matrix.py``), on tiny synthetic releases with real pytest runs."""
+(``overlay/maintain/rebase/matrix.py``), on tiny synthetic releases with real pytest runs."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from overlay.errors import PinError
-from overlay.rebase import TestRun, pytest_runner
-from overlay.rebase.matrix import judge, main, markdown, run_matrix, write_report
+from overlay.maintain.rebase import TestRun, pytest_runner
+from overlay.maintain.rebase.matrix import judge, main, markdown, run_matrix, write_report
 from tests.rebasekit import BASE, FROM, TARGET, TO, fill, lines, make_patch, series_dir
 from tests.test_rebase import GUARD_FIX, GUARD_TEST
 
@@ -95,7 +95,7 @@ def test_judge_tells_each_cell() -> None:
 
 
 def test_markdown_marks_red_cells() -> None:
-    from overlay.rebase.matrix import Cell
+    from overlay.maintain.rebase.matrix import Cell
 
     cells = [Cell("a.patch", "0.30.0", "passes without it", "3 passed"),
              Cell("a.patch", "0.31.0", "cannot run", "without it: TypeError: x", red=True),

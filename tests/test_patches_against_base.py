@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from overlay import rebase  # not its test_file/test_files by name: pytest would collect them
-from overlay.rebase.testrun import describe, run_files
-from overlay.series import Series
-from overlay.trees import base_tree
+from overlay.build.series import Series
+from overlay.maintain import rebase  # not its test_file/test_files by name: pytest would collect them
+from overlay.maintain.rebase.testrun import describe, run_files
+from overlay.maintain.trees import base_tree
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests" / "patches"
@@ -36,7 +36,7 @@ def test_patch_has_tests(patch) -> None:
                          ids=lambda f: f.stem)
 def test_patch_tests_fail_on_base(file: Path) -> None:
     """Some test fails on the base, and every failure there is about the behaviour: a harness error
-    (the test's own setup, helpers or fixtures; ``overlay/rebase/failkind.py``) would prove nothing."""
+    (the test's own setup, helpers or fixtures; ``overlay/maintain/rebase/failkind.py``) would prove nothing."""
     run = run_files([file], base_tree(REPO / "patches", VERSION), cwd=REPO, timeout=900)
     assert run.behaviour_failed, f"expected behaviour failures on the unpatched base, got {describe(run)}"
     assert not run.harness_failed, f"harness errors on the base: {run.first_error()}"

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from overlay.build.pins import Pin, load_pin
 from overlay.errors import PinError
-from overlay.pins import Pin, load_pin
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -71,7 +71,7 @@ def test_the_guides_the_readme_points_to_exist() -> None:
 def test_one_default_release_everywhere() -> None:
     """patches/DEFAULT is the default of the CLI (read at run time), the Makefile (read by make) and the
     Dockerfile's VLLM_VERSION (which cannot read files: it must say the same)."""
-    from overlay.pins import default_version
+    from overlay.build.pins import default_version
 
     default = default_version(REPO / "patches")
     assert (REPO / "patches" / default / "pin.toml").is_file()

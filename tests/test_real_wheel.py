@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from overlay.build import build, series_tag
-from overlay.pins import load_pin
-from overlay.series import Series
-from overlay.wheel import verify_record
+from overlay.build.pins import load_pin
+from overlay.build.pipeline import build, series_tag
+from overlay.build.series import Series
+from overlay.build.wheel import verify_record
 
 REPO = Path(__file__).resolve().parent.parent
 PATCHES = REPO / "patches"

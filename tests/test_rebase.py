@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from overlay.apply import apply_series
+from overlay.build.apply import apply_series
+from overlay.build.fetch import fetch_release, sha256_file
+from overlay.build.pins import Pin, load_pin
+from overlay.build.series import Patch, Series
 from overlay.errors import FetchError
-from overlay.fetch import fetch_release, sha256_file
-from overlay.pins import Pin, load_pin
-from overlay.rebase import RebaseError, TestRun, pytest_runner, resume, start
-from overlay.series import Patch, Series
+from overlay.maintain.rebase import RebaseError, TestRun, pytest_runner, resume, start
 from tests.rebasekit import (
     BASE,
     FROM,
@@ -323,19 +323,20 @@ def test_a_prepared_target_folder_is_filled(tmp_path: Path, prepared: str) -> No
 
 def test_make_rebase_takes_a_prepared_pin_instead_of_the_index(tmp_path: Path,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    import overlay.fetch
-    import overlay.rebase.release
+    import overlay.build.fetch
+    import overlay.maintain.rebase.release
 
     root = tmp_path / "patches"
     series_dir(root, {"a.patch": make_patch(tmp_path, "a", CASES["applied"][0])})
     (root / TO).mkdir()
     (root / TO / "pin.toml").write_text(TARGET_PIN.to_toml())
     fetched: list[str] = []
-    monkeypatch.setattr(overlay.fetch, "fetch_wheel", lambda pin: fetched.append(pin.version) or tmp_path / pin.wheel)
-    monkeypatch.setattr(overlay.fetch, "fetch_release", lambda v: pytest.fail("asked the index"))
+    monkeypatch.setattr(overlay.build.fetch, "fetch_wheel",
+                        lambda pin: fetched.append(pin.version) or tmp_path / pin.wheel)
+    monkeypatch.setattr(overlay.build.fetch, "fetch_release", lambda v: pytest.fail("asked the index"))
     given: list[Pin] = []
-    monkeypatch.setattr(overlay.rebase.release, "start", lambda root, frm, pin, *a, **k: given.append(pin))
-    overlay.rebase.release.rebase_release(root, FROM, TO, work_root=tmp_path / "w", run_tests=False)
+    monkeypatch.setattr(overlay.maintain.rebase.release, "start", lambda root, frm, pin, *a, **k: given.append(pin))
+    overlay.maintain.rebase.release.rebase_release(root, FROM, TO, work_root=tmp_path / "w", run_tests=False)
     assert fetched == [FROM, TO] and given == [TARGET_PIN]
 
 
@@ -366,7 +367,7 @@ def test_cli_rebase_verbs_are_wired() -> None:
 
 
 def test_status_names_the_release_that_absorbed_a_patch(tmp_path: Path) -> None:
-    from overlay.status import absorbed_in
+    from overlay.maintain.status import absorbed_in
 
     root = tmp_path / "patches"
     series_dir(root, {"up.patch": make_patch(tmp_path, "up", CASES["upstream"][0]),
@@ -383,7 +384,7 @@ def test_status_names_the_release_that_absorbed_a_patch(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_real_releases_rename_dcp_utils_to_dcp(tmp_path: Path) -> None:
     """On the real 0.28.0 -> 0.29.0 trees a patch to ops/dcp_utils.py is carried into ops/dcp.py."""
-    from overlay.pins import load_pin
+    from overlay.build.pins import load_pin
 
     old, new = cached_tree("0.28.0"), cached_tree("0.29.0")
     if old is None or new is None:
@@ -408,9 +409,9 @@ def test_real_releases_rename_dcp_utils_to_dcp(tmp_path: Path) -> None:
 def test_committed_0_33_0_series_applies_to_its_wheel() -> None:
     """``patches/0.33.0`` (written by the real rebase) applies to the pinned 0.33.0 wheel, as in
     ``overlay status --vllm 0.33.0``; the wheel is fetched once into the cache and verified."""
-    from overlay.fetch import fetch_wheel
-    from overlay.pins import load_pin
-    from overlay.status import series_status
+    from overlay.build.fetch import fetch_wheel
+    from overlay.build.pins import load_pin
+    from overlay.maintain.status import series_status
 
     pin = load_pin(REPO_PATCHES, "0.33.0")
     wheel = fetch_wheel(pin)

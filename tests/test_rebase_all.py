@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from overlay.apply import apply_series
-from overlay.rebase import pytest_runner, resume, start
-from overlay.rebase.resolve import take_side
-from overlay.rebase.stale import later_pin_notes, sha256_of
-from overlay.series import Series
-from overlay.status import PatchStatus, format_table
+from overlay.build.apply import apply_series
+from overlay.build.series import Series
+from overlay.maintain.rebase import pytest_runner, resume, start
+from overlay.maintain.rebase.resolve import take_side
+from overlay.maintain.rebase.stale import later_pin_notes, sha256_of
+from overlay.maintain.status import PatchStatus, format_table
 from tests.rebasekit import BASE, FROM, TARGET, TARGET_PIN, TO, fill, lines, make_patch, series_dir
 
 A30 = {"vllm/a.py": lines("a", 40, l30="a_30 = 'patched'")}
@@ -131,7 +131,7 @@ def test_candidate_that_passes_the_tests_is_auto_resolved(tmp_path: Path) -> Non
 
 def test_a_run_killed_mid_way_leaves_what_it_classified(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The report is in the worktree after every patch, not only at the end of the run."""
-    import overlay.rebase.classify as rebase
+    import overlay.maintain.rebase.classify as rebase
 
     root = four(tmp_path)
     work = tmp_path / "work" / f"rebase-{TO}"

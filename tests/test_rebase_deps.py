@@ -1,5 +1,5 @@
 """A release's test runs get the dependencies it pins beyond this environment
-(``overlay/rebase/deps.py``), found by the release its tree names."""
+(``overlay/maintain/rebase/deps.py``), found by the release its tree names."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from overlay.errors import OverlayError
-from overlay.rebase.deps import deps_for, release_deps, tree_version, unmet
-from overlay.rebase.testrun import pytest_runner, run_files
+from overlay.maintain.rebase.deps import deps_for, release_deps, tree_version, unmet
+from overlay.maintain.rebase.testrun import pytest_runner, run_files
 from tests.wheelkit import make_wheel
 
 VERSION_PY = "__version__ = version = '9.9.0'\n__version_tuple__ = version_tuple = (9, 9, 0)\n"
@@ -69,7 +69,7 @@ def test_a_tree_runs_with_the_deps_of_its_release(tmp_path: Path) -> None:
     assert "No module named 'dep_only_here'" in without.first_error()
     runner = pytest_runner(tests, deps=deps_for({"9.9.0": Path("unused.whl")}))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("overlay.rebase.deps.release_deps", lambda release, wheel: deps)
+        mp.setattr("overlay.maintain.rebase.deps.release_deps", lambda release, wheel: deps)
         run = runner(SimpleNamespace(name="p.patch"), tree)
     assert run is not None and run.status == "passed"
 

@@ -1,5 +1,5 @@
-"""A patch's test run tells a harness error from a behaviour failure (``overlay/rebase/failkind.py``,
-read by ``overlay/rebase/testrun.py``): real pytest runs of small test files against a tiny tree."""
+"""A patch's test run tells a harness error from a behaviour failure (``overlay/maintain/rebase/failkind.py``,
+read by ``overlay/maintain/rebase/testrun.py``): real pytest runs of small test files against a tiny tree."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from overlay.rebase.testrun import TestRun, run_files
+from overlay.maintain.rebase.testrun import TestRun, run_files
 
 TESTS = Path(__file__).resolve().parent
 

@@ -1,4 +1,4 @@
-"""A patch's test runs are kept by what they ran on (``overlay/rebase/runcache.py``): the same
+"""A patch's test runs are kept by what they ran on (``overlay/maintain/rebase/runcache.py``): the same
 tests on the same tree in the same environment run once; any change to the tree, the tests or the
 harness beside them runs them again, and a run that did not judge the code is never kept."""
 
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from overlay.rebase import runcache
-from overlay.rebase.testrun import TestRun
+from overlay.maintain.rebase import runcache
+from overlay.maintain.rebase.testrun import TestRun
 
 PATCH = SimpleNamespace(name="fix-a.patch")
 

@@ -8,8 +8,8 @@ import json
 import subprocess
 from pathlib import Path
 
-from overlay.rebase import TestRun, resume, start
-from overlay.series import Patch, Series
+from overlay.build.series import Patch, Series
+from overlay.maintain.rebase import TestRun, resume, start
 from tests.rebasekit import BASE, FROM, TARGET, TARGET_PIN, TO, fill, lines, make_patch, series_dir
 
 APPLIES = {"vllm/a.py": lines("a", 40, l30="a_30 = 'patched'")}  # applies to the target as it is

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from overlay.git import git
-from overlay.rebase import start
-from overlay.rebase.release import continue_release
-from overlay.rebase.state import RebaseError
+from overlay.maintain.rebase import start
+from overlay.maintain.rebase.release import continue_release
+from overlay.maintain.rebase.state import RebaseError
 from tests.rebasekit import BASE, FROM, TARGET, TARGET_PIN, TO, fill, make_patch, series_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,7 +31,7 @@ def test_sigterm_while_preparing_removes_the_half_made_worktree(tmp_path: Path) 
     script = textwrap.dedent(f"""
         import time
         from pathlib import Path
-        from overlay.rebase import start
+        from overlay.maintain.rebase import start
         from tests.rebasekit import BASE, FROM, TARGET, TARGET_PIN, fill
 
         def slow(dest: Path) -> None:

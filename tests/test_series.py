@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from overlay.build.series import Patch, Series, is_kernel_path
 from overlay.errors import SeriesError
-from overlay.series import Patch, Series, is_kernel_path
 from tests.wheelkit import format_patch
 
 BEFORE = {"vllm/a.py": b"x = 1\ny = 2\n"}

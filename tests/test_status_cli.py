@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from overlay.status import format_table, series_status
+from overlay.maintain.status import format_table, series_status
 from tests.wheelkit import format_patch, make_release, make_wheel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,7 +71,7 @@ def test_cli_status_exit_code(tmp_path: Path) -> None:
 def test_absorbed_in_reads_later_rebase_reports(tmp_path: Path) -> None:
     import json
 
-    from overlay.status import absorbed_in
+    from overlay.maintain.status import absorbed_in
 
     def report(to: str, entries: list[dict[str, object]]) -> None:
         (tmp_path / to).mkdir()

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from overlay.build.sdist import extract_subtree
 from overlay.errors import FetchError
-from overlay.sdist import extract_subtree
-from overlay.upstream_tests import (
+from overlay.maintain.upstream_tests import (
     Expectations,
     ExpectedFailure,
     Outcome,
@@ -22,7 +22,7 @@ from overlay.upstream_tests import (
     run_pytest,
     select_tests,
 )
-from overlay.upstream_tests import (
+from overlay.maintain.upstream_tests import (
     tests_tree as make_tests_tree,
 )
 
@@ -85,7 +85,7 @@ def test_selection_rule(tmp_path: Path) -> None:
     assert select_tests(root / "tests", {"vllm.ops.dcp"}) == {"tests/ops/test_dcp.py": ("vllm.ops.dcp",)}
     assert select_tests(root / "tests", {"vllm.ops.dcp", "vllm.other"}, ()) == {
         "tests/ops/test_dcp.py": ("vllm.ops.dcp",), "tests/ops/test_other.py": ("vllm.other",)}
-    from overlay.upstream_tests import Excluded
+    from overlay.maintain.upstream_tests import Excluded
 
     excl = (Excluded("tests/ops/test_other.py", "unrelated"),)
     assert list(select_tests(root / "tests", {"vllm.other"}, excl)) == []
@@ -103,8 +103,8 @@ def test_expectations_validation() -> None:
 
 
 def test_shipped_expectations_load() -> None:
-    from overlay.series import Series
-    from overlay.upstream_tests import EXPECTED_DIR
+    from overlay.build.series import Series
+    from overlay.maintain.upstream_tests import EXPECTED_DIR
 
     repo = Path(__file__).resolve().parent.parent
     names = {p.name for p in Series.load(repo / "patches" / "0.28.0").patches}
@@ -177,7 +177,7 @@ def test_run_pytest_harness_error(tmp_path: Path) -> None:
 
 
 def test_report_json_roundtrip(tmp_path: Path) -> None:
-    from overlay.upstream_tests import Report, format_markdown
+    from overlay.maintain.upstream_tests import Report, format_markdown
 
     r = Report("9.9.9", {"vllm.ops.dcp": ("p.patch",)}, {"tests/ops/test_dcp.py": ("vllm.ops.dcp",)}, [],
                {"passed": 1, "failed": 1, "skipped": 0, "total": 2}, 1.0,
@@ -215,7 +215,7 @@ def _release(tmp_path: Path, sdist: Path) -> Path:
 
 def test_a_cut_short_sdist_is_a_harness_failure(tmp_path: Path) -> None:
     """Issue 25 item 10: a cut-short cached sdist gave a clear message but exit 1 (fail); it is exit 2."""
-    from overlay.upstream_tests import run
+    from overlay.maintain.upstream_tests import run
 
     sdist = _sdist(tmp_path, FAKE_TESTS)
     sdist.write_bytes(sdist.read_bytes()[:200])
@@ -231,7 +231,7 @@ def test_a_cut_short_sdist_is_a_harness_failure(tmp_path: Path) -> None:
 def test_a_missing_expectations_file_is_named_and_stops_the_gate(tmp_path: Path) -> None:
     """Issue 25 item 11: ``upstream_expected/<version>.toml`` missing selected vLLM's whole suite (65 files
     instead of 13) and ended in pytest exit 4; now the missing file is named and nothing runs."""
-    from overlay.upstream_tests import run
+    from overlay.maintain.upstream_tests import run
 
     sdist = _sdist(tmp_path, FAKE_TESTS)
     missing = tmp_path / "upstream_expected" / "9.9.9.toml"

@@ -3,7 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from overlay.git import git, git_text
-from overlay.workspace import create, export
+from overlay.maintain.workspace import create, export
 from tests.wheelkit import format_patch, make_release, make_wheel
 
 A = b"".join(f"a{i} = {i}\n".encode() for i in range(20))

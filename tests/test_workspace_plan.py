@@ -1,4 +1,4 @@
-"""``overlay.workspace_plan`` against vLLM's own sizing code, and the seed's figures.
+"""``overlay.regress.workspace_plan`` against vLLM's own sizing code, and the seed's figures.
 
 The capacity formula is checked against vLLM's ``get_dcp_workspace_max_num_tokens`` (called on
 CPU with the config attributes it reads) and the byte formulas against the real
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from overlay import cli
-from overlay.workspace_plan import (
+from overlay.regress.workspace_plan import (
     ServingConfig,
     a2a_workspace_bytes,
     build_config,

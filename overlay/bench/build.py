@@ -26,10 +26,10 @@ import time
 import venv
 from pathlib import Path
 
-from overlay.build import build
-from overlay.fetch import fetch_wheel
-from overlay.pins import load_pin, pin_dir
-from overlay.series import Series
+from overlay.build.fetch import fetch_wheel
+from overlay.build.pins import load_pin, pin_dir
+from overlay.build.pipeline import build
+from overlay.build.series import Series
 
 _EDITABLE = re.compile(rb"^\+\s*(return|import|from|raise)\b.*[\w)\]]$")
 _MARK = re.compile(rb"  # bench-edit \d+$")

@@ -24,8 +24,8 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_build(ns: argparse.Namespace) -> int:
-    from overlay.build import build
-    from overlay.install import cpu_installable, install
+    from overlay.build.install import cpu_installable, install
+    from overlay.build.pipeline import build
 
     kernels = None
     if ns.kernels:

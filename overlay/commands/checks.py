@@ -26,7 +26,7 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_upstream_tests(ns: argparse.Namespace) -> int:
-    from overlay.upstream_tests import run
+    from overlay.maintain.upstream_tests import run
 
     out = Path(ns.out)
     report = run(root(ns), ns.vllm, out, timeout=ns.timeout)
@@ -42,6 +42,6 @@ def cmd_upstream_tests(ns: argparse.Namespace) -> int:
 
 
 def cmd_patch_lint(ns: argparse.Namespace) -> int:
-    from overlay.patch_lint import main as lint_main
+    from overlay.maintain.patch_lint import main as lint_main
 
     return lint_main(root(ns), ns.vllm)

@@ -54,8 +54,8 @@ def _engine_options(sp: argparse.ArgumentParser) -> None:
 
 
 def cmd_image(ns: argparse.Namespace) -> int:
-    from overlay.containers import Engine, sandbox_wanted, select_engine
-    from overlay.image import build_image, format_plan, plan_image, prepare_kernel_source
+    from overlay.image.containers import Engine, sandbox_wanted, select_engine
+    from overlay.image.plan import build_image, format_plan, plan_image, prepare_kernel_source
 
     if ns.kernel_source:
         kernels = prepare_kernel_source(root(ns), ns.vllm, Path(ns.kernel_source))
@@ -77,8 +77,8 @@ def cmd_image(ns: argparse.Namespace) -> int:
 
 
 def cmd_image_smoke(ns: argparse.Namespace) -> int:
-    from overlay.containers import select_engine, smoke_store
-    from overlay.image_smoke import preflight, smoke
+    from overlay.image.containers import select_engine, smoke_store
+    from overlay.image.smoke import preflight, smoke
 
     engine = select_engine(ns.engine, sandbox=ns.sandbox, store=smoke_store())
     if ns.preflight:

@@ -79,10 +79,10 @@ def _log(line: str) -> None:
 
 
 def cmd_kernel_sources(ns: argparse.Namespace) -> int:
+    from overlay.build.pins import load_pin, pin_dir
+    from overlay.build.sdist import fetch_sdist, read_sources
     from overlay.kernels import sources
     from overlay.kernels.targets import is_cmake_source
-    from overlay.pins import load_pin, pin_dir
-    from overlay.sdist import fetch_sdist, read_sources
 
     pin = load_pin(root(ns), ns.vllm)
     sdist = fetch_sdist(pin, str(pin_dir(root(ns), ns.vllm) / "pin.toml"))

@@ -54,7 +54,7 @@ def _print_outcome(message: str, done: bool) -> int:
 
 
 def cmd_rebase(ns: argparse.Namespace) -> int:
-    from overlay.rebase import rebase_release
+    from overlay.maintain.rebase import rebase_release
 
     out = rebase_release(root(ns), ns.vllm, ns.to, tests_dir=Path(ns.tests), run_tests=not ns.no_tests)
     if out.done:
@@ -63,7 +63,7 @@ def cmd_rebase(ns: argparse.Namespace) -> int:
 
 
 def cmd_rebase_continue(ns: argparse.Namespace) -> int:
-    from overlay.rebase import continue_release
+    from overlay.maintain.rebase import continue_release
 
     out = continue_release(ns.to or None, tests_dir=Path(ns.tests), run_tests=not ns.no_tests)
     if out.done:
@@ -72,7 +72,7 @@ def cmd_rebase_continue(ns: argparse.Namespace) -> int:
 
 
 def cmd_cherry_pick(ns: argparse.Namespace) -> int:
-    from overlay.cherry_pick import cherry_pick_continue, cherry_pick_release
+    from overlay.maintain.cherry_pick import cherry_pick_continue, cherry_pick_release
 
     if ns.continue_:
         out = cherry_pick_continue(Path(".work") / f"cherry-pick-{ns.vllm}")
@@ -90,6 +90,6 @@ def cmd_cherry_pick(ns: argparse.Namespace) -> int:
 
 
 def cmd_patch_tests_matrix(ns: argparse.Namespace) -> int:
-    from overlay.rebase.matrix import main as matrix_main
+    from overlay.maintain.rebase.matrix import main as matrix_main
 
     return matrix_main(root(ns), ns.vllm, ns.releases, Path(ns.out), Path(ns.tests), [Path(ns.pins)])

@@ -33,7 +33,7 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
-    from overlay.status import format_table, series_status
+    from overlay.maintain.status import format_table, series_status
 
     rows = series_status(root(ns), ns.vllm)
     if ns.json:
@@ -44,7 +44,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
 
 
 def cmd_workspace(ns: argparse.Namespace) -> int:
-    from overlay.workspace import create
+    from overlay.maintain.workspace import create
 
     dest = Path(ns.dest or f".work/{ns.vllm}")
     create(root(ns), ns.vllm, dest)
@@ -53,7 +53,7 @@ def cmd_workspace(ns: argparse.Namespace) -> int:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
-    from overlay.workspace import export
+    from overlay.maintain.workspace import export
 
     src = Path(ns.src or f".work/{ns.vllm}")
     names = export(src, root(ns), ns.vllm, allow_dirty=ns.allow_dirty)

@@ -39,7 +39,7 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_workspace_plan(ns: argparse.Namespace) -> int:
     from overlay.errors import OverlayError
-    from overlay.workspace_plan import build_config, format_plan, plan
+    from overlay.regress.workspace_plan import build_config, format_plan, plan
 
     try:
         config = build_config(

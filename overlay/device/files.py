@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from overlay import digest
-from overlay.archive import tar_bytes
+from overlay.build.archive import tar_bytes
+from overlay.build.fetch import sha256_file
+from overlay.build.wheel import dist_info_name
 from overlay.device.requirements import pip_error_tail
 from overlay.device.resolve import ResolvedWheel, Resolver, target_args
 from overlay.device.settings import KEEP_KERNELS, LEFT_OUT, MIB, XZ_PRESET, DeviceStageError, log
-from overlay.fetch import sha256_file
-from overlay.wheel import dist_info_name
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from overlay.build.wheel import dist_info_name
 from overlay.device.settings import DEVICE_ENV, TORCH_FAMILY, DeviceStageError
-from overlay.wheel import dist_info_name
 
 
 def read_device_packages(path: Path) -> dict[str, str]:

@@ -18,9 +18,9 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
+from overlay.build.wheel import record_hash
 from overlay.device.requirements import Conflict, parse_conflict, pip_error_tail
 from overlay.device.settings import DEVICE_ENV, PLATFORMS, STUB_LABEL, TORCH_FAMILY, DeviceStageError, log
-from overlay.wheel import record_hash
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from overlay.build.fetch import cache_dir, sha256_file
 from overlay.device.carries import write_carries
 from overlay.device.files import download_wheels, stage_vllm
 from overlay.device.requirements import device_requirements, read_device_packages, wheel_requires_dist
@@ -29,7 +30,6 @@ from overlay.device.settings import (
     DeviceStageError,
     log,
 )
-from overlay.fetch import cache_dir, sha256_file
 from overlay.outpaths import check_dir
 
 
@@ -224,7 +224,7 @@ def format_summary(manifest: Mapping) -> str:
 
 def built_wheel(patches_root: Path, vllm: str, dist: Path) -> Path:
     """The wheel ``make build`` writes for the current series of release ``vllm`` (it must be built)."""
-    from overlay.build import series_wheel
+    from overlay.build.pipeline import series_wheel
 
     wheel = dist / series_wheel(patches_root, vllm).filename
     if not wheel.is_file():

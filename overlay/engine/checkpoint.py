@@ -36,8 +36,8 @@ from typing import Any
 
 from overlay import digest
 from overlay.atomic import replacing_dir
+from overlay.build.fetch import sha256_file
 from overlay.errors import OverlayError
-from overlay.fetch import sha256_file
 from overlay.outpaths import check_dir
 
 EOS_TOKEN = "<|endoftext|>"

@@ -18,12 +18,12 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from overlay.apply import apply_series, wheel_reader
-from overlay.archive import tar_bytes
+from overlay.build.apply import apply_series, wheel_reader
+from overlay.build.archive import tar_bytes
+from overlay.build.fetch import fetch_wheel
+from overlay.build.pins import load_pin, pin_dir
+from overlay.build.series import Patch, Series
 from overlay.errors import ApplyError
-from overlay.fetch import fetch_wheel
-from overlay.pins import load_pin, pin_dir
-from overlay.series import Patch, Series
 
 # The fix patches: what the engine check must see without each (the seed's bug reports), and
 # the case that shows it (None: cannot be shown on a machine without NVLink multicast).

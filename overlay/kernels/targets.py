@@ -239,7 +239,7 @@ class KernelTargets:
 
 def resolve_targets(touched: tuple[str, ...], kmap: KernelMap) -> KernelTargets:
     """Map the kernel paths a series touches to the targets to rebuild."""
-    from overlay.series import is_kernel_path
+    from overlay.build.series import is_kernel_path
 
     chosen: set[str] = set()
     reasons: list[tuple[str, tuple[str, ...], str]] = []

@@ -28,8 +28,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from overlay.build.fetch import cache_dir
 from overlay.errors import OverlayError
-from overlay.fetch import cache_dir
 
 MIN_CMAKE = (3, 26)
 # The CUDA libraries configure or the link of the extension targets look for (lib<name>.so).

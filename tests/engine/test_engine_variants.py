@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from overlay.build.fetch import fetch_wheel
+from overlay.build.pins import load_pin
 from overlay.engine.check import lay_variant
 from overlay.engine.variants import BENCH_VARIANTS, EXPECT, build_variants
-from overlay.fetch import fetch_wheel
-from overlay.pins import load_pin
 
 REPO = Path(__file__).resolve().parents[2]
 MLA = "vllm/model_executor/layers/attention/mla_attention.py"

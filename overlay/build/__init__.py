@@ -1,0 +1,1 @@
+"""The build pipeline: pin, fetch and verify, series, apply, rewrite the wheel, write dist/, install."""

@@ -1,0 +1,149 @@
+"""``Pin``: the base release a series applies to (version, wheel file name, sha256).
+
+Read from and written to ``patches/<version>/pin.toml``.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from overlay.errors import PinError
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_VERSION = re.compile(r"^\d+\.\d+\.\d+(?:\.post\d+|rc\d+)?$")
+
+
+@dataclass(frozen=True)
+class Pin:
+    """One pinned vLLM release."""
+
+    version: str
+    wheel: str
+    sha256: str
+    sdist: str | None = None
+    sdist_sha256: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object], source: str) -> Pin:
+        """Validate ``data``; every problem is collected before raising."""
+        problems: list[str] = []
+
+        def text(key: str, required: bool) -> str | None:
+            value = data.get(key)
+            if value is None:
+                if required:
+                    problems.append(f"missing field {key!r}")
+                return None
+            if not isinstance(value, str):
+                problems.append(f"field {key!r} must be a string, got {type(value).__name__}")
+                return None
+            return value
+
+        version = text("version", True)
+        wheel = text("wheel", True)
+        sha256 = text("sha256", True)
+        sdist = text("sdist", False)
+        sdist_sha256 = text("sdist_sha256", False)
+        unknown = sorted(set(data) - {"version", "wheel", "sha256", "sdist", "sdist_sha256"})
+        if unknown:
+            problems.append(f"unknown field(s) {', '.join(map(repr, unknown))}")
+        if version is not None and not _VERSION.match(version):
+            problems.append(f"field 'version' is not a release version: {version!r}")
+        if sha256 is not None and not _SHA256.match(sha256):
+            problems.append(f"field 'sha256' is not 64 lowercase hex digits: {sha256!r}")
+        if sdist_sha256 is not None and not _SHA256.match(sdist_sha256):
+            problems.append(f"field 'sdist_sha256' is not 64 lowercase hex digits: {sdist_sha256!r}")
+        if wheel is not None and version is not None:
+            if not (wheel.startswith(f"vllm-{version}-") and wheel.endswith(".whl")):
+                problems.append(f"field 'wheel' {wheel!r} is not a vllm {version} wheel file name")
+        if problems:
+            raise PinError(f"{source}: " + "; ".join(problems))
+        assert version and wheel and sha256
+        return cls(version, wheel, sha256, sdist, sdist_sha256)
+
+    @classmethod
+    def load(cls, path: Path) -> Pin:
+        """Read and validate ``path``."""
+        if path.is_dir():
+            raise PinError(f"{path}: is a directory, not a pin file; remove it and write the pin there "
+                           "(version, wheel, sha256)")
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raise PinError(f"{path}: no pin file (is this release in patches/?)") from None
+        except OSError as exc:
+            raise PinError(f"{path}: cannot read the pin file: {exc.strerror}") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = raw[: exc.start].count(b"\n") + 1
+            raise PinError(f"{path}:{line}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                           "save it as UTF-8") from None
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise PinError(f"{path}: not valid TOML: {exc}") from None
+        return cls.from_dict(data, str(path))
+
+    def to_toml(self) -> str:
+        """Serialize in a fixed field order (stable diffs)."""
+        lines = [
+            "# The base release this series applies to. The wheel is fetched from the package",
+            "# registry through pip and verified against sha256 before anything reads it.",
+            f'version = "{self.version}"',
+            f'wheel = "{self.wheel}"',
+            f'sha256 = "{self.sha256}"',
+        ]
+        if self.sdist:
+            lines.append(f'sdist = "{self.sdist}"')
+        if self.sdist_sha256:
+            lines.append(f'sdist_sha256 = "{self.sdist_sha256}"')
+        return "\n".join(lines) + "\n"
+
+
+DEFAULT_FILE = "DEFAULT"  # patches/DEFAULT: the release the tools use when none is named
+
+
+REPO_PATCHES = Path(__file__).resolve().parents[2] / "patches"
+
+
+def default_version(patches_root: Path) -> str:
+    """The default release: the one line of ``<patches_root>/DEFAULT`` (read by the CLI, the
+    Makefile, the engine variants and the tests; the Dockerfile's ``VLLM_VERSION`` default matches it).
+    A patches folder without its own ``DEFAULT`` (a synthetic one) takes the repository's."""
+    path = patches_root / DEFAULT_FILE
+    if not path.exists():
+        path = REPO_PATCHES / DEFAULT_FILE
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise PinError(f"{path}: cannot read the default release ({exc.strerror or exc})") from None
+    if not _VERSION.match(text):
+        raise PinError(f"{path}: expected one release like 0.28.0, got {text[:40]!r}")
+    return text
+
+
+def check_version(text: str, what: str) -> str:
+    """``text`` when it is a release version like 0.30.0, else a one-line ``PinError`` naming ``what``."""
+    if not _VERSION.match(text):
+        raise PinError(f"{what}: {text!r} is not a release version like 0.30.0")
+    return text
+
+
+def pin_dir(patches_root: Path, version: str) -> Path:
+    """The folder holding a release's ``pin.toml``, ``series`` and patches."""
+    return patches_root / version
+
+
+def load_pin(patches_root: Path, version: str) -> Pin:
+    """Load ``patches/<version>/pin.toml`` and check it pins ``version``."""
+    pin = Pin.load(pin_dir(patches_root, version) / "pin.toml")
+    if pin.version != version:
+        raise PinError(
+            f"{pin_dir(patches_root, version) / 'pin.toml'}: field 'version' is "
+            f"{pin.version!r} but the folder is {version!r}"
+        )
+    return pin

@@ -1,0 +1,66 @@
+"""The CLI's entry points: ``make rebase`` (fetch and verify both releases, then run) and
+``make rebase-continue``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from overlay.build.pins import Pin, load_pin
+from overlay.maintain.rebase.classify import resume, start
+from overlay.maintain.rebase.deps import deps_for
+from overlay.maintain.rebase.runcache import maybe_cached
+from overlay.maintain.rebase.state import STATE, Outcome, RebaseError, State, prepared_pin, work_dir
+from overlay.maintain.rebase.testrun import pytest_runner
+from overlay.maintain.workspace import extract_text_tree
+
+
+def rebase_release(patches_root: Path, from_version: str, to_version: str, *,
+                   work_root: Path = Path(".work"), tests_dir: Path = Path("tests/patches"),
+                   run_tests: bool = True) -> Outcome:
+    """``make rebase TO=...``: fetch and verify both wheels, then :func:`start`."""
+    from overlay.build.fetch import fetch_release, fetch_wheel
+
+    base_pin = load_pin(patches_root, from_version)
+    base_wheel = fetch_wheel(base_pin)
+    prepared = prepared_pin(patches_root, to_version)
+    if prepared is not None:
+        target_pin, target_wheel = prepared, fetch_wheel(prepared)
+    else:
+        target_pin, target_wheel = fetch_release(to_version)
+    deps = deps_for({from_version: base_wheel, target_pin.version: target_wheel})
+    runner = (maybe_cached(pytest_runner(tests_dir, cwd=Path.cwd(), deps=deps), tests_dir, cwd=Path.cwd())
+              if run_tests else None)
+    return start(patches_root, from_version, target_pin,
+                 lambda d: _extract(base_wheel, d), lambda d: _extract(target_wheel, d),
+                 work=work_dir(to_version, work_root), tests_dir=tests_dir, runner=runner)
+
+
+def continue_release(to_version: str | None = None, *, work_root: Path = Path(".work"),
+                     tests_dir: Path = Path("tests/patches"), run_tests: bool = True) -> Outcome:
+    """``make rebase-continue``: the one rebase in progress (or the one onto ``to_version``)."""
+    if to_version:
+        work = work_dir(to_version, work_root)
+    else:
+        found = sorted(p for p in work_root.glob("rebase-*") if (p / ".git" / STATE).is_file())
+        if not found:
+            half = sorted(p.name for p in work_root.glob("rebase-*") if p.is_dir() and not p.name.endswith("-stopped"))
+            raise RebaseError(f"no rebase in progress under {work_root}/" + (
+                f" ({', '.join(half)}: stopped before it began; remove it and run make rebase again)" if half else ""))
+        if len(found) > 1:
+            raise RebaseError(f"several rebases in progress ({', '.join(p.name for p in found)}); pass TO=")
+        work = found[0]
+    runner = None
+    if run_tests:
+        from overlay.build.fetch import fetch_wheel
+
+        state = State.load(work)
+        target = Pin.from_dict(state.pin, f"target pin of the rebase onto {state.to_version}")
+        wheels = {state.from_version: fetch_wheel(load_pin(Path(state.patches_root), state.from_version)),
+                  target.version: fetch_wheel(target)}
+        runner = maybe_cached(pytest_runner(tests_dir, cwd=Path.cwd(), deps=deps_for(wheels)), tests_dir,
+                              cwd=Path.cwd())
+    return resume(work, runner=runner)
+
+
+def _extract(wheel: Path, dest: Path) -> None:
+    extract_text_tree(wheel, dest)

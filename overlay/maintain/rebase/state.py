@@ -1,0 +1,106 @@
+"""A rebase's state and results: the scratch repository's state file, each patch's result, the
+outcome of a run, and ``RebaseError``."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from overlay.build.pins import Pin, load_pin, pin_dir
+from overlay.errors import OverlayError
+from overlay.maintain.replay import (
+    ConflictHunk,
+)
+
+STATE = "overlay-rebase.json"  # inside the scratch repository's .git: survives git commands
+
+
+class RebaseError(OverlayError):
+    """A rebase cannot start or continue (state missing, unresolved paths, target exists)."""
+
+
+@dataclass
+class Result:
+    """The classification of one patch."""
+
+    name: str
+    outcome: str
+    evidence: str
+    still_needed: list[str] = field(default_factory=list)
+    absorbed: list[str] = field(default_factory=list)
+    behaviour: dict[str, dict] = field(default_factory=dict)  # "old-base" / "target" -> TestRun
+    conflicts: list[dict] = field(default_factory=list)
+    carried: bool = False  # the patch is in the new series
+    candidates: list[dict] = field(default_factory=list)  # resolution attempts (rebase_resolve.Attempt)
+    source_sha256: str = ""  # the source patch file this result was classified from
+
+
+@dataclass
+class State:
+    """Everything ``make rebase-continue`` needs, stored in the scratch repository."""
+
+    from_version: str
+    to_version: str
+    pin: dict
+    patches_root: str
+    tests_dir: str
+    names: list[str]
+    old_commits: list[str]
+    index: int = 0
+    results: list[dict] = field(default_factory=list)
+    exported: dict[str, str] = field(default_factory=dict)  # name -> "verbatim" | commit id
+    pending: dict = field(default_factory=dict)  # the patch stopped at: head before, behaviour
+
+    def save(self, work: Path) -> None:
+        path = work / ".git" / STATE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, work: Path) -> State:
+        path = work / ".git" / STATE
+        if not path.is_file():
+            half = (" (a rebase that stopped before it began: remove it and run make rebase again)"
+                    if work.exists() else "")
+            raise RebaseError(f"{work}: no rebase in progress there (no .git/{STATE}){half}")
+        return cls(**json.loads(path.read_text()))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a run (or a continue) ended with."""
+
+    done: bool
+    out_dir: Path | None
+    results: list[Result]
+    conflict: list[ConflictHunk]
+    work: Path
+    message: str
+
+
+def work_dir(to_version: str, root: Path = Path(".work")) -> Path:
+    """The worktree a rebase to ``to_version`` uses and leaves behind on a conflict."""
+    return root / f"rebase-{to_version}"
+
+
+
+
+def prepared_pin(patches_root: Path, to: str) -> Pin | None:
+    """What may wait in ``patches/<to>/`` before a rebase onto ``to``: nothing, an empty folder, or only
+    ``pin.toml`` (the target pinned by hand: its wheel and digest are used instead of the index's).
+
+    Anything else is an earlier rebase's result, which a new one must not overwrite.
+    """
+    out = pin_dir(patches_root, to)
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        raise RebaseError(f"{out}: is a file, not a release folder; remove it to rebase onto {to}")
+    other = sorted(p.name for p in out.iterdir() if p.name != "pin.toml")
+    if other:
+        raise RebaseError(f"{out}: already exists (holds {', '.join(other[:3])}{', ...' if len(other) > 3 else ''}); "
+                          f"remove it to rebase onto {to} again")
+    return load_pin(patches_root, to) if (out / "pin.toml").exists() else None

@@ -1,0 +1,73 @@
+"""What a patch's own test runs say about the target: run on the old base (the base plus the
+earlier patches) and on the target without the patch, only behaviour failures judge (a harness
+error judges nothing, :mod:`overlay.maintain.rebase.failkind`)."""
+
+from __future__ import annotations
+
+from overlay.maintain.rebase.testrun import TestRun, describe
+
+
+def behaviour_verdict(runs: dict[str, dict], tests: str) -> tuple[str, list[str], list[str], str]:
+    """("absorbed" | "partial" | "needed" | "contradicted" | "unknown", tests now passing, still failing, note).
+
+    Only behaviour failures judge: a test that failed on the old base by a harness error showed
+    no bug; one that cannot run on the target (:attr:`TestRun.cannot_run`, or a harness error of
+    its own) says nothing of the target, and the note names the test file to fix first. A test that
+    passes on the old base and fails on the target without the patch by behaviour means the target
+    behaves otherwise than the tests expect: "contradicted", for a person to decide.
+    """
+    if not runs:
+        return "unknown", [], [], "no tests of its own"
+    old, new = TestRun.from_dict(runs["old-base"]), TestRun.from_dict(runs["target"])
+    if old.cannot_run:
+        return "unknown", [], [], f"its tests cannot run on the old base ({old.first_error()}): fix {tests} first"
+    judged = set(old.behaviour_failed)
+    if not judged:
+        return "unknown", [], [], (f"its tests do not fail on the old base ({describe(old)}); "
+                                   "they cannot tell whether upstream fixed it")
+    if new.cannot_run:
+        return "unknown", [], [], f"its tests cannot run on the target ({new.first_error()}): fix {tests} first"
+    fixed = sorted(judged & set(new.passed))
+    still = sorted(judged & set(new.behaviour_failed))
+    skipped = sorted(judged & set(new.skipped))  # the test itself says it does not apply there
+    blocked = sorted(judged - set(fixed) - set(still) - set(skipped))  # harness errors (or gone) there
+    contradicted = sorted(set(old.passed) & set(new.behaviour_failed))
+    if contradicted:
+        why = dict(zip(new.failed, new.reasons, strict=False))
+        return "contradicted", fixed, still, (
+            f"{len(contradicted)} of its tests pass on the old base and fail on the target without it "
+            f"(e.g. {contradicted[0]}: {why.get(contradicted[0], '')}): the target's own behaviour contradicts "
+            "them, so they cannot vouch for carrying the patch; a person decides")
+    if blocked and not still:
+        return "unknown", fixed, [], (f"{len(fixed)} of its tests that fail on the old base pass on the target "
+                                      f"without it, {len(blocked)} cannot run there ({new.first_error()}): "
+                                      f"fix {tests} first")
+    cannot = f"; {len(blocked)} cannot run there ({new.first_error()})" if blocked else ""
+    if not still and not fixed:
+        return "unknown", [], [], (f"its tests that fail on the old base are all skipped on the target "
+                                   f"({new.skip_reason}): they cannot tell")
+    if not still:
+        skips = f"; {len(skipped)} skipped there ({new.skip_reason})" if skipped else ""
+        return "absorbed", fixed, [], (f"its tests fail on the old base ({describe(old)}) and pass on the "
+                                       f"target without it ({describe(new)}){skips}")
+    if fixed:
+        return "partial", fixed, still, (f"of its tests that fail on the old base, {len(fixed)} pass on the "
+                                         f"target without it ({', '.join(fixed)}) and {len(still)} still fail "
+                                         f"({', '.join(still)})" + cannot + differently(old, new))
+    return "needed", [], still, (f"its tests still fail on the target without it ({describe(new)})" + cannot
+                                 + differently(old, new))
+
+
+def differently(old: TestRun, new: TestRun) -> str:
+    """A warning when the tests fail on the target for other reasons than on the old base.
+
+    A test that fails there with, say, an AttributeError from its own harness may not fit the
+    release (``tests/compat.py``) rather than show that the bug is still there.
+    """
+    before = dict(zip(old.failed, old.reasons, strict=False))
+    changed = [(t, why) for t, why in zip(new.failed, new.reasons, strict=False) if t in before and before[t] != why]
+    if not changed:
+        return ""
+    test, why = changed[0]
+    return (f"; but {len(changed)} of them fail differently there (e.g. {test}: {why}), so the tests may not "
+            "fit this release: check tests/compat.py before trusting this")

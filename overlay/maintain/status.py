@@ -1,0 +1,137 @@
+"""``make status``: one row per patch: name, subject, origin, kind, files, applies or not.
+
+The release that absorbed a patch comes from its ``Applied-Upstream:`` trailer, or else from
+the ``rebase.json`` files that ``make rebase`` wrote for later releases (the first release
+where the patch was found ``upstream`` or ``upstream-by-behaviour``; ``partly <release>`` when
+only part of it was). Each row also says when a later pin (one whose ``rebase.json`` says it
+was rebased from this one) carries an older version of the patch, or lacks it
+(:mod:`overlay.maintain.rebase.stale`).
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from overlay.build.apply import apply_series, wheel_reader
+from overlay.build.fetch import fetch_wheel
+from overlay.build.pins import load_pin, pin_dir
+from overlay.build.series import Series
+from overlay.errors import ApplyError
+from overlay.maintain.rebase.stale import later_pin_notes
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    """The state of one patch against the pinned base."""
+
+    name: str
+    subject: str
+    origin: str
+    kind: str
+    files: tuple[str, ...]
+    applies: bool
+    detail: str
+    applied_upstream: str
+    later: tuple[str, ...] = ()  # "<pin>: stale: ..." / "<pin>: missing: ..."
+
+    def to_dict(self) -> dict[str, object]:
+        d = asdict(self)
+        d["files"] = list(self.files)
+        d["later"] = list(self.later)
+        return d
+
+
+UPSTREAM_OUTCOMES = ("upstream", "upstream-by-behaviour")
+
+
+def absorbed_in(patches_root: Path, version: str) -> dict[str, str]:
+    """Patch name -> first later release whose rebase found it upstream (from ``rebase.json``)."""
+    from packaging.version import InvalidVersion, Version
+
+    found: dict[str, tuple[Version, str]] = {}
+    partly: dict[str, tuple[Version, str]] = {}
+    for report in patches_root.glob("*/rebase.json"):
+        try:
+            doc = json.loads(report.read_text())
+            release = Version(doc["to"])
+            entries = doc["patches"]
+        except (ValueError, KeyError, TypeError, InvalidVersion):
+            continue  # not a rebase report this tool wrote; status must still work
+        if doc.get("from") != version:
+            continue
+        for entry in entries:
+            outcome, evidence = entry.get("outcome"), str(entry.get("evidence", ""))
+            if outcome in UPSTREAM_OUTCOMES or entry.get("carried") is False:
+                into = found  # dropped: upstream has it (a resolved conflict may drop it too)
+            elif outcome == "partly-upstream" or evidence.startswith("partly upstream"):
+                into = partly
+            else:
+                into = None
+            name = entry.get("name")
+            if into is not None and name and (name not in into or release < into[name][0]):
+                into[name] = (release, str(release))
+    out = {name: f"partly {v}" for name, (_, v) in partly.items()}
+    out.update({name: v for name, (_, v) in found.items()})
+    return out
+
+
+def series_status(patches_root: Path, version: str, *, base_wheel: Path | None = None) -> list[PatchStatus]:
+    """Apply the series cumulatively and report, per patch, whether it applies."""
+    pin = load_pin(patches_root, version)
+    series = Series.load(pin_dir(patches_root, version))
+    wheel = base_wheel or fetch_wheel(pin)
+    rows: list[PatchStatus] = []
+    absorbed = absorbed_in(patches_root, version)
+    later = later_pin_notes(patches_root, version)
+    with zipfile.ZipFile(wheel) as zf:
+        read_base = wheel_reader(zf)
+        # The files as the patches that applied so far left them (None: deleted). Each patch is
+        # applied once, on top of that, instead of the whole good prefix again.
+        state: dict[str, bytes | None] = {}
+
+        def read(path: str) -> bytes | None:
+            return state[path] if path in state else read_base(path)
+
+        for patch in series.patches:
+            if patch.kind == "kernel":
+                # Compiled sources are not in the wheel; make image applies them to the sdist.
+                ok, detail = True, "kernel patch: applied by `make image` to the source"
+            else:
+                try:
+                    applied = apply_series((patch,), read, label=f"vllm {pin.version}")
+                    ok, detail = True, ""
+                    state.update(applied.changed)
+                    state.update(dict.fromkeys(applied.deleted))
+                except ApplyError as exc:
+                    ok, detail = False, str(exc)
+            rows.append(PatchStatus(patch.name, patch.subject, patch.origin, patch.kind,
+                                    patch.touched, ok, detail,
+                                    patch.applied_upstream or absorbed.get(patch.name, ""),
+                                    tuple(n.describe() for n in later.get(patch.name, ()))))
+    return rows
+
+
+def format_table(rows: list[PatchStatus], version: str) -> str:
+    """A plain-text table for the terminal."""
+    if not rows:
+        return f"vllm {version}: the series is empty\n"
+    header = ("patch", "kind", "applies", "upstream", "origin", "subject")
+    body = [
+        (r.name, r.kind, "yes" if r.applies else "NO", r.applied_upstream or "-", r.origin or "-", r.subject)
+        for r in rows
+    ]
+    widths = [max(len(str(x[i])) for x in (header, *body)) for i in range(len(header) - 1)]
+    lines = []
+    for row in (header, *body):
+        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths, strict=True)]
+        lines.append("  ".join([*cells, str(row[-1])]).rstrip())
+    for r in rows:
+        lines.append(f"  {r.name}: {', '.join(r.files)}")
+        if r.detail and not r.applies:
+            lines.append(f"    {r.detail}")
+        for note in r.later:
+            lines.append(f"    later pin {note}")
+    return "\n".join(lines) + "\n"

@@ -14,6 +14,7 @@ import pytest
 import overlay.build.wheel
 from overlay.build.pipeline import build
 from overlay.cli import main
+from tests.wheelkit import sha256
 
 
 @pytest.fixture
@@ -125,10 +126,44 @@ def test_corrupt_base_wheel_is_one_line_and_keeps_the_previous_wheel(
     bad.parent.mkdir()
     if corrupt is not None:
         bad.write_bytes(corrupt(wheel.read_bytes()))
+        _repin(root, bad)  # pin.toml records the damaged file: the digest passes, the reading must not
     line = _cli_build(capsys, root, dist, bad)
     assert line.startswith(f"error: {bad}: ")
     assert reason in line
     assert line.endswith("pass a complete wheel with --base-wheel")
+    assert _files(dist) == before
+
+
+def _repin(root: Path, wheel: Path) -> None:
+    pin = root / "0.28.0" / "pin.toml"
+    text = pin.read_text()
+    old = text.split('sha256 = "', 1)[1].split('"', 1)[0]
+    pin.write_text(text.replace(old, sha256(wheel)))
+
+
+@pytest.mark.parametrize("tamper", [
+    pytest.param(lambda data: data + b"\0", id="a-byte-appended"),
+    pytest.param(_damage_member, id="a-member-damaged"),
+])
+def test_a_base_wheel_that_is_not_the_pinned_one_is_refused(
+    capsys: pytest.CaptureFixture[str], release: tuple[Path, Path], previous: tuple[Path, dict[str, bytes]],
+    tmp_path: Path, tamper,
+) -> None:
+    """Issue 35 item 3: ``build --base-wheel F`` checks F against pin.toml's sha256 like a downloaded wheel.
+
+    Before: ``_check_base`` only checked that F exists; a wheel with a byte appended built and
+    installed (exit 0), since ``wheel.py`` trusts the base's RECORD on the assumption it was verified;
+    a damaged member came out as "not a readable wheel (Error -3 ...)" with neither digest.
+    """
+    root, wheel = release
+    dist, before = previous
+    bad = tmp_path / "tampered" / wheel.name
+    bad.parent.mkdir()
+    bad.write_bytes(tamper(wheel.read_bytes()))
+    line = _cli_build(capsys, root, dist, bad)
+    assert line == (f"error: {bad}: sha256 mismatch: expected {sha256(wheel)}, got {sha256(bad)}; it is not the "
+                    f"{wheel.name} that pin.toml pins: pass that wheel with --base-wheel (or leave --base-wheel "
+                    "out to fetch it)")
     assert _files(dist) == before
 
 

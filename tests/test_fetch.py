@@ -112,3 +112,40 @@ def test_download_without_the_expected_file(tmp_path: Path, good: tuple[Pin, Pat
     pin, _ = good
     with pytest.raises(FetchError, match=r"pip did not produce vllm-0.28.0-.*\(got nothing\)"):
         fetch_wheel(pin, cache=tmp_path / "c", downloader=lambda req, dest: None)
+
+
+def test_every_digest_check_is_the_one_verify(
+    tmp_path: Path, good: tuple[Pin, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35 item 3: a cached file, a fresh download, a file copied in and ``build --base-wheel`` are all
+    checked by ``fetch.verify``, the one compare-and-raise step (one message, one place to change).
+
+    Before: ``fetch_verified`` compared and raised twice inline (cache, download), ``copy_into_cache``
+    called ``verify``, and ``--base-wheel`` was not checked at all: this saw one call of four.
+    """
+    import overlay.build.fetch as fetch
+    import overlay.build.pipeline as pipeline
+    from overlay.build.fetch import copy_into_cache
+    from tests.wheelkit import BASE_FILES, good_patch, make_release
+
+    pin, wheel = good
+    real = fetch.verify
+    seen: list[str] = []
+
+    def spy(path: Path, expected: str, **kw: object) -> None:
+        seen.append(Path(path).parent.name)
+        real(path, expected, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fetch, "verify", spy)
+    monkeypatch.setattr(pipeline, "verify", spy, raising=False)
+    cache = tmp_path / "cache"
+    fetch_wheel(pin, cache=cache, downloader=Downloads(wheel))  # a download
+    fetch_wheel(pin, cache=cache, downloader=Downloads(wheel))  # the cached file
+    copy_into_cache(wheel, tmp_path / "copied", pin.sha256)  # a file copied in
+    base = tmp_path / "given"
+    base.mkdir()
+    given = make_wheel(base, BASE_FILES)
+    root = make_release(tmp_path / "rel", given, patches={"fix-a.patch": good_patch(tmp_path)})
+    pipeline.build(root, "0.28.0", tmp_path / "dist", base_wheel=given)
+    assert seen[:3] == [seen[0], "wheels", "src"] and seen[0].startswith(".download-")
+    assert seen[3:] == ["given"]

@@ -65,13 +65,21 @@ def pip_download_wheel(requirement: str, dest: Path) -> None:
         )
 
 
-def verify(path: Path, expected: str) -> None:
-    """Raise :class:`FetchError` naming both digests if ``path`` does not hash to ``expected``."""
+def verify(path: Path, expected: str, *, name: str | Path | None = None,
+           fix: str | Callable[[str], str] = "") -> None:
+    """Raise :class:`FetchError` if ``path`` does not hash to ``expected``: the one compare-and-raise step.
+
+    The line names the file (``name``, default ``path``), both digests and, after ``; ``, the fix
+    (``fix``, or ``fix(actual)`` for a fix that depends on the file's digest, e.g. where a
+    mismatching download was kept). Every digest check of a base file goes through here: the cache,
+    a fresh download, a file copied in, and ``build --base-wheel``.
+    """
     actual = sha256_file(path)
-    if actual != expected:
-        raise FetchError(
-            f"{path.name}: sha256 mismatch: expected {expected}, got {actual}"
-        )
+    if actual == expected:
+        return
+    advice = fix(actual) if callable(fix) else fix
+    raise FetchError(f"{name if name is not None else path}: sha256 mismatch: expected {expected}, got {actual}"
+                     + (f"; {advice}" if advice else ""))
 
 
 def fetch_verified(
@@ -87,11 +95,8 @@ def fetch_verified(
     """
     target = folder / filename
     if target.exists():
-        actual = sha256_file(target)
-        if actual != sha256:
-            raise FetchError(f"{target}: sha256 mismatch: expected {sha256}, got {actual}; the file is kept: "
-                             f"if {expected_from} is wrong, fix it; if the file is damaged, delete it to "
-                             "download it again")
+        verify(target, sha256, fix=f"the file is kept: if {expected_from} is wrong, fix it; if the file is "
+                                   "damaged, delete it to download it again")
         return target
     if _take_quarantined(folder, filename, sha256):
         return target
@@ -105,12 +110,13 @@ def fetch_verified(
         if not got.is_file():
             names = sorted(p.name for p in tmpdir.iterdir())
             raise FetchError(f"pip did not produce {filename} (got {names or 'nothing'})")
-        actual = sha256_file(got)
-        if actual != sha256:
+
+        def keep(actual: str) -> str:
             kept = _quarantine(got, folder, actual)
-            raise FetchError(f"{filename}: sha256 mismatch: expected {sha256}, got {actual}; the download is kept "
-                             f"as {kept}: if {expected_from} is wrong, fix it (the next build takes the kept "
-                             f"file); if the download is damaged, delete {kept} to download it again")
+            return (f"the download is kept as {kept}: if {expected_from} is wrong, fix it (the next build takes "
+                    f"the kept file); if the download is damaged, delete {kept} to download it again")
+
+        verify(got, sha256, name=filename, fix=keep)
         os.replace(got, target)
     return target
 
@@ -157,7 +163,7 @@ def fetch_wheel(pin: Pin, *, cache: Path | None = None, downloader: Downloader |
 
 def copy_into_cache(src: Path, folder: Path, sha256: str) -> Path:
     """Copy an already downloaded file into a cache folder after verifying it (offline use)."""
-    verify(src, sha256)
+    verify(src, sha256, name=src.name)
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / src.name
     tmp = target.with_name(f".{target.name}.tmp")

@@ -20,7 +20,7 @@ from pathlib import Path
 from overlay import __version__ as TOOL_VERSION
 from overlay.build.apply import apply_series, wheel_reader
 from overlay.build.distdir import write_into
-from overlay.build.fetch import fetch_wheel
+from overlay.build.fetch import fetch_wheel, verify
 from overlay.build.pins import Pin, load_pin, pin_dir
 from overlay.build.series import Series
 from overlay.build.wheel import rewrite_wheel
@@ -124,7 +124,8 @@ def build(
 ) -> BuildResult:
     """Build the patched wheel for release ``version`` into ``dist``.
 
-    ``base_wheel`` skips the fetch (a verified wheel already at hand). ``kernels`` maps
+    ``base_wheel`` skips the fetch: a wheel at hand, verified against ``pin.toml`` like a downloaded
+    one before anything reads it (``wheel.py`` trusts its RECORD on that). ``kernels`` maps
     archive paths (``vllm/_C.abi3.so``) to rebuilt binaries from ``make image``'s kernel
     stage; without them a series with kernel patches is refused.
     """
@@ -137,7 +138,7 @@ def build(
             f"patch {names} touches compiled sources ({series.kernel_patches[0].touched[0]}); "
             "the overlay cannot change prebuilt kernels: use `make image`, which rebuilds them"
         )
-    wheel = _check_base(base_wheel) or fetch_wheel(pin)
+    wheel = _check_base(base_wheel, pin) or fetch_wheel(pin)
     tag, full_version = target_wheel.tag, target_wheel.version
     with _readable(wheel, given=base_wheel is not None), zipfile.ZipFile(wheel) as zf:
         read = wheel_reader(zf)
@@ -162,9 +163,19 @@ def build(
     return BuildResult(target, full_version, tag, len(series.patches), elapsed)
 
 
-def _check_base(base_wheel: Path | None) -> Path | None:
-    if base_wheel is not None and not base_wheel.is_file():
+def _check_base(base_wheel: Path | None, pin: Pin) -> Path | None:
+    """``base_wheel`` once it is a file that hashes to the pin's sha256 (as :func:`fetch_wheel` checks a
+    cached or downloaded one); ``None`` when there is none (fetch it)."""
+    if base_wheel is None:
+        return None
+    if not base_wheel.is_file():
         raise WheelError(f"{base_wheel}: no such file: pass a complete wheel with --base-wheel")
+    try:
+        verify(base_wheel, pin.sha256, fix=f"it is not the {pin.wheel} that pin.toml pins: pass that wheel with "
+                                           "--base-wheel (or leave --base-wheel out to fetch it)")
+    except OSError as exc:
+        raise WheelError(f"{base_wheel}: cannot read it ({exc.strerror or exc}): pass a readable wheel with "
+                         "--base-wheel") from None
     return base_wheel
 
 

@@ -1,7 +1,10 @@
 """The only place git runs: argument lists, pinned configuration, ``GitError``.
 
 Every call goes through :func:`git`; no shell strings. The ``-c`` settings make results
-independent of the user's git configuration (identity, hooks, colour, rename limits).
+independent of the user's git configuration (identity, hooks, colour, rename limits). A value a
+user gives (a remote, a ref, a URL) goes through :func:`operand` before it reaches an argument
+list, and sits after ``--`` where the git command allows one: git must never read it as an option
+(``VLLM_REMOTE='--upload-pack=...'`` would run a command).
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from overlay.errors import GitError
+from overlay.errors import GitError, UsageError
 
 # Fixed identity and dates so commits made by the tool (scratch trees, workspaces) have
 # the same ids for the same inputs; users' global config must not leak in.
@@ -36,6 +39,20 @@ _CONFIG = [
     "-c", "advice.detachedHead=false",
     "-c", "am.keepcr=true",
 ]
+
+
+def operand(value: str, what: str) -> str:
+    """``value`` (a remote, ref or URL a user gave), refused in one line when git could read it as an option.
+
+    The one check for every user value that reaches git: one starting with '-' is never an operand
+    (``--upload-pack=CMD`` runs CMD), and one with a control character is no name git takes either.
+    """
+    if value.startswith("-"):
+        raise UsageError(f"{what} {value!r}: starts with '-', which git would read as an option; "
+                         "give a remote URL or path, a ref or a commit")
+    if not value or any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise UsageError(f"{what} {value!r}: empty or holds a control character; not a git remote, ref or commit")
+    return value
 
 
 def git(

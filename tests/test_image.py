@@ -324,7 +324,7 @@ def test_make_target_dry_run() -> None:
     """The Makefile target passes DRY_RUN and ARCH through to the verb."""
     proc = subprocess.run(["make", "--no-print-directory", "-n", "image", "DRY_RUN=1", "ARCH=9.0a 10.0a"], cwd=REPO,
                           capture_output=True, text=True, check=True)
-    assert proc.stdout.strip().endswith("-m overlay image --vllm 0.28.0 --dry-run --arch '9.0a 10.0a'")
+    assert proc.stdout.strip().endswith("-m overlay image --vllm '0.28.0' --dry-run --arch '9.0a 10.0a'")
 
 
 def test_current_series_dry_run() -> None:

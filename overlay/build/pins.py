@@ -12,8 +12,8 @@ from pathlib import Path
 
 from overlay.errors import PinError
 
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_VERSION = re.compile(r"^\d+\.\d+\.\d+(?:\.post\d+|rc\d+)?$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}\Z")
+_VERSION = re.compile(r"^\d+\.\d+\.\d+(?:\.post\d+|rc\d+)?\Z")  # \Z: "$" lets a trailing newline through
 
 
 @dataclass(frozen=True)

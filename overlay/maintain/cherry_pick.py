@@ -24,7 +24,7 @@ from pathlib import Path
 from overlay.build.pins import load_pin, pin_dir
 from overlay.build.series import Patch, Series, parse_diffs
 from overlay.errors import ApplyError, GitError, OverlayError, SeriesError
-from overlay.git import git, git_text
+from overlay.git import git, git_text, operand
 from overlay.maintain.replay import ConflictHunk, TreeSource, am, conflict_report, init_base, unmerged
 from overlay.maintain.workspace import format_patch, slug
 
@@ -64,9 +64,13 @@ class PickOutcome:
     left_out: tuple[str, ...] = ()
 
 
-def remote_url() -> str:
-    """The upstream vLLM git remote: ``$VLLM_REMOTE`` or GitHub."""
-    return os.environ.get("VLLM_REMOTE") or DEFAULT_REMOTE
+def remote_url(remote: str | None = None) -> str:
+    """The upstream vLLM git remote: ``remote`` (``--remote``), ``$VLLM_REMOTE`` or GitHub; never an option."""
+    if remote:
+        return operand(remote, "--remote")
+    if os.environ.get("VLLM_REMOTE"):
+        return operand(os.environ["VLLM_REMOTE"], "VLLM_REMOTE")
+    return DEFAULT_REMOTE
 
 
 def web_url(remote: str) -> str | None:
@@ -127,7 +131,7 @@ def _commit_meta(repo: Path, rev: str) -> tuple[str, str, str, str, str]:
 
 def _fetch(repo: Path, remote: str, refspecs: list[str], what: str) -> None:
     try:
-        git(["fetch", "-q", "--no-tags", remote, *refspecs], repo)
+        git(["fetch", "-q", "--no-tags", "--", operand(remote, "the vLLM remote"), *refspecs], repo)
     except GitError as exc:
         raise CherryPickError(f"cannot fetch {what} from {remote}: {exc.stderr.strip().splitlines()[-1]}") from None
 
@@ -152,6 +156,7 @@ def change_from_pr(repo: Path, remote: str, number: int) -> Change:
 
 def change_from_commit(repo: Path, remote: str, ref: str) -> Change:
     """One upstream commit (fetched by name or id), against its first parent."""
+    operand(ref, "REF")
     try:
         _fetch(repo, remote, [f"+{ref}:refs/overlay/commit"], f"commit {ref}")
     except CherryPickError:
@@ -269,12 +274,14 @@ def cherry_pick(
     """Turn ``ref`` into a patch placed in ``patches/<version>/series``; see the module docstring."""
     directory = pin_dir(patches_root, version)
     file = None if ref.isdigit() else ref_file(ref)
+    if file is None and not ref.isdigit():
+        operand(ref, "REF")
+    remote = remote_url(remote)  # refused before anything is set up
     series = Series.load(directory)
     names = [p.name for p in series.patches]
     pos = _position(names, after, before)
     if work.exists():
         raise CherryPickError(f"{work}: a cherry-pick is in progress: `make cherry-pick-continue`, or remove it")
-    remote = remote or remote_url()
     work.parent.mkdir(parents=True, exist_ok=True)
     try:
         init_base(work, fill_base, version)
@@ -385,8 +392,9 @@ def cherry_pick_release(patches_root: Path, version: str, ref: str, *, work_root
     from overlay.build.fetch import fetch_wheel
     from overlay.maintain.workspace import extract_text_tree
 
-    if not ref.isdigit():
-        ref_file(ref)  # a missing patch file is refused before anything is fetched
+    if not ref.isdigit() and ref_file(ref) is None:  # a missing patch file, a bad ref or remote: before any fetch
+        operand(ref, "REF")
+    remote_url(kwargs.get("remote"))  # type: ignore[arg-type]
     wheel = fetch_wheel(load_pin(patches_root, version))
     print(f"cherry-pick {ref} onto vllm {version} ...", file=sys.stderr, flush=True)
     return cherry_pick(patches_root, version, ref, fill_base=lambda d: extract_text_tree(wheel, d) and None,

@@ -168,7 +168,8 @@ def test_make_regress_passes_profile_base_url_and_out(tmp_path: Path) -> None:
                           "BASE_URL=http://127.0.0.1:9", "OUT=o"],
                          cwd=REPO, capture_output=True, text=True, check=True, timeout=30).stdout
     line = next(ln for ln in out.splitlines() if " regress " in ln).rstrip()
-    assert "-m overlay regress --profile p.yaml --out o --base-url http://127.0.0.1:9  || { rc=$?;" in line
+    assert "-m overlay regress --profile 'p.yaml' --out \"$out\" --base-url 'http://127.0.0.1:9' || { rc=$?;" in line
+    assert "out='o';" in out
 
 
 def test_cluster_script_runs_the_regression_and_returns_the_verdict(standin, tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from overlay.build.pins import Pin, load_pin
+from overlay.build.pins import Pin, check_version, load_pin
 from overlay.maintain.rebase.classify import resume, start
 from overlay.maintain.rebase.deps import deps_for
 from overlay.maintain.rebase.runcache import maybe_cached
@@ -20,6 +20,7 @@ def rebase_release(patches_root: Path, from_version: str, to_version: str, *,
     """``make rebase TO=...``: fetch and verify both wheels, then :func:`start`."""
     from overlay.build.fetch import fetch_release, fetch_wheel
 
+    check_version(to_version, "TO (--to)")  # before it names a folder, a download or a report
     base_pin = load_pin(patches_root, from_version)
     base_wheel = fetch_wheel(base_pin)
     prepared = prepared_pin(patches_root, to_version)
@@ -39,7 +40,7 @@ def continue_release(to_version: str | None = None, *, work_root: Path = Path(".
                      tests_dir: Path = Path("tests/patches"), run_tests: bool = True) -> Outcome:
     """``make rebase-continue``: the one rebase in progress (or the one onto ``to_version``)."""
     if to_version:
-        work = work_dir(to_version, work_root)
+        work = work_dir(check_version(to_version, "TO (--to)"), work_root)
     else:
         found = sorted(p for p in work_root.glob("rebase-*") if (p / ".git" / STATE).is_file())
         if not found:

@@ -93,6 +93,16 @@ image: $(TOOL_STAMP) ## image over vllm/vllm-openai with docker, podman or build
 image-smoke: $(TOOL_STAMP) ## our image built on a CPU stand-in of the base (Debian + PyPI), run and checked; NEGATIVE= must fail [ENGINE= SANDBOX=auto NEGATIVE=version|patch KEEP=1 TORCH=<wheel>]
 	$(OVERLAY) image-smoke --vllm $(call q,VLLM)$(if $(ENGINE), --engine $(call q,ENGINE))$(if $(SANDBOX), --sandbox $(call q,SANDBOX))$(if $(NEGATIVE), --negative $(call q,NEGATIVE))$(if $(KEEP), --keep)$(if $(TORCH), --torch $(call q,TORCH))
 
+.PHONY: kernel-sources kernel-toolchain kernels
+kernel-sources: $(TOOL_STAMP) ## kernel-sources/<VLLM>/: each FetchContent source at its pin (placeholders for what TARGETS do not compile), offline builds [TARGETS= MIRROR= REMOTES="name=repo" EXCLUDE="name=path" CHECK=1]
+	$(OVERLAY) kernel-sources --vllm $(VLLM)$(if $(TARGETS), --targets $(TARGETS))$(if $(MIRROR), --mirror '$(MIRROR)')$(foreach r,$(REMOTES), --remote '$(r)')$(foreach e,$(EXCLUDE), --exclude '$(e)')$(if $(CHECK), --check)
+
+kernel-toolchain: $(TOOL_STAMP) ## check the kernel build's cmake, CUDA torch config and CUDA libraries; ASSEMBLE=1 makes them from PyPI [ASSEMBLE=1]
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(OVERLAY) kernel-toolchain$(if $(ASSEMBLE), --assemble)
+
+kernels: $(TOOL_STAMP) ## rebuild the CUDA targets the series' kernel patches touch (scripts/build-kernels.sh) into KERNELS_OUT, then the wheel with them [PATCHES=patches KERNELS_OUT=kernels/<VLLM> MAX_JOBS=]
+	$(OVERLAY) --patches $(or $(PATCHES),patches) kernels build --vllm $(VLLM) --out $(or $(KERNELS_OUT),kernels/$(VLLM))
+
 rebase: $(TOOL_STAMP) ## carry the series onto release TO: every patch classified in one run; patches/<TO>/ with REBASE.md, or exit 2 with the report in .work/rebase-<TO>/ [TO=x.y.z NO_TESTS=1]
 	@test -n $(call q,TO) || { echo "usage: make rebase TO=x.y.z" >&2; exit 1; }
 	$(OVERLAY) rebase --vllm $(call q,VLLM) --to $(call q,TO)$(if $(NO_TESTS), --no-tests)
@@ -116,7 +126,7 @@ cherry-pick-continue: $(TOOL_STAMP) ## finish a cherry-pick stopped at a conflic
 # make exits 2 whenever a recipe fails, so its status says only pass (0) or not (2); OUT/verdict
 # (one word: pass, regression, harness) and OUT/verdict.json say which. scripts/regress.sh returns 0/1/2.
 REGRESS_OUT = $(or $(OUT),regress-report)
-regress: $(TOOL_STAMP) ## differential vs a reference, long context, GSM8K, acceptance, latency vs baselines; exit 0 pass, 2 not; OUT/verdict: pass/regression/harness [PROFILE= BASE_URL= REF_URL= OUT= ARGS= ATTACH_TIMEOUT=]
+regress: $(TOOL_STAMP) ## differential vs a reference, long context, GSM8K, latency, acceptance vs baselines; exit 0 pass, 2 not; OUT/verdict: pass/regression/harness [PROFILE= BASE_URL= REF_URL= OUT= ARGS= ATTACH_TIMEOUT=]
 	@out=$(call q,REGRESS_OUT); rm -f "$$out/verdict" "$$out/verdict.json"; \
 	$(if $(ATTACH_TIMEOUT),REGRESS_ATTACH_TIMEOUT=$(call q,ATTACH_TIMEOUT) )$(OVERLAY) regress --profile $(if $(PROFILE),$(call q,PROFILE),glm5.2-fp8-tp8-dcp8) --out "$$out"$(if $(BASE_URL), --base-url $(call q,BASE_URL))$(if $(REF_URL), --ref-url $(call q,REF_URL))$(call qw,ARGS) || { rc=$$?; echo "make regress: verdict $$(cat "$$out/verdict" 2>/dev/null || echo harness) (overlay regress exit $$rc); details in $$out/verdict.json" >&2; exit $$rc; }
 

@@ -7,13 +7,15 @@
 #
 # 1. `overlay image --kernel-source WORK/src`: fetch the pinned sdist (sha256-verified), unpack it,
 #    apply the series, print the CMake targets that compile the touched sources.
-# 2. `overlay kernel-prepare`: check the toolchain (cmake >= 3.26, a CUDA torch's CMake config, nvcc
-#    and the CUDA libraries) and the sources (each one the targets compile from a clean checkout at
-#    the pin in the release's CMake files; placeholders for the rest, see `make kernel-sources`),
-#    copy them to WORK/sources/, and bound MAX_JOBS by memory. One line for the first fault, before
-#    anything compiles.
-# 3. Configure vLLM's CMake as its setup.py does, with FETCHCONTENT_FULLY_DISCONNECTED=ON and every
-#    external a local tree; `overlay kernel-order` puts the costliest compiles first; ninja builds
+# 2. `overlay kernels prepare`: check the toolchain (cmake >= 3.26, a CUDA torch's CMake config, nvcc
+#    and the CUDA libraries) and, when SOURCES/<version>/ exists, the sources (each one the targets
+#    compile from a clean checkout at the pin in the release's CMake files; placeholders for the
+#    rest, see `make kernel-sources`), copy them to WORK/sources/, and bound MAX_JOBS by memory. One
+#    line for the first fault, before anything compiles.
+# 3. Configure vLLM's CMake as its setup.py does: with SOURCES/<version>/, offline
+#    (FETCHCONTENT_FULLY_DISCONNECTED=ON, every external a local tree); without it, configure
+#    fetches the externals from their pinned repositories as vLLM's own build does. `overlay kernels
+#    order` puts the costliest compiles first; ninja builds
 #    the targets (its progress shown); each target's component is installed under OUT
 #    (OUT/vllm/<target>.abi3.so, laid out as in the wheel) for `overlay build --kernels OUT`.
 #
@@ -61,7 +63,7 @@ mapfile -t targets <"$work/targets"
 [[ ${#targets[@]} -gt 0 ]] || die "no target to build for vllm $vllm"
 
 # 2. toolchain and sources checked, sources staged, the job bound
-"$py" -m overlay kernel-prepare --vllm "$vllm" --src "$src" --sources "$sources" --targets "${targets[@]}" \
+"$py" -m overlay kernels prepare --vllm "$vllm" --src "$src" --sources "$sources" --targets "${targets[@]}" \
   --stage "$work/sources" --env-file "$work/build.env" ${MAX_JOBS:+--max-jobs "$MAX_JOBS"}
 set -a
 # shellcheck disable=SC1091
@@ -78,7 +80,7 @@ configure=("$cmake" -S "$src" -B "$build" -G Ninja
   -DVLLM_TARGET_DEVICE=cuda
   "-DVLLM_PYTHON_EXECUTABLE=$py"
   "-DFETCHCONTENT_BASE_DIR=$build/.deps"
-  -DFETCHCONTENT_FULLY_DISCONNECTED=ON
+  "-DFETCHCONTENT_FULLY_DISCONNECTED=$FETCHCONTENT_FULLY_DISCONNECTED"
   "-DTorch_DIR=$Torch_DIR" "-DCaffe2_DIR=$Caffe2_DIR"
   -DCMAKE_JOB_POOL_COMPILE:STRING=compile
   "-DCMAKE_JOB_POOLS:STRING=compile=$jobs")
@@ -107,7 +109,7 @@ if [[ $use_ccache -eq 1 && $dry_run -eq 0 ]]; then
   stats_before="$(ccache --print-stats 2>/dev/null || true)"
 fi
 run "${configure[@]}"
-run "$py" -m overlay kernel-order --build "$build" --targets "${targets[@]}"
+run "$py" -m overlay kernels order --build "$build" --targets "${targets[@]}"
 compile_start=$SECONDS
 run "${compile[@]}"
 echo "build-kernels: compile and link: $((SECONDS - compile_start)) s" >&2

@@ -1,6 +1,6 @@
-"""``overlay kernel-sources``, ``kernel-toolchain``, ``kernel-prepare`` and ``kernel-order``: the
-kernel build's sources offline, its toolchain, and its plan (``scripts/build-kernels.sh`` calls the
-last two around CMake)."""
+"""``overlay kernel-sources``, ``kernel-toolchain`` and ``kernels``: the kernel build's sources offline,
+its toolchain, and the build (``kernels build`` runs ``scripts/build-kernels.sh``, which calls
+``kernels prepare`` and ``kernels order`` around CMake, then writes the wheel with the rebuilt targets)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ SOURCES_HELP = ("fill kernel-sources/<version>/ with a checkout of each FetchCon
                 "(placeholders for what TARGETS do not compile), from the pinned repositories or a mirror")
 TOOLCHAIN_HELP = ("check the kernel build's prerequisites (cmake, a CUDA torch's config, the CUDA "
                   "libraries); --assemble makes them from PyPI where there is no CUDA toolkit")
-PREPARE_HELP = "kernel build: check the toolchain and the sources, stage them at fixed paths, say MAX_JOBS"
-ORDER_HELP = "kernel build: put the targets' costliest compiles first in build.ninja"
+KERNELS_HELP = ("rebuild the CUDA targets the series' kernel patches touch (scripts/build-kernels.sh), "
+                "then the wheel with them; its steps prepare and order")
+PREPARE_HELP = "kernel build step: check the toolchain and the sources, stage them at fixed paths, say MAX_JOBS"
+ORDER_HELP = "kernel build step: put the targets' costliest compiles first in build.ninja"
 
 
 def _add_sources_dir(sp: argparse.ArgumentParser) -> None:
@@ -47,7 +49,16 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--nvcc-root", default="/usr/local/cuda", help="where nvcc is (default %(default)s)")
     sp.set_defaults(handler=cmd_kernel_toolchain)
 
-    sp = sub.add_parser("kernel-prepare", help=PREPARE_HELP, description=PREPARE_HELP)
+    kp = sub.add_parser("kernels", help=KERNELS_HELP, description=KERNELS_HELP)
+    steps = kp.add_subparsers(dest="step", metavar="STEP", required=True)
+    sp = steps.add_parser("build", help=KERNELS_HELP, description=KERNELS_HELP)
+    add_vllm(sp)
+    sp.add_argument("--out", required=True, help="the rebuilt targets, laid out as in the wheel")
+    sp.add_argument("--sources", default="kernel-sources", metavar="DIR", help="the kernel-sources folder")
+    sp.add_argument("--dist", default="dist", help="where the wheel is written (default %(default)s)")
+    sp.set_defaults(handler=cmd_kernels_build)
+
+    sp = steps.add_parser("prepare", help=PREPARE_HELP, description=PREPARE_HELP)
     _add_sources_dir(sp)
     sp.add_argument("--vllm", required=True)
     sp.add_argument("--src", required=True, help="the patched source tree (its CMake files decide)")
@@ -56,7 +67,7 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--max-jobs", type=at_least(1), default=None, help="override the memory bound")
     sp.set_defaults(handler=cmd_kernel_prepare)
 
-    sp = sub.add_parser("kernel-order", help=ORDER_HELP, description=ORDER_HELP)
+    sp = steps.add_parser("order", help=ORDER_HELP, description=ORDER_HELP)
     sp.add_argument("--build", required=True, help="the configured build folder")
     sp.add_argument("--targets", nargs="+", required=True, metavar="TARGET")
     sp.set_defaults(handler=cmd_kernel_order)
@@ -114,6 +125,26 @@ def cmd_kernel_toolchain(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_kernels_build(ns: argparse.Namespace) -> int:
+    import subprocess
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "build-kernels.sh"
+    env = {**os.environ, "PYTHON": sys.executable}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])  # the venv's cmake, ninja
+    proc = subprocess.run(["bash", str(script), "--vllm", ns.vllm, "--patches", str(root(ns)), "--sources",
+                           ns.sources, "--out", ns.out], env=env, check=False)
+    if proc.returncode != 0:
+        return proc.returncode
+    from overlay.build.pipeline import build
+    from overlay.kernels.targets import collect_kernels
+
+    result = build(root(ns), ns.vllm, Path(ns.dist), kernels=collect_kernels(Path(ns.out)))
+    print(f"built {result.wheel} ({result.version}, {result.patches} patch(es), rebuilt "
+          f"{', '.join(sorted(collect_kernels(Path(ns.out))))})", file=sys.stderr)
+    print(result.wheel)
+    return 0
+
+
 def cmd_kernel_prepare(ns: argparse.Namespace) -> int:
     from overlay.atomic import write_file
     from overlay.kernels import order, sources, toolchain
@@ -121,17 +152,24 @@ def cmd_kernel_prepare(ns: argparse.Namespace) -> int:
     tc = toolchain.found(os.environ.get("CUDA_HOME"), os.environ.get("Torch_DIR"))
     toolchain.preflight(tc)
     decisions = sources.plan(sources.read_cmake_files(Path(ns.src)), ns.targets)
-    entries = sources.verify(Path(ns.sources) / ns.vllm, decisions)
-    staged = sources.stage(entries, Path(ns.stage))
-    for e in entries:
-        _log(f"build-kernels: source {e.name}: {e.kind}"
-             + (f" at {e.commit[:12]}" if e.commit else "") + f" ({e.why})")
+    folder = Path(ns.sources) / ns.vllm
+    source_lines = ["FETCHCONTENT_FULLY_DISCONNECTED=OFF"]
+    if folder.is_dir():
+        entries = sources.verify(folder, decisions)
+        staged = sources.stage(entries, Path(ns.stage))
+        for e in entries:
+            _log(f"build-kernels: source {e.name}: {e.kind}"
+                 + (f" at {e.commit[:12]}" if e.commit else "") + f" ({e.why})")
+        source_lines = ["FETCHCONTENT_FULLY_DISCONNECTED=ON", *sources.env_lines(decisions, staged)]
+    else:
+        _log(f"build-kernels: no {folder}: configure fetches the {len(decisions)} external sources from their "
+             "pinned repositories (network); `make kernel-sources` makes the build offline")
     if ns.max_jobs:
         jobs, why = ns.max_jobs, f"MAX_JOBS={ns.max_jobs} (given)"
     else:
         jobs, why = order.job_bound()
     _log(f"build-kernels: {why}")
-    lines = [*sources.env_lines(decisions, staged), *(f"{k}={v}" for k, v in tc.env().items()),
+    lines = [*source_lines, *(f"{k}={v}" for k, v in tc.env().items()),
              f"MAX_JOBS={jobs}", f"CMAKE={tc.cmake}"]
     write_file(Path(ns.env_file), "".join(f"{line}\n" for line in lines))
     return 0

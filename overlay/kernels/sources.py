@@ -352,12 +352,34 @@ def fetch_checkout(dest: Path, ext: External, remote: str, *, exclude: Sequence[
             raise KernelSourcesError(f"{ext.name}: checkout of {commit[:12]} from {remote} failed: "
                                      f"{(proc.stderr.strip().splitlines() or ['?'])[-1]} (a partial mirror: "
                                      "leave the missing paths out with EXCLUDE=)")
+        if local:
+            _self_contained(work, commit, ext.tag)
         if dest.exists():
             shutil.rmtree(dest)
         work.rename(dest)
         return commit
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _self_contained(work: Path, commit: str, tag: str) -> None:
+    """Make a ``--shared`` clone stand alone as a one-commit (shallow) checkout: pack the objects of
+    ``commit``'s tree that are there, drop the mirror's refs and the link to its objects, keep the tag.
+    The folder then verifies wherever it is copied (a build context, another machine)."""
+    listed = _git("-C", str(work), "rev-list", "--objects", "--no-walk", "--missing=allow-any", commit)
+    names = "".join(line.split(" ", 1)[0] + "\n" for line in listed.stdout.splitlines())
+    packed = subprocess.run(["git", "-C", str(work), "pack-objects", "--quiet", str(work / ".git/objects/pack/pack")],
+                            input=names, capture_output=True, text=True, check=False)
+    if listed.returncode != 0 or packed.returncode != 0:
+        raise KernelSourcesError(f"{work}: could not pack {commit[:12]}'s objects: "
+                                 f"{(listed.stderr or packed.stderr).strip().splitlines()[-1:]}")
+    refs = _git("-C", str(work), "for-each-ref", "--format=delete %(refname)")
+    subprocess.run(["git", "-C", str(work), "update-ref", "--no-deref", "--stdin"], input=refs.stdout, text=True,
+                   check=False)
+    (work / ".git" / "objects" / "info" / "alternates").unlink(missing_ok=True)
+    (work / ".git" / "shallow").write_text(commit + "\n")
+    if not _HEX.fullmatch(tag):
+        _git("-C", str(work), "tag", tag, commit)  # names the commit the mirror's tag named at fill time
 
 
 @dataclass(frozen=True)

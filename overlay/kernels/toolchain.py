@@ -111,13 +111,31 @@ def preflight(tc: Toolchain) -> None:
 
 
 def found(cuda_home: str | None, torch_dir: str | None, cmake: str | None = None) -> Toolchain:
-    """The toolchain the environment names, or the one :func:`assemble` made for the pinned torch."""
+    """The toolchain the environment names (``CUDA_HOME``, ``Torch_DIR``); else the one
+    :func:`assemble` made for the pinned torch, when it is there; else this environment's torch
+    (when it is a CUDA build) and ``/usr/local/cuda`` (a CUDA image)."""
     assembled = toolchain_root(pinned_torch())
-    return Toolchain(
-        cmake=cmake or shutil.which("cmake") or "cmake",
-        cuda_home=Path(cuda_home) if cuda_home else assembled / "cuda",
-        torch_dir=Path(torch_dir) if torch_dir else assembled / "torch" / "share" / "cmake" / "Torch",
-    )
+    if not cuda_home:
+        cuda_home = str(assembled / "cuda") if (assembled / "COMPLETE").exists() else "/usr/local/cuda"
+    if not torch_dir:
+        installed = _installed_torch_dir()
+        if (assembled / "COMPLETE").exists() or installed is None:
+            torch_dir = str(assembled / "torch" / "share" / "cmake" / "Torch")
+        else:
+            torch_dir = str(installed)
+    return Toolchain(cmake=cmake or shutil.which("cmake") or "cmake", cuda_home=Path(cuda_home),
+                     torch_dir=Path(torch_dir))
+
+
+def _installed_torch_dir() -> Path | None:
+    """``share/cmake/Torch`` of this environment's torch when it is a CUDA build (not imported)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.origin:
+        return None
+    root = Path(spec.origin).parent
+    return root / "share" / "cmake" / "Torch" if (root / "lib" / "libtorch_cuda.so").exists() else None
 
 
 def pinned_torch() -> str:

@@ -95,13 +95,13 @@ image-smoke: $(TOOL_STAMP) ## our image built on a CPU stand-in of the base (Deb
 
 .PHONY: kernel-sources kernel-toolchain kernels
 kernel-sources: $(TOOL_STAMP) ## kernel-sources/<VLLM>/: each FetchContent source at its pin (placeholders for what TARGETS do not compile), offline builds [TARGETS= MIRROR= REMOTES="name=repo" EXCLUDE="name=path" CHECK=1]
-	$(OVERLAY) kernel-sources --vllm $(VLLM)$(if $(TARGETS), --targets $(TARGETS))$(if $(MIRROR), --mirror '$(MIRROR)')$(foreach r,$(REMOTES), --remote '$(r)')$(foreach e,$(EXCLUDE), --exclude '$(e)')$(if $(CHECK), --check)
+	$(OVERLAY) kernel-sources --vllm $(call q,VLLM)$(if $(TARGETS), --targets$(call qw,TARGETS))$(if $(MIRROR), --mirror $(call q,MIRROR))$(foreach r,$(REMOTES), --remote $(call q,r))$(foreach e,$(EXCLUDE), --exclude $(call q,e))$(if $(CHECK), --check)
 
 kernel-toolchain: $(TOOL_STAMP) ## check the kernel build's cmake, CUDA torch config and CUDA libraries; ASSEMBLE=1 makes them from PyPI [ASSEMBLE=1]
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(OVERLAY) kernel-toolchain$(if $(ASSEMBLE), --assemble)
 
 kernels: $(TOOL_STAMP) ## rebuild the CUDA targets the series' kernel patches touch (scripts/build-kernels.sh) into KERNELS_OUT, then the wheel with them [PATCHES=patches KERNELS_OUT=kernels/<VLLM> MAX_JOBS=]
-	$(OVERLAY) --patches $(or $(PATCHES),patches) kernels build --vllm $(VLLM) --out $(or $(KERNELS_OUT),kernels/$(VLLM))
+	$(OVERLAY) --patches $(if $(PATCHES),$(call q,PATCHES),patches) kernels build --vllm $(call q,VLLM) --out $(if $(KERNELS_OUT),$(call q,KERNELS_OUT),kernels/$(VLLM))
 
 rebase: $(TOOL_STAMP) ## carry the series onto release TO: every patch classified in one run; patches/<TO>/ with REBASE.md, or exit 2 with the report in .work/rebase-<TO>/ [TO=x.y.z NO_TESTS=1]
 	@test -n $(call q,TO) || { echo "usage: make rebase TO=x.y.z" >&2; exit 1; }

@@ -2,8 +2,9 @@
 and ``make upstream-tests`` (vLLM's own tests).
 
 The sdist lives in ``<cache>/sdists/`` (see :func:`overlay.build.fetch.cache_dir`) and is only moved
-there after its sha256 matched ``pin.toml``'s ``sdist_sha256``; a mismatching download is
-deleted and reported with both digests.
+there after its sha256 matched ``pin.toml``'s ``sdist_sha256``, through
+:func:`overlay.build.fetch.fetch_verified`: a mismatch deletes nothing (the story, told once:
+``docs/build/README.md``, "Fetching and verifying a release").
 
 pip cannot fetch vLLM's sdist by name on a machine without a GPU toolchain: preparing its
 metadata needs torch and a target device, and with ``VLLM_TARGET_DEVICE=empty`` the version

@@ -10,8 +10,11 @@ from overlay.commands.common import add_vllm, at_least, port, positive
 
 
 def configure_parser(sub: argparse._SubParsersAction) -> None:
-    text = ("GSM8K, long context, acceptance and latency of a served build against a profile's "
-            "baselines; exit 0 pass, 1 regression, 2 harness failure")
+    from overlay.regress.checks import CHECKS, NAMES  # standard library only; a check loads its code when it runs
+
+    recorded = [c.words for c in CHECKS if c.record]
+    text = (f"{', '.join(c.words for c in CHECKS)} of a served build, in that order, against a reference and "
+            "a profile's baselines; exit 0 pass, 1 regression, 2 harness failure")
     sp = sub.add_parser("regress", help=text, description=text)
     add_vllm(sp)
     sp.add_argument("--profile", default="glm5.2-fp8-tp8-dcp8",
@@ -25,8 +28,7 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--attach-timeout", type=positive("seconds"),
                     help="with --base-url: seconds of refused connections before a harness failure "
                          "(default: the profile's server.attach_timeout_s, or REGRESS_ATTACH_TIMEOUT)")
-    sp.add_argument("--skip", help="checks to leave out, comma-separated "
-                                   "(differential,long_context,gsm8k,acceptance,latency)")
+    sp.add_argument("--skip", help=f"checks to leave out, comma-separated ({','.join(NAMES)})")
     sp.add_argument("--ref-url", help="differential check: the reference server (default: $REF_URL)")
     sp.add_argument("--ref-file", help="differential check: reference outputs recorded with "
                                        "--record-differential (not with --ref-url or REF_URL)")
@@ -34,8 +36,8 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
                     help="this server is the reference: record its differential outputs into FILE "
                          "(judges nothing for that check)")
     sp.add_argument("--record-baseline", metavar="FILE",
-                    help="write a profile (--baseline-for, default this one) with this run's GSM8K, "
-                         "acceptance and latency as its baseline")
+                    help="write a profile (--baseline-for, default this one) with this run's "
+                         f"{', '.join(recorded)} as its baseline")
     sp.add_argument("--baseline-for", metavar="PROFILE", action="append",
                     help="with --record-baseline: the profile to copy (repeat it for several: "
                          "--record-baseline is then a folder that gets <profile>.yaml of each)")

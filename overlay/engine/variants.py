@@ -26,7 +26,9 @@ from overlay.build.series import Patch, Series
 from overlay.errors import ApplyError
 
 # The fix patches: what the engine check must see without each (the seed's bug reports), and
-# the case that shows it (None: cannot be shown on a machine without NVLink multicast).
+# the case that shows it (None: cannot be shown on a machine without NVLink multicast). Every patch
+# of the default series is here or in NO_VARIANT (tests/test_one_source.py): a fix in neither
+# would get no seed-bug variant.
 EXPECT: dict[str, tuple[str, str, str | None]] = {
     "stock": ("crash:requires attention implementations to return the softmax LSE",
               "the engine refuses to start: FlashMLA-sparse returns no decode LSE",
@@ -54,6 +56,13 @@ EXPECT: dict[str, tuple[str, str, str | None]] = {
         "mismatch", "MTP moves prompt logprobs: computed from drafter output in the CUDA-graph pool "
         "(the first request, 92 of 100 positions, up to 11.3 nats at DCP 1 on two H200s, 2026-11-30)",
         "ref-dcp1-mtp"),
+}
+
+
+# The patches of the series without a variant of their own, and why.
+NO_VARIANT: dict[str, str] = {
+    "flashmla-sparse-dcp.patch": "the capability every DCP run needs: without it nothing runs, which is stock",
+    "dcp-project-before-merge.patch": "the optimization: exact by construction, no bug to bring back",
 }
 
 
@@ -85,7 +94,7 @@ def build_variants(patches_root: Path, version: str, out: Path, *, base_wheel: P
         plans: list[tuple[str, tuple, str]] = [("stock", (), "the unpatched base")]
         for i, p in enumerate(series.patches):
             if p.name not in EXPECT:
-                continue  # not a fix (the optimization) or the capability every variant lacks (stock)
+                continue  # NO_VARIANT: not a fix (the optimization) or the capability every variant lacks (stock)
             without = tuple(q for q in series.patches if q.name != p.name)
             try:
                 tree(without)

@@ -21,6 +21,7 @@ from overlay.build.pins import load_pin, pin_dir
 from overlay.build.series import Series
 from overlay.errors import ApplyError
 from overlay.maintain.rebase.stale import later_pin_notes
+from overlay.maintain.rebase.state import UPSTREAM as UPSTREAM_OUTCOMES
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,6 @@ class PatchStatus:
         d["files"] = list(self.files)
         d["later"] = list(self.later)
         return d
-
-
-UPSTREAM_OUTCOMES = ("upstream", "upstream-by-behaviour")
 
 
 def absorbed_in(patches_root: Path, version: str) -> dict[str, str]:

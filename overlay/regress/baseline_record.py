@@ -21,10 +21,9 @@ import yaml
 
 from overlay.atomic import write_file
 from overlay.outpaths import check_dir, check_file
+from overlay.regress.checks import CHECKS, RECORDED, function
 from overlay.regress.errors import ProfileError
 from overlay.regress.profiles import GSM8K_METRICS, load_profile, parse_profile
-
-RECORDED = ("gsm8k", "latency", "acceptance")
 
 
 def destinations(record_baseline: str, baseline_for: str | list[str] | None, own: str) -> list[tuple[str, Path]]:
@@ -51,28 +50,41 @@ def failed_checks(steps: list[Any]) -> list[str]:
 
 
 def recorded_values(steps: list[Any]) -> dict[str, Any]:
-    """The baseline fields a run measured in checks that passed: ``gsm8k``, ``latency``,
-    ``acceptance_per_position``."""
+    """The baseline fields a run measured in checks that passed, each check's from its ``record``
+    function (:data:`overlay.regress.checks.CHECKS`): ``gsm8k``, ``latency``, ``acceptance_per_position``."""
     by = {s.name: s for s in steps if s.status == "pass" and s.data}
     out: dict[str, Any] = {}
-    g = by.get("gsm8k")
-    if g and all(m in g.data for m in GSM8K_METRICS):
-        out["gsm8k"] = {m: round(float(g.data[m]["value"]), 4) for m in GSM8K_METRICS}
-        out["gsm8k"]["stderr"] = round(max(float(g.data[m]["stderr"]) for m in GSM8K_METRICS), 4)
-    lat = by.get("latency")
-    if lat and "mean_ttft_ms" in lat.data:
-        out["latency"] = {"mean_ttft_ms": round(float(lat.data["mean_ttft_ms"]), 2),
-                          "mean_tpot_ms": round(float(lat.data["mean_tpot_ms"]), 3), "tool": lat.data["tool"]}
-    acc = by.get("acceptance")
-    if acc and acc.data.get("rates"):
-        out["acceptance_per_position"] = [round(float(r), 4) for r in acc.data["rates"]]
+    for c in CHECKS:
+        if c.record and c.name in by:
+            out.update(function(c.record)(by[c.name].data))
     return out
+
+
+def gsm8k_values(data: dict[str, Any]) -> dict[str, Any]:
+    if not all(m in data for m in GSM8K_METRICS):
+        return {}
+    values: dict[str, Any] = {m: round(float(data[m]["value"]), 4) for m in GSM8K_METRICS}
+    values["stderr"] = round(max(float(data[m]["stderr"]) for m in GSM8K_METRICS), 4)
+    return {"gsm8k": values}
+
+
+def latency_values(data: dict[str, Any]) -> dict[str, Any]:
+    if "mean_ttft_ms" not in data:
+        return {}
+    return {"latency": {"mean_ttft_ms": round(float(data["mean_ttft_ms"]), 2),
+                        "mean_tpot_ms": round(float(data["mean_tpot_ms"]), 3), "tool": data["tool"]}}
+
+
+def acceptance_values(data: dict[str, Any]) -> dict[str, Any]:
+    if not data.get("rates"):
+        return {}
+    return {"acceptance_per_position": [round(float(r), 4) for r in data["rates"]]}
 
 
 def write_recorded_profile(target: str, values: dict[str, Any], out: Path, source: str) -> Path:
     """``target`` (a profile name or file) with ``values`` as its baseline, written to ``out``."""
     if not values:
-        raise ProfileError("--record-baseline: the run measured nothing to record (gsm8k, latency, acceptance)")
+        raise ProfileError(f"--record-baseline: the run measured nothing to record ({', '.join(RECORDED)})")
     src = Path(load_profile(target).path)
     path = src if src.is_file() else Path(__file__).resolve().parent / "profiles" / src.name
     data = yaml.safe_load(path.read_text())

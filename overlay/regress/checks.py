@@ -1,19 +1,25 @@
 """The regression's checks, each registered once, in the order a run takes them.
 
 A check is one :class:`Check` line in :data:`CHECKS`: its name (the word a profile's ``checks``,
-``checks_off`` and ``--skip`` use), the thresholds it reads (a profile must justify exactly those),
-whether a profile that names no checks runs it, and where its code lives: ``step`` (run it against
-the server: ``(StepContext) -> (data, findings)``), ``summary`` (its result in one line) and, where
-it needs one, ``prepare`` (before any check runs). They are ``module:function`` strings, imported
-when a run reaches them, so a profile loads without the checks' dependencies.
+``checks_off`` and ``--skip`` use), its title (the words the help, the README and the guides use),
+the thresholds it reads (a profile must justify exactly those), whether a profile that names no
+checks runs it, the profile section holding its options, and where its code lives: ``step`` (run it
+against the server: ``(StepContext) -> (data, findings)``), ``summary`` (its result in one line),
+``section`` (its part of ``report.md``) and, where it has them, ``plot`` (its PNG), ``record`` (the
+baseline fields ``--record-baseline`` takes from it) and ``prepare`` (before any check runs). They
+are ``module:function`` strings, imported when a run reaches them, so a profile loads without the
+checks' dependencies.
 
 The order of :data:`CHECKS` is the run's order: the differential check first (it needs the server
 as it came up), then long context (a crash on a long prefill ends the run in minutes, not after
 GSM8K), then GSM8K (corruption left behind by long prompts shows up there too), then latency, and
-acceptance last: it reads the speculative-decoding counters over everything the run sent.
+acceptance last: it reads the speculative-decoding counters over everything the run sent. The
+report's sections and plots, the recorded baseline, ``overlay regress --help`` and the profile
+check lists are derived from it; ``tests/regress/test_checks_registry.py`` holds the README, the
+guide (``docs/regress/README.md``), the Makefile's help line and the profile's option sections to it.
 
-Adding a check: its module with ``step`` and ``summary``, its thresholds' ``why`` in the shipped
-profiles, one line here. Nothing else names the checks.
+Adding a check: its module with ``step`` and ``summary``, its report section (``report.py``), its
+thresholds' ``why`` in the shipped profiles, one line here.
 """
 
 from __future__ import annotations
@@ -56,6 +62,15 @@ class Check:
     default: bool = True  # run by a profile that names no checks
     prepare: str | None = None  # "module:function", (StepContext) -> None, before the first check runs
     also_when: str | None = None  # a StepContext option that turns the check on although the profile has it off
+    title: str = ""  # how the help, the README and the guides name it (default: the name)
+    options: str | None = None  # the profile section (YAML key, Profile field) holding its options
+    section: str | None = None  # "module:function", (data, image path | None) -> report.md lines
+    plot: str | None = None  # "module:function", (Profile, data, png path) -> the path, or None: nothing to plot
+    record: str | None = None  # "module:function", (data) -> the baseline fields --record-baseline takes
+
+    @property
+    def words(self) -> str:
+        return self.title or self.name
 
     def wanted(self, checks: tuple[str, ...], ctx: StepContext | None = None) -> bool:
         return self.name in checks or bool(self.also_when and ctx is not None and getattr(ctx, self.also_when))
@@ -67,19 +82,29 @@ def function(ref: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), name)
 
 
+_R = "overlay.regress.report"
+_P = "overlay.regress.plots"
+_B = "overlay.regress.baseline_record"
 CHECKS: tuple[Check, ...] = (
     Check("differential", "overlay.regress.differential:step", "overlay.regress.differential:summary",
           ("differential_safety", "differential_floor_nats"), default=False,  # needs a reference: opt in
-          also_when="record_differential"),
+          also_when="record_differential", options="differential", section=f"{_R}:differential_section"),
     Check("long_context", "overlay.regress.longctx:step", "overlay.regress.longctx:summary",
-          ("count_min_consecutive", "repetition_ngram", "repetition_max_ratio")),
-    Check("gsm8k", "overlay.regress.gsm8k:step", "overlay.regress.gsm8k:summary", ("gsm8k_max_stderrs",)),
+          ("count_min_consecutive", "repetition_ngram", "repetition_max_ratio"), title="long context",
+          options="long_context", section=f"{_R}:long_context_section"),
+    Check("gsm8k", "overlay.regress.gsm8k:step", "overlay.regress.gsm8k:summary", ("gsm8k_max_stderrs",),
+          title="GSM8K", options="gsm8k", section=f"{_R}:gsm8k_section", plot=f"{_P}:gsm8k_plot",
+          record=f"{_B}:gsm8k_values"),
     Check("latency", "overlay.regress.latency:step", "overlay.regress.latency:summary",
-          ("ttft_max_ratio", "tpot_max_ratio")),
+          ("ttft_max_ratio", "tpot_max_ratio"), options="latency", section=f"{_R}:latency_section",
+          plot=f"{_P}:latency_plot", record=f"{_B}:latency_values"),
     Check("acceptance", "overlay.regress.acceptance:step", "overlay.regress.acceptance:summary",
           ("acceptance_near_one", "acceptance_cliff", "acceptance_max_drop"),
-          prepare="overlay.regress.acceptance:prepare"),
+          prepare="overlay.regress.acceptance:prepare", section=f"{_R}:acceptance_section",
+          plot=f"{_P}:acceptance_plot", record=f"{_B}:acceptance_values"),
 )
 NAMES: tuple[str, ...] = tuple(c.name for c in CHECKS)
 DEFAULTS: tuple[str, ...] = tuple(c.name for c in CHECKS if c.default)
 THRESHOLDS: dict[str, tuple[str, ...]] = {c.name: c.thresholds for c in CHECKS}
+TITLES: tuple[str, ...] = tuple(c.words for c in CHECKS)
+RECORDED: tuple[str, ...] = tuple(c.name for c in CHECKS if c.record)

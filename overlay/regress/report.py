@@ -1,4 +1,9 @@
-"""The report folder: ``report.json`` (everything), ``report.md`` (what a person reads) and PNGs."""
+"""The report folder: ``report.json`` (everything), ``report.md`` (what a person reads) and PNGs.
+
+Each check's part of ``report.md`` is its ``section`` function here, and its PNG its ``plot``
+(``overlay.regress.plots``), both named by its line in :data:`overlay.regress.checks.CHECKS`, in
+whose order they appear.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from overlay.regress import plots
+from overlay.regress.checks import CHECKS, function
 from overlay.regress.profiles import GSM8K_METRICS
 from overlay.regress.results import RunReport
 
@@ -30,12 +35,9 @@ def write_report(report: RunReport) -> tuple[Path, Path]:
     out = report.out_dir
     steps = {s.name: s for s in report.steps}
     images: dict[str, Path | None] = {}
-    if "acceptance" in steps:
-        images["acceptance"] = plots.acceptance_plot(report.profile, steps["acceptance"].data, out / "acceptance.png")
-    if "gsm8k" in steps:
-        images["gsm8k"] = plots.gsm8k_plot(report.profile, steps["gsm8k"].data, out / "gsm8k.png")
-    if "latency" in steps:
-        images["latency"] = plots.latency_plot(report.profile, steps["latency"].data, out / "latency.png")
+    for c in CHECKS:
+        if c.plot and c.name in steps:
+            images[c.name] = function(c.plot)(report.profile, steps[c.name].data, out / f"{c.name}.png")
     data = to_dict(report)
     data["plots"] = {k: v.name for k, v in images.items() if v is not None}
     json_path = out / "report.json"
@@ -63,60 +65,9 @@ def markdown(report: RunReport, images: dict[str, Path | None]) -> str:
         lines.append(f"| {name} | off | | {_cell(why)} |")
     lines.append("")
     steps = {s.name: s for s in report.steps}
-    if "differential" in steps and "diff" in steps["differential"].data:
-        d = steps["differential"].data
-        t, sp = d["tolerance"], d["spread"]
-        lines += ["## Differential", "",
-                  f"Prompts of {', '.join(map(str, d['prompt_tokens']))} tokens, greedy, against `{d['reference']}`. "
-                  f"Tolerance (nats): every logprob with context <= index_topk {t['dense']:.3g} (reference spread "
-                  f"{sp['dense_max_abs']:.3g}); beyond, median {t['sparse_q50']:.3g} and 90th percentile "
-                  f"{t['sparse_q90']:.3g} (spread {sp['sparse_q50']:.3g} / {sp['sparse_q90']:.3g}).", "",
-                  "| request | prompt tokens | dense max (where) | beyond: median / p90 | steps compared | note |",
-                  "| ---: | ---: | --- | --- | ---: | --- |"]
-        for i, r in enumerate(d["diff"]["requests"]):
-            lines.append(f"| {i} | {r['prompt_len']} | {r['dense_max_abs']:.3g} ({r.get('dense_worst') or '-'}) | "
-                         f"{r['sparse_q50']:.3g} / {r['sparse_q90']:.3g} | {r['steps_compared']} | "
-                         f"{_cell(r.get('token_mismatch') or '')} |")
-        lines.append("")
-    if "long_context" in steps and steps["long_context"].data:
-        d = steps["long_context"].data
-        lines += ["## Long context", "",
-                  f"Prompts past index_topk {d['index_topk']} and the DCP workspace capacity "
-                  f"{d['workspace_capacity_tokens']} tokens, sent at once with the short decodes.", "",
-                  "| probe | prompt tokens | expected | answer (start) | duplicate 4-grams |",
-                  "| --- | ---: | --- | --- | ---: |"]
-        for row in d["probes"]:
-            answer = row.get("answer", row.get("error", ""))
-            lines.append(f"| {row['name']} | {row.get('prompt_tokens', '')} | {_cell(row['expect'])} | "
-                         f"{_cell(answer[:80])} | {row.get('repetition', '')} |")
-        rep = d["repeated"]
-        lines += ["", f"Asked in a row: *{rep['question']}* -> "
-                  + ", ".join(str(a["value"]) for a in rep["answers"]), ""]
-    if "gsm8k" in steps and "strict-match" in steps["gsm8k"].data:
-        d = steps["gsm8k"].data
-        lines += ["## GSM8K", "", "| metric | this run | stderr | baseline | allowed minimum |",
-                  "| --- | ---: | ---: | ---: | ---: |"]
-        for m in GSM8K_METRICS:
-            lines.append(f"| {m} | {d[m]['value']:.4f} | {d[m]['stderr']:.4f} | {d[m]['baseline']:.4f} | "
-                         f"{d[m]['allowed_min']:.4f} |")
-        lines += ["", f"{d.get('samples')} questions, task `{d.get('task')}`, lm-eval log `{d.get('log')}`.", ""]
-        lines += _image(images.get("gsm8k"), "GSM8K against baseline")
-    if "latency" in steps and "mean_ttft_ms" in steps["latency"].data:
-        d = steps["latency"].data
-        lines += ["## Latency", "", "| metric | this run | baseline |", "| --- | ---: | ---: |",
-                  f"| mean TTFT (ms) | {d['mean_ttft_ms']:.2f} | {d['baseline']['mean_ttft_ms']:.2f} |",
-                  f"| mean TPOT (ms) | {d['mean_tpot_ms']:.2f} | {d['baseline']['mean_tpot_ms']:.2f} |", "",
-                  f"Measured with `{d['tool']}`; raw result `{d.get('result_file')}`.", ""]
-        lines += _image(images.get("latency"), "TTFT and TPOT against baseline")
-    if "acceptance" in steps and steps["acceptance"].data.get("rates"):
-        d = steps["acceptance"].data
-        lines += ["## Speculative-decoding acceptance", "", "| position | this run | healthy |",
-                  "| ---: | ---: | ---: |"]
-        base = d.get("baseline") or []
-        for i, r in enumerate(d["rates"]):
-            lines.append(f"| {i} | {r:.3f} | {base[i] if i < len(base) else ''} |")
-        lines.append("")
-        lines += _image(images.get("acceptance"), "acceptance per position against the healthy curve")
+    for c in CHECKS:
+        if c.section and c.name in steps:
+            lines += function(c.section)(steps[c.name].data, images.get(c.name))
     lines += ["## Profile", "", f"`{p.path}`; baseline: {p.baseline.source}", "", "```",
               shlex.join(p.server.command()), "```", ""]
     if p.thresholds:
@@ -126,6 +77,80 @@ def markdown(report: RunReport, images: dict[str, Path | None]) -> str:
     if report.server_log:
         lines += [f"Server log: `{report.server_log}`", ""]
     return "\n".join(lines)
+
+
+def differential_section(data: dict[str, Any], image: Path | None) -> list[str]:
+    if "diff" not in data:
+        return []
+    t, sp = data["tolerance"], data["spread"]
+    lines = ["## Differential", "",
+              f"Prompts of {', '.join(map(str, data['prompt_tokens']))} tokens, greedy, against `{data['reference']}`. "
+              f"Tolerance (nats): every logprob with context <= index_topk {t['dense']:.3g} (reference spread "
+              f"{sp['dense_max_abs']:.3g}); beyond, median {t['sparse_q50']:.3g} and 90th percentile "
+              f"{t['sparse_q90']:.3g} (spread {sp['sparse_q50']:.3g} / {sp['sparse_q90']:.3g}).", "",
+              "| request | prompt tokens | dense max (where) | beyond: median / p90 | steps compared | note |",
+              "| ---: | ---: | --- | --- | ---: | --- |"]
+    for i, r in enumerate(data["diff"]["requests"]):
+        lines.append(f"| {i} | {r['prompt_len']} | {r['dense_max_abs']:.3g} ({r.get('dense_worst') or '-'}) | "
+                     f"{r['sparse_q50']:.3g} / {r['sparse_q90']:.3g} | {r['steps_compared']} | "
+                     f"{_cell(r.get('token_mismatch') or '')} |")
+    lines.append("")
+    return lines
+
+
+def long_context_section(data: dict[str, Any], image: Path | None) -> list[str]:
+    if not data:
+        return []
+    lines = ["## Long context", "",
+              f"Prompts past index_topk {data['index_topk']} and the DCP workspace capacity "
+              f"{data['workspace_capacity_tokens']} tokens, sent at once with the short decodes.", "",
+              "| probe | prompt tokens | expected | answer (start) | duplicate 4-grams |",
+              "| --- | ---: | --- | --- | ---: |"]
+    for row in data["probes"]:
+        answer = row.get("answer", row.get("error", ""))
+        lines.append(f"| {row['name']} | {row.get('prompt_tokens', '')} | {_cell(row['expect'])} | "
+                     f"{_cell(answer[:80])} | {row.get('repetition', '')} |")
+    rep = data["repeated"]
+    lines += ["", f"Asked in a row: *{rep['question']}* -> "
+              + ", ".join(str(a["value"]) for a in rep["answers"]), ""]
+    return lines
+
+
+def gsm8k_section(data: dict[str, Any], image: Path | None) -> list[str]:
+    if "strict-match" not in data:
+        return []
+    lines = ["## GSM8K", "", "| metric | this run | stderr | baseline | allowed minimum |",
+              "| --- | ---: | ---: | ---: | ---: |"]
+    for m in GSM8K_METRICS:
+        lines.append(f"| {m} | {data[m]['value']:.4f} | {data[m]['stderr']:.4f} | {data[m]['baseline']:.4f} | "
+                     f"{data[m]['allowed_min']:.4f} |")
+    lines += ["", f"{data.get('samples')} questions, task `{data.get('task')}`, lm-eval log `{data.get('log')}`.", ""]
+    lines += _image(image, "GSM8K against baseline")
+    return lines
+
+
+def latency_section(data: dict[str, Any], image: Path | None) -> list[str]:
+    if "mean_ttft_ms" not in data:
+        return []
+    lines = ["## Latency", "", "| metric | this run | baseline |", "| --- | ---: | ---: |",
+              f"| mean TTFT (ms) | {data['mean_ttft_ms']:.2f} | {data['baseline']['mean_ttft_ms']:.2f} |",
+              f"| mean TPOT (ms) | {data['mean_tpot_ms']:.2f} | {data['baseline']['mean_tpot_ms']:.2f} |", "",
+              f"Measured with `{data['tool']}`; raw result `{data.get('result_file')}`.", ""]
+    lines += _image(image, "TTFT and TPOT against baseline")
+    return lines
+
+
+def acceptance_section(data: dict[str, Any], image: Path | None) -> list[str]:
+    if not data.get("rates"):
+        return []
+    lines = ["## Speculative-decoding acceptance", "", "| position | this run | healthy |",
+              "| ---: | ---: | ---: |"]
+    base = data.get("baseline") or []
+    for i, r in enumerate(data["rates"]):
+        lines.append(f"| {i} | {r:.3f} | {base[i] if i < len(base) else ''} |")
+    lines.append("")
+    lines += _image(image, "acceptance per position against the healthy curve")
+    return lines
 
 
 def _image(path: Path | None, alt: str) -> list[str]:

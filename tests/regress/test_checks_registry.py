@@ -3,21 +3,28 @@
 Before the registry, a check had to be named in three places that had to agree (the profile's list,
 the runner's step table and a fixed order tuple in ``runner.run``); one left out ran nothing and
 said nothing. Here a check added only to ``CHECKS`` runs, in the place its line gives it, with its
-own summary, and every shipped check's code resolves.
+own summary, and every shipped check's code resolves. The places that still name the checks (the
+report's sections and plots, the recorded baseline, the profile's option sections, the help, the
+README, the guide, the Makefile's help line, the architecture's module map) are derived from it or
+held to it here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from regress_helpers import make_profile
 
-from overlay.regress import checks, runner
-from overlay.regress.checks import CHECKS, Check, StepContext
-from overlay.regress.profiles import load_profile
+from overlay import cli
+from overlay.regress import baseline_record, checks, runner
+from overlay.regress.checks import CHECKS, TITLES, Check, StepContext
+from overlay.regress.profiles import Profile, load_profile
+
+REPO = Path(__file__).resolve().parents[2]
 
 SEEN: list[str] = []
 
@@ -38,7 +45,7 @@ def summary(data: dict[str, Any]) -> str:
 
 def test_every_registered_check_resolves_and_names_only_its_thresholds() -> None:
     for c in CHECKS:
-        for ref in filter(None, (c.step, c.summary, c.prepare)):
+        for ref in filter(None, (c.step, c.summary, c.prepare, c.section, c.plot, c.record)):
             assert callable(checks.function(ref)), ref
     assert checks.NAMES == tuple(c.name for c in CHECKS) and len(set(checks.NAMES)) == len(CHECKS)
     owned = [t for c in CHECKS for t in c.thresholds]
@@ -61,3 +68,43 @@ def test_a_check_registered_once_runs_in_its_place(tmp_path: Path, standin, monk
     steps = [(s.name, s.status, s.summary) for s in report.steps if s.name != "server"]
     assert steps == [("fake_first", "pass", "fake check 1 ran"), ("fake_last", "pass", "fake check 2 ran")]
     assert report.exit_code == 0
+
+
+def test_every_shipped_check_has_its_report_section() -> None:
+    assert [c.name for c in CHECKS if not c.section] == []
+
+
+def test_the_recorded_baseline_comes_from_the_checks_that_record() -> None:
+    assert baseline_record.RECORDED == tuple(c.name for c in CHECKS if c.record)
+    assert set(baseline_record.RECORDED) <= set(checks.NAMES)
+
+
+def test_the_profile_option_sections_are_the_checks() -> None:
+    """Each ``*Spec`` section of a profile but ``server`` belongs to one check (its ``options``)."""
+    sections = {f.name for f in dataclasses.fields(Profile) if str(f.type).endswith("Spec") and f.name != "server"}
+    assert sections == {c.options for c in CHECKS if c.options}
+
+
+def in_order(text: str, words: tuple[str, ...]) -> bool:
+    at = -1
+    for w in words:
+        at = text.lower().find(w.lower(), at + 1)
+        if at < 0:
+            return False
+    return True
+
+
+def test_the_help_the_readme_the_guide_and_the_makefile_name_every_check_in_its_order() -> None:
+    regress = next(a for a in cli.parser()._actions if a.dest == "command").choices["regress"]
+    assert regress.description.startswith(", ".join(TITLES) + " "), regress.description
+    assert ",".join(checks.NAMES) in regress.format_help().replace("\n", "").replace(" ", "")
+    readme = (REPO / "README.md").read_text()
+    assert f"| regress a server ({', '.join(TITLES)}) |" in readme
+    guide = (REPO / "docs" / "regress" / "README.md").read_text()
+    listed = re.findall(r"(?m)^(\d+)\. \*\*([^*]+)\*\*", guide)
+    assert listed == [(str(i), t) for i, t in enumerate(TITLES)], listed
+    make_help = re.search(r"(?m)^regress:.*## (.*)$", (REPO / "Makefile").read_text()).group(1)
+    assert in_order(make_help, TITLES), make_help
+    arch = next(line for line in (REPO / "docs" / "ARCHITECTURE.md").read_text().splitlines()
+                if line.startswith("| `overlay/regress/` |"))
+    assert in_order(arch, TITLES), arch

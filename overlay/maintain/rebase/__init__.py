@@ -3,25 +3,13 @@
 A scratch repository ``.work/rebase-<to>/`` gets the history the replay needs: the base
 release's text files (tag ``base``), the series on top as commits (branch ``old``), and the
 target release as a commit on top of the base (tag ``target``, branch ``new``). Each patch is
-then classified, in series order, on ``new``:
-
-``upstream``
-    it reverse-applies to the target, or the 3-way merge leaves nothing to commit;
-``upstream-by-behaviour``
-    its own tests (``tests/patches/test_<name>.py``) fail on the old base and pass on the
-    target without it: upstream fixed the bug its own way, the patch is dropped;
-``applied``
-    it applies exactly (the file is carried verbatim);
-``refreshed``
-    it applies after a 3-way merge with rename detection (the refreshed patch is exported);
-``partly-upstream``
-    carried, but part of it is already there (hunks the target has, or tests that already pass);
-``conflict`` / ``conflict-resolved``
-    the merge stopped: the run reports the hunks and leaves the worktree for plain git;
-    ``make rebase-continue`` picks up after a person resolved it;
-``contradicted``
-    some of its tests pass on the old base and fail on the target without it: the target behaves
-    otherwise than the tests expect, so they cannot vouch for carrying it; set aside for a person.
+then classified, in series order, on ``new``, into one of the outcomes of
+:data:`overlay.maintain.rebase.state.OUTCOMES` (the one list: what each means there, when each is
+given in ``docs/rebase/README.md``): dropped as upstream (by the same change, or by behaviour: its
+own tests fail on the old base and pass on the target without it), carried (applied, refreshed,
+partly upstream, auto-resolved by a candidate its tests vouch for), or set aside for a person
+(conflict, contradicted; conflict-resolved once ``make rebase-continue`` took the person's
+resolution).
 
 Only behaviour failures judge (``failkind``): tests that cannot run on a tree (a harness error,
 everything skipped) decide nothing there, and the evidence names the test file to fix first.
@@ -36,7 +24,8 @@ behaviour failure), ``verdict`` (what the runs on the old base and the target sa
 (``make patch-tests-matrix``), ``deps`` (what a release pins beyond this environment, for its test
 runs), ``resolve`` (candidate resolutions of a conflict, judged by the
 tests), ``report`` (the release folder, ``REBASE.md``, ``rebase.json``), ``stale`` (what later pins
-say of the current series, for ``make status``), ``state`` and ``release`` (the CLI's entry points).
+say of the current series, for ``make status``), ``runcache`` (test runs kept by what they ran on),
+``state`` (the state file, results and :data:`OUTCOMES`) and ``release`` (the CLI's entry points).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The rebase run: prepare the scratch repository, then classify each patch in series order
-(upstream, by behaviour, applied, refreshed, partly upstream, conflict), resolving where tests can."""
+"""The rebase run: prepare the scratch repository, then classify each patch in series order into
+one of :data:`overlay.maintain.rebase.state.OUTCOMES`, resolving conflicts where tests can."""
 
 from __future__ import annotations
 

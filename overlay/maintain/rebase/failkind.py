@@ -6,31 +6,13 @@ property ``overlay-failure`` (``harness`` or ``behaviour``), which :mod:`overlay
 reads. A harness error says nothing about the patched behaviour: the test could not get that far
 on this tree (its setup, its helpers or fixtures failed, a test-only name did not import).
 
-The rule for a failed test, first match wins:
-
-0. the code under test does not compile: a ``SyntaxError`` in the exception's chain whose file is
-   in the code under test is the code's failure, wherever it surfaced (a conflict candidate whose
-   merge left broken lines; the same rule holds for a rank's report, ``tests/patches/ranks.py``, and
-   for a test file that does not import, ``testrun``);
-1. the exception says what it is: a class attribute ``overlay_failure`` (``tests/compat.py``'s
-   ``HarnessError`` from a ``compat.setup(...)`` region, ``BehaviourFailure`` from a
-   ``compat.exercising(...)`` region); the outermost such exception of the chain;
-2. a failure in a fixture (pytest's setup or teardown) is the harness's;
-3. an ``AssertionError`` (or ``pytest.fail``) in the test's call is behaviour: an assertion about
-   what the code did;
-4. an exception that says the machine lacks a GPU (``pin_memory=True requires a CUDA ...``, ``Torch
-   not compiled with CUDA``, a Triton kernel launched where vLLM found no Triton: ``'function' object
-   is not subscriptable``) is the harness's: the tests run on CPU and did not stand in for it; so is
-   an import of a module outside vLLM that fails (the environment lacks a dependency the release
-   needs, ``overlay/maintain/rebase/deps.py``);
-5. any other exception, by where it was raised: walking out from the innermost frame, library
-   frames (the standard library, ``site-packages``) skipped, a frame in the code under test (the
-   imported ``vllm`` package, or ``$OVERLAY_VLLM_TREE``) makes it behaviour, a frame of the tests
-   makes it the harness's; only library frames: the harness's.
+The rules for a failed test, first match wins, are :data:`RULES`: each with the failures it
+covers in the words of ``docs/rebase/README.md``'s table (:func:`rules_table`; the test
+``tests/test_one_source.py`` holds the guide to it) and the function that decides.
 
 Collection errors (a test file that does not import) never reach a test: ``testrun`` counts them
 as harness errors from JUnit's ``collection failure`` entries, unless the code under test does not
-compile (rule 0).
+compile (the first rule).
 """
 
 from __future__ import annotations
@@ -39,6 +21,8 @@ import os
 import re
 import sys
 import sysconfig
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -157,22 +141,79 @@ def test_code_frame(tb: TracebackType | None, under_test: list[Path], root: Path
     return ""
 
 
+@dataclass(frozen=True)
+class Failure:
+    """A failed test as the rules see it: the phase, the exception, its traceback, the code under test."""
+
+    when: str
+    exc: BaseException
+    tb: TracebackType | None
+    under_test: list[Path]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule: the failures it covers, each with what it counts as (the guide's table rows), and
+    ``decide``: ``harness`` / ``behaviour``, or None when the rule does not cover the failure."""
+
+    rows: tuple[tuple[str, str], ...]
+    decide: Callable[[Failure], str | None]
+
+
+def _if(kind: str, test: Callable[[Failure], bool]) -> Callable[[Failure], str | None]:
+    return lambda f: kind if test(f) else None
+
+
+RULES: tuple[Rule, ...] = (
+    # the code under test does not compile: the same rule holds for a rank's report
+    # (tests/patches/ranks.py) and for a test file that does not import (testrun)
+    Rule((("a `SyntaxError` in a file of the code under test, wherever it surfaced (collection, a fixture, a setup "
+           "region, a rank's report): a conflict candidate whose merge left broken lines", "behaviour"),),
+         _if("behaviour", lambda f: does_not_compile(f.exc, f.under_test))),
+    # the exception says what it is (a class attribute overlay_failure: tests/compat.py's HarnessError and
+    # BehaviourFailure); the outermost such exception of the chain
+    Rule((("raised inside `with compat.setup(\"...\"):` (harness code that calls vLLM: configs, metadata, "
+           "stand-ins)", "harness"),
+          ("raised inside `with compat.exercising(\"...\"):`, or `compat.added(owner, name)` of a name the patch "
+           "adds", "behaviour")),
+         lambda f: _marked(f.exc)),
+    Rule((("a fixture (setup/teardown), a test file that does not import (a test-only name)", "harness"),),
+         _if("harness", lambda f: f.when != "call")),
+    Rule((("an `AssertionError` (or `pytest.fail`) in the test", "behaviour"),),
+         _if("behaviour", lambda f: isinstance(f.exc, AssertionError | pytest.fail.Exception))),
+    # the tests run on CPU and did not stand in for the GPU; a module outside vLLM that does not import
+    # is a dependency the release needs (overlay/maintain/rebase/deps.py)
+    Rule((("the machine has no GPU (`pin_memory=True requires a CUDA ...`, a Triton kernel launched without "
+           "Triton: `'function' object is not subscriptable`), or lacks a dependency (a module outside vLLM "
+           "does not import)", "harness"),),
+         _if("harness", lambda f: bool(_NEEDS_GPU.search(str(f.exc))) or _triton_launch_without_triton(f.exc)
+             or _missing_dependency(f.exc))),
+    # by where it was raised: walking out from the innermost frame, library frames (the standard library,
+    # site-packages) skipped, a frame in the code under test (the imported vllm package, or
+    # $OVERLAY_VLLM_TREE) makes it behaviour, a frame of the tests the harness's; only library frames: harness
+    Rule((("any other exception: raised inside the code under test", "behaviour"),
+          ("... raised by the test's own code", "harness")),
+         lambda f: raised_in(f.tb, f.under_test)),
+)
+
+
+def rules_table() -> str:
+    """:data:`RULES` as the guide's markdown table (``docs/rebase/README.md``)."""
+    lines = ["| failure | counts as |", "| --- | --- |"]
+    lines += [f"| {failure} | {kind} |" for rule in RULES for failure, kind in rule.rows]
+    return "\n".join(lines) + "\n"
+
+
 def failure_kind(when: str, exc: BaseException, tb: TracebackType | None,
                  under_test: list[Path] | None = None) -> str:
-    """``harness`` or ``behaviour`` for an exception that failed a test in phase ``when``."""
-    under_test = code_under_test() if under_test is None else under_test
-    if does_not_compile(exc, under_test):
-        return "behaviour"
-    marked = _marked(exc)
-    if marked is not None:
-        return marked
-    if when != "call":
-        return "harness"
-    if isinstance(exc, AssertionError | pytest.fail.Exception):
-        return "behaviour"
-    if _NEEDS_GPU.search(str(exc)) or _triton_launch_without_triton(exc) or _missing_dependency(exc):
-        return "harness"
-    return raised_in(tb, under_test)
+    """``harness`` or ``behaviour`` for an exception that failed a test in phase ``when``: the first of
+    :data:`RULES` that decides."""
+    failure = Failure(when, exc, tb, code_under_test() if under_test is None else under_test)
+    for rule in RULES:
+        kind = rule.decide(failure)
+        if kind is not None:
+            return kind
+    return "harness"  # not reached: the last rule always decides
 
 
 @pytest.hookimpl(wrapper=True)

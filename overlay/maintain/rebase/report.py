@@ -15,11 +15,9 @@ from overlay.build.series import Patch, Series
 from overlay.build.swap import exchange
 from overlay.errors import OverlayError
 from overlay.maintain.rebase.stale import later_pin_notes
-from overlay.maintain.rebase.state import RebaseError, Result, State, prepared_pin
+from overlay.maintain.rebase.state import OUTCOMES, RebaseError, Result, State, prepared_pin
 from overlay.maintain.rebase.testrun import TestRun, describe
-from overlay.maintain.replay import (
-    ConflictHunk,
-)
+from overlay.maintain.replay import ConflictHunk
 from overlay.maintain.workspace import format_patch
 
 
@@ -92,19 +90,6 @@ def _write_report(dest: Path, state: State, results: list[Result], work: Path, *
 _TRUST = ("the target wheel's sha256 is the digest PyPI publishes for it (read through pip's "
           "resolver report); pip checked the download against it and the tool hashed the file again")
 
-_MEANING = {
-    "applied": "applies exactly; carried verbatim",
-    "refreshed": "applies after a 3-way merge; carried as the refreshed patch",
-    "upstream": "upstream has the same change; dropped",
-    "upstream-by-behaviour": "upstream fixed it its own way (its tests pass without it); dropped",
-    "partly-upstream": "part of it is upstream; the rest is carried",
-    "conflict": "set aside: needs a person",
-    "contradicted": ("set aside: needs a person; its tests contradict the target's own behaviour, so they "
-                     "cannot vouch for carrying it"),
-    "conflict-resolved": "conflicted; resolved by a person",
-    "auto-resolved": ("conflicted; a mechanical candidate was accepted because the patch's own tests pass on "
-                      "the target with it and the later patches still merge"),
-}
 
 
 def report_markdown(state: State, results: list[Result], *, work: Path | None = None,
@@ -143,7 +128,7 @@ def report_markdown(state: State, results: list[Result], *, work: Path | None = 
                   "", "Set aside in this run: " + ", ".join(f"`{n}`" for n in pending) + "."]
     lines += ["", "## Reasoning", ""]
     for r in results:
-        lines += [f"### `{r.name}`: {r.outcome}", "", f"{_MEANING[r.outcome]}. {r.evidence}.", ""]
+        lines += [f"### `{r.name}`: {r.outcome}", "", f"{OUTCOMES[r.outcome]}. {r.evidence}.", ""]
         if r.still_needed:
             lines += ["Still needed: " + ", ".join(f"`{s}`" for s in r.still_needed) + ".", ""]
         if r.absorbed:

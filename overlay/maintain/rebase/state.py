@@ -10,11 +10,29 @@ from pathlib import Path
 
 from overlay.build.pins import Pin, load_pin, pin_dir
 from overlay.errors import OverlayError
-from overlay.maintain.replay import (
-    ConflictHunk,
-)
+from overlay.maintain.replay import ConflictHunk
 
 STATE = "overlay-rebase.json"  # inside the scratch repository's .git: survives git commands
+
+OUTCOMES: dict[str, str] = {
+    "upstream": "upstream has the same change; dropped",
+    "upstream-by-behaviour": "upstream fixed it its own way (its tests pass without it); dropped",
+    "applied": "applies exactly; carried verbatim",
+    "refreshed": "applies after a 3-way merge; carried as the refreshed patch",
+    "partly-upstream": "part of it is upstream; the rest is carried",
+    "auto-resolved": ("conflicted; a mechanical candidate was accepted because the patch's own tests pass on "
+                      "the target with it and the later patches still merge"),
+    "conflict": "set aside: needs a person",
+    "conflict-resolved": "conflicted; resolved by a person",
+    "contradicted": ("set aside: needs a person; its tests contradict the target's own behaviour, so they "
+                     "cannot vouch for carrying it"),
+}
+"""Every outcome a patch's classification can have, and what it means (``REBASE.md``'s words).
+
+The one list: ``docs/rebase/README.md``'s table says when each is given, in this order, and
+``tests/test_one_source.py`` holds it and what ``classify`` gives to this.
+"""
+UPSTREAM: tuple[str, ...] = ("upstream", "upstream-by-behaviour")  # dropped because upstream has it
 
 
 class RebaseError(OverlayError):
@@ -35,6 +53,10 @@ class Result:
     carried: bool = False  # the patch is in the new series
     candidates: list[dict] = field(default_factory=list)  # resolution attempts (rebase_resolve.Attempt)
     source_sha256: str = ""  # the source patch file this result was classified from
+
+    def __post_init__(self) -> None:
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"{self.name}: {self.outcome!r} is not an outcome (OUTCOMES: {', '.join(OUTCOMES)})")
 
 
 @dataclass

@@ -1,0 +1,132 @@
+"""Every list the code owns has one source; each place that repeats it is held to it here.
+
+A list kept by hand in two places drifts: a fix missing from the engine check's seed bugs silently
+got no variant, the rebase's outcomes were listed four times with three different counts, the
+harness/behaviour rules twice in different words. Where a place cannot be derived from the source
+(a guide, the README), a test here fails the moment the two part. The regress checks are held in
+``tests/regress/test_checks_registry.py``.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from overlay.build.pins import default_version
+from overlay.build.series import Series
+from overlay.engine.variants import EXPECT, NO_VARIANT
+from overlay.maintain.rebase import failkind
+from overlay.maintain.rebase.state import OUTCOMES, UPSTREAM
+
+REPO = Path(__file__).resolve().parent.parent
+README = (REPO / "README.md").read_text()
+ARCHITECTURE = (REPO / "docs" / "ARCHITECTURE.md").read_text()
+REBASE_GUIDE = (REPO / "docs" / "rebase" / "README.md").read_text()
+
+
+def series_names() -> list[str]:
+    series = Series.load(REPO / "patches" / default_version(REPO / "patches"))
+    return [p.name.removesuffix(".patch") for p in series.patches]
+
+
+def section(text: str, heading: str) -> str:
+    return text.split(heading, 1)[1].split("\n## ", 1)[0]
+
+
+# -- the patches: patches/<default>/series ------------------------------------------------------
+
+def test_the_readme_series_table_is_the_series_in_order() -> None:
+    rows = re.findall(r"(?m)^\| `([a-z0-9-]+)` \|", section(README, "## The series"))
+    assert rows == series_names()
+
+
+def test_the_architecture_problem_list_names_every_patch_once() -> None:
+    problem = section(ARCHITECTURE, "## The problem")
+    items = re.findall(r"(?ms)^\d+\. .*?(?=^\d+\. |^\s*$)", problem)
+    named = [n for item in items for n in re.findall(r"`([a-z0-9-]+)`", item) if n in series_names()]
+    plus = re.search(r"One patch per item[^\n]*\n?[^\n]*plus `([a-z0-9-]+)`", problem)
+    assert plus, "the problem list's 'plus' line"
+    assert sorted([*named, plus[1]]) == sorted(series_names()), named
+    assert len(named) == len(items) == len(set(named))  # one patch per item
+
+
+def test_every_patch_has_a_seed_bug_variant_or_says_why_not() -> None:
+    """A fix missing from ``EXPECT`` gets no variant, and ``make engine-variants`` would not say so."""
+    patches = {f"{n}.patch" for n in series_names()}
+    fixes = set(EXPECT) - {"stock"}
+    assert fixes.isdisjoint(NO_VARIANT), fixes & set(NO_VARIANT)
+    assert fixes | set(NO_VARIANT) == patches, (patches - fixes - set(NO_VARIANT), (fixes | set(NO_VARIANT)) - patches)
+    assert all(why.strip() for why in NO_VARIANT.values())
+
+
+# -- the rebase outcomes: overlay.maintain.rebase.state.OUTCOMES --------------------------------
+
+def classifier_outcomes() -> set[str]:
+    """Every outcome ``classify.py`` gives: ``Result(name, "<outcome>", ...)`` and ``res.outcome = ...``."""
+    tree = ast.parse((REPO / "overlay" / "maintain" / "rebase" / "classify.py").read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Result"
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)):
+            found.add(node.args[1].value)
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                both = isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple)
+                pairs = zip(target.elts, node.value.elts, strict=False) if both else [(target, node.value)]
+                for t, v in pairs:
+                    if isinstance(t, ast.Attribute) and t.attr == "outcome" and isinstance(v, ast.Constant):
+                        found.add(v.value)
+    return found
+
+
+def test_the_classifier_gives_exactly_the_outcomes() -> None:
+    assert classifier_outcomes() == set(OUTCOMES)
+    assert set(UPSTREAM) <= set(OUTCOMES)
+
+
+def test_the_rebase_guide_lists_the_outcomes_in_order() -> None:
+    table = REBASE_GUIDE.split("| outcome | when |", 1)[1].split("\n\n", 1)[0]
+    assert re.findall(r"(?m)^\| `([a-z-]+)` \|", table) == list(OUTCOMES)
+
+
+def test_the_package_docstrings_point_to_the_one_list() -> None:
+    from overlay.maintain import rebase
+    from overlay.maintain.rebase import classify
+
+    for doc in (rebase.__doc__, classify.__doc__):
+        assert "OUTCOMES" in doc
+
+
+def test_a_result_with_an_unknown_outcome_is_refused() -> None:
+    import pytest
+
+    from overlay.maintain.rebase.state import Result
+
+    with pytest.raises(ValueError, match="not an outcome"):
+        Result("p.patch", "absorbed", "")
+
+
+# -- failkind's rules: overlay.maintain.rebase.failkind.RULES -----------------------------------
+
+def test_the_rebase_guide_shows_failkinds_rules_as_the_code_has_them() -> None:
+    assert failkind.rules_table() in REBASE_GUIDE
+    assert "RULES" in failkind.__doc__ and not re.search(r"(?m)^\d\. ", failkind.__doc__)
+
+
+# -- the fetch-and-verify story: docs/build/README.md, "Fetching and verifying a release" --------
+
+STORY = "build/README.md#fetching-and-verifying-a-release"
+
+
+def test_the_verify_story_is_told_once_and_linked() -> None:
+    guides = {p: p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
+                                         *sorted((REPO / "docs").glob("*/README.md"))]}
+    build = REPO / "docs" / "build" / "README.md"
+    assert "\n## Fetching and verifying a release\n" in guides[build]
+    for path, text in guides.items():
+        if path != build:
+            for words in ("quarantine", "--dry-run --report", "VLLM_TARGET_DEVICE=empty"):
+                assert words not in text, f"{path.relative_to(REPO)} tells the verify story ({words!r}): link {STORY}"
+    for path in (REPO / "README.md", REPO / "docs" / "ARCHITECTURE.md", REPO / "docs" / "rebase" / "README.md"):
+        assert STORY in guides[path], f"{path.relative_to(REPO)} does not link to {STORY}"

@@ -15,6 +15,13 @@ BUILD_STAMP := $(VENV)/.overlay-build-$(VLLM)
 q = '$(subst ','\'',$($(1)))'
 qw = $(if $($(1)), $(foreach w,$($(1)),$(call q,w)))
 OVERLAY = $(call q,PY) -m overlay
+# Which Python a target's verb runs under. $(OVERLAY), the venv's, for every verb that runs here:
+# the target depends on $(TOOL_STAMP) (or $(BUILD_STAMP)), which makes the venv with the tool's
+# dependencies. $(call q,PYTHON) -m overlay, a bare python3 with no venv and no stamp, only for the
+# verbs that run on the GPU device machine, which has neither a venv nor a network (engine-check,
+# engine-checkpoint, bench-engine); overlay/commands/ imports only the standard library so they can.
+# A new target is named as its verb: `<verb>: $(TOOL_STAMP) ## help [VARS]`, then `$(OVERLAY) <verb>`.
+# tests/test_commands.py holds this rule.
 
 # Release versions are checked as x.y.z before any recipe (or the stamp file named after VLLM) uses them.
 is_version = $(shell printf '%s' $(call q,$(1)) | grep -Ex '[0-9]+\.[0-9]+\.[0-9]+((\.post|rc)[0-9]+)?')

@@ -77,8 +77,10 @@ def cmd_cherry_pick(ns: argparse.Namespace) -> int:
     if ns.continue_:
         out = cherry_pick_continue(Path(".work") / f"cherry-pick-{ns.vllm}")
     elif not ns.ref:
-        print("error: cherry-pick needs REF (a PR number, a commit or a patch file)", file=sys.stderr)
-        return 1
+        from overlay.errors import OverlayError
+
+        # exit 1, as before: cherry-pick's 2 means "stopped at a conflict"
+        raise OverlayError("cherry-pick needs REF (a PR number, a commit or a patch file)")
     else:
         out = cherry_pick_release(root(ns), ns.vllm, ns.ref, remote=ns.remote or None, name=ns.name or None,
                                   after=ns.after or None, before=ns.before or None, origin=ns.origin or None)

@@ -1,0 +1,94 @@
+"""The command line's rules, held: each verb found from its name, the standard library only at import,
+one error path, and which Python the Makefile runs a verb under.
+
+``overlay/commands/__init__.py`` lists where each verb lives; the Makefile's header says when a target
+calls ``$(OVERLAY)`` and when a bare ``python3 -m overlay``. Both are prose a newcomer reads, so each is
+checked here against what the code does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from overlay import cli, commands
+
+REPO = Path(__file__).resolve().parent.parent
+MAKEFILE = (REPO / "Makefile").read_text()
+
+
+def documented_table() -> list[tuple[str, list[str]]]:
+    rows = re.findall(r"(?m)^- ``([a-z_]+)\.py``: ([a-z, -]+)$", commands.__doc__ or "")
+    return [(module, [v.strip() for v in verbs.split(",")]) for module, verbs in rows]
+
+
+def real_table() -> list[tuple[str, list[str]]]:
+    """Each module of ``MODULES`` with the verbs its ``configure_parser`` adds, in order."""
+    rows = []
+    for name in commands.MODULES:
+        sub = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(f"overlay.commands.{name}").configure_parser(sub)
+        rows.append((name, list(sub.choices)))
+    return rows
+
+
+def test_the_verb_table_says_where_every_verb_lives() -> None:
+    assert documented_table() == real_table()
+    assert [v for _, verbs in real_table() for v in verbs] == list(cli.verbs())
+
+
+CHECK_IMPORTS = """
+import sys
+before = set(sys.modules)
+{code}
+new = set(sys.modules) - before
+print("\\n".join(sorted(n for n in new if n.split(".")[0] not in sys.stdlib_module_names | {{"overlay"}})))
+"""
+
+
+@pytest.mark.parametrize("code", [f"import overlay.commands.{m}" for m in commands.MODULES]
+                         + ["from overlay import cli; cli.parser()"])
+def test_the_commands_import_only_the_standard_library(code: str) -> None:
+    """What ``python3 -m overlay engine-check`` needs on the device, which has no venv: importing a
+    commands module, and building the whole parser, loads nothing outside the standard library."""
+    out = subprocess.run([sys.executable, "-c", CHECK_IMPORTS.format(code=code)], cwd=REPO, capture_output=True,
+                         text=True, check=True, timeout=60).stdout.split()
+    assert out == [], f"{code}: imports {', '.join(out)} at import time (import it inside the handler)"
+
+
+def test_only_the_cli_prints_errors() -> None:
+    for path in sorted((REPO / "overlay" / "commands").glob("*.py")):
+        assert not re.search(r"print\(f?[\"']error", path.read_text()), f"{path.name} prints error: itself"
+
+
+def test_cherry_pick_without_a_ref_takes_the_one_error_path(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["cherry-pick"]) == 1
+    assert capsys.readouterr().err == "error: cherry-pick needs REF (a PR number, a commit or a patch file)\n"
+
+
+def recipes() -> dict[str, tuple[str, str]]:
+    """target -> (its prerequisites, its recipe), for the targets ``make help`` lists."""
+    out = {}
+    for m in re.finditer(r"(?m)^([a-z][a-z-]*):([^=\n#]*)##[^\n]*\n((?:\t[^\n]*\n)*)", MAKEFILE):
+        out[m[1]] = (m[2], m[3])
+    return out
+
+
+def test_the_makefile_header_says_which_python_runs_each_verb() -> None:
+    header = MAKEFILE.split("\n.PHONY", 1)[0]
+    named = re.search(r"\(engine-check,\s*#?\s*engine-checkpoint, bench-engine\)", header)
+    assert named, "the Makefile's header names the device verbs"
+    bare = {t for t, (_, recipe) in recipes().items() if "$(call q,PYTHON) -m overlay" in recipe}
+    assert bare == {"engine-check", "engine-checkpoint", "bench-engine"}
+    for target, (prereqs, recipe) in recipes().items():
+        if target in bare:
+            assert "$(TOOL_STAMP)" not in prereqs and "$(BUILD_STAMP)" not in prereqs, target
+            assert "$(OVERLAY)" not in recipe, target
+        elif "$(OVERLAY)" in recipe:
+            assert "$(TOOL_STAMP)" in prereqs or "$(BUILD_STAMP)" in prereqs, f"{target}: $(OVERLAY) without the venv"

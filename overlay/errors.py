@@ -6,6 +6,28 @@ exit code. Messages name the file, patch, hunk or field at fault.
 
 from __future__ import annotations
 
+SHOWN_MAX = 80  # the longest piece of a file an error line quotes
+
+
+def shown(text: str, limit: int = SHOWN_MAX) -> str:
+    """A piece of a file (a series line, a pin field, a hunk header) for an error line.
+
+    Quoted when it is short and printable (a typo in a series line is worth seeing); else only
+    its length: an error line never carries a file's content beyond that, whatever the file is
+    (a ``series`` or ``pin.toml`` that is a link to ``/proc/self/environ`` holds NUL-separated
+    secrets on one line).
+    """
+    if len(text) <= limit and all(ch.isprintable() or ch == "\t" for ch in text):
+        return repr(text)
+    what = "characters" if len(text) > limit else "characters with control characters"
+    return f"<{len(text)} {what}, not shown>"
+
+
+def one_line(name: str) -> str:
+    """A file name for an error line: as it is when printable, else its ``repr`` (a newline or escape
+    in a quoted git path cannot break the one line or write to the terminal)."""
+    return name if name.isprintable() else repr(name)
+
 
 class OverlayError(Exception):
     """Root of every error the tool reports to a user as one line."""
@@ -53,6 +75,10 @@ class GitError(OverlayError):
         detail = stderr.strip().splitlines()
         tail = detail[-1] if detail else "no output"
         super().__init__(f"git {' '.join(cmd)!s} failed ({returncode}): {tail}")
+
+
+class LockError(OverlayError):
+    """A lock file that cannot be one: a symbolic link, a folder, not openable."""
 
 
 class DistError(OverlayError):

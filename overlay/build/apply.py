@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from overlay.build.series import PACKAGE_RULE, Patch, is_kernel_path
-from overlay.errors import ApplyError, GitError
+from overlay.errors import ApplyError, GitError, one_line
 from overlay.git import git
 
 BaseReader = Callable[[str], bytes | None]
@@ -113,6 +113,9 @@ def apply_series(
         deleted: list[str] = []
         for path in touched:
             dest = root / path
+            if dest.is_symlink():  # the parser refuses mode 120000; git is the last word on what it made
+                raise ApplyError(f"the series makes {one_line(path)} a symbolic link; a patch may only add or "
+                                 "change regular files: take it out of the patch")
             if dest.exists():
                 data = dest.read_bytes()
                 if base.get(path) != data:

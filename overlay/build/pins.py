@@ -10,7 +10,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from overlay.errors import PinError
+from overlay.errors import PinError, shown
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}\Z")
 _VERSION = re.compile(r"^\d+\.\d+\.\d+(?:\.post\d+|rc\d+)?\Z")  # \Z: "$" lets a trailing newline through
@@ -49,16 +49,16 @@ class Pin:
         sdist_sha256 = text("sdist_sha256", False)
         unknown = sorted(set(data) - {"version", "wheel", "sha256", "sdist", "sdist_sha256"})
         if unknown:
-            problems.append(f"unknown field(s) {', '.join(map(repr, unknown))}")
+            problems.append(f"unknown field(s) {', '.join(shown(str(k)) for k in unknown)}")
         if version is not None and not _VERSION.match(version):
-            problems.append(f"field 'version' is not a release version: {version!r}")
+            problems.append(f"field 'version' is not a release version: {shown(version)}")
         if sha256 is not None and not _SHA256.match(sha256):
-            problems.append(f"field 'sha256' is not 64 lowercase hex digits: {sha256!r}")
+            problems.append(f"field 'sha256' is not 64 lowercase hex digits: {shown(sha256)}")
         if sdist_sha256 is not None and not _SHA256.match(sdist_sha256):
-            problems.append(f"field 'sdist_sha256' is not 64 lowercase hex digits: {sdist_sha256!r}")
-        if wheel is not None and version is not None:
+            problems.append(f"field 'sdist_sha256' is not 64 lowercase hex digits: {shown(sdist_sha256)}")
+        if wheel is not None and version is not None and _VERSION.match(version):
             if not (wheel.startswith(f"vllm-{version}-") and wheel.endswith(".whl")):
-                problems.append(f"field 'wheel' {wheel!r} is not a vllm {version} wheel file name")
+                problems.append(f"field 'wheel' {shown(wheel)} is not a vllm {version} wheel file name")
         if problems:
             raise PinError(f"{source}: " + "; ".join(problems))
         assert version and wheel and sha256
@@ -122,7 +122,7 @@ def default_version(patches_root: Path) -> str:
     except OSError as exc:
         raise PinError(f"{path}: cannot read the default release ({exc.strerror or exc})") from None
     if not _VERSION.match(text):
-        raise PinError(f"{path}: expected one release like 0.28.0, got {text[:40]!r}")
+        raise PinError(f"{path}: expected one release like 0.28.0, got {shown(text)}")
     return text
 
 

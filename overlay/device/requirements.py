@@ -15,6 +15,7 @@ from packaging.utils import canonicalize_name
 
 from overlay.build.wheel import dist_info_name
 from overlay.device.settings import DEVICE_ENV, TORCH_FAMILY, DeviceStageError
+from overlay.errors import shown
 
 
 def read_device_packages(path: Path) -> dict[str, str]:
@@ -26,7 +27,7 @@ def read_device_packages(path: Path) -> dict[str, str]:
             continue
         name, sep, version = line.partition("==")
         if not sep or not name.strip() or not version.strip():
-            raise DeviceStageError(f"{path}:{lineno}: expected name==version, got {raw!r}")
+            raise DeviceStageError(f"{path}:{lineno}: expected name==version, got {shown(raw)}")
         packages[canonicalize_name(name.strip())] = version.strip()
     return packages
 

@@ -21,7 +21,8 @@
 #
 # WORK (default <cache>/kernel-build/<version>) is a fixed place: the same source, build and source
 # paths on every run, so ccache (used when installed) hits from any checkout; its statistics for
-# this build are printed at the end. --dry-run does steps 1-2 and prints the commands of step 3.
+# this build are printed at the end. --dry-run does steps 1-2 (without the toolchain check) and
+# prints the commands of step 3.
 #
 # Environment: TORCH_CUDA_ARCH_LIST (default 9.0a), MAX_JOBS (default: the memory bound),
 # NVCC_THREADS, PYTHON (default python3), CMAKE_BUILD_TYPE (default Release), CUDA_HOME and
@@ -64,7 +65,8 @@ mapfile -t targets <"$work/targets"
 
 # 2. toolchain and sources checked, sources staged, the job bound
 "$py" -m overlay kernels prepare --vllm "$vllm" --src "$src" --sources "$sources" --targets "${targets[@]}" \
-  --stage "$work/sources" --env-file "$work/build.env" ${MAX_JOBS:+--max-jobs "$MAX_JOBS"}
+  --stage "$work/sources" --env-file "$work/build.env" ${MAX_JOBS:+--max-jobs "$MAX_JOBS"} \
+  $([[ $dry_run -eq 1 ]] && echo --no-preflight)
 set -a
 # shellcheck disable=SC1091
 source "$work/build.env"
@@ -72,7 +74,10 @@ set +a
 export PATH="$CUDA_HOME/bin:$PATH"
 cmake="$CMAKE" jobs="$MAX_JOBS"
 ninja="$(command -v ninja || true)"
-[[ -n "$ninja" ]] || die "ninja not found (pip install ninja)"
+if [[ -z "$ninja" ]]; then
+  [[ $dry_run -eq 1 ]] || die "ninja not found (pip install ninja)"
+  ninja=ninja
+fi
 
 configure=("$cmake" -S "$src" -B "$build" -G Ninja
   "-DCMAKE_MAKE_PROGRAM=$ninja"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -177,7 +178,11 @@ def test_kernel_patch_with_rebuilt_kernels(tmp_path: Path, wheel: Path) -> None:
     with zipfile.ZipFile(res.wheel) as zf:
         assert zf.read("vllm/_C.abi3.so") == b"rebuilt"
         assert b"line_7 = 70\n" in zf.read("vllm/a.py")
+        manifest = json.loads(zf.read("vllm/_overlay.json"))
     verify_record(res.wheel)
+    # _overlay.json names the kernel patch and each rebuilt library with its target and digest
+    assert manifest["kernels"] == {"patches": ["kern.patch"], "rebuilt": [
+        {"path": "vllm/_C.abi3.so", "target": "_C", "sha256": hashlib.sha256(b"rebuilt").hexdigest()}]}
     stray = tmp_path / "kernels" / "vllm" / "_new.abi3.so"
     stray.write_bytes(b"x")
     with pytest.raises(WheelError, match=r"'vllm/_new\.abi3\.so' is not a library of vllm-0\.28\.0-"):

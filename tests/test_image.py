@@ -337,34 +337,37 @@ def test_current_series_dry_run() -> None:
 
 def test_build_kernels_script_dry_run(release, tmp_path: Path) -> None:
     root = release({"layer.patch": PYTHON_PATCH, "topk.patch": KERNEL_PATCH})
-    src, out = tmp_path / "src", tmp_path / "kernels"
+    work, out = tmp_path / "work", tmp_path / "kernels"
+    src, build = work / "src", work / "build"
     env = dict(os.environ, PYTHON=sys.executable, TORCH_CUDA_ARCH_LIST="9.0a", MAX_JOBS="3",
                NVCC_THREADS="2", PATH=f"{BIN}:{os.environ['PATH']}")
     proc = subprocess.run(
-        [str(BUILD_KERNELS), "--vllm", "0.28.0", "--patches", str(root), "--src", str(src),
-         "--build", str(tmp_path / "build"), "--out", str(out), "--dry-run"],
+        [str(BUILD_KERNELS), "--vllm", "0.28.0", "--patches", str(root), "--work", str(work),
+         "--sources", str(tmp_path / "no-sources"), "--out", str(out), "--dry-run"],
         cwd=REPO, env=env, capture_output=True, text=True, check=False,
     )
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    configure, compile_, install = (shlex.split(ln) for ln in lines)
-    assert configure[:5] == ["cmake", "-S", str(src), "-B", str(tmp_path / "build")]
-    assert {"-DVLLM_TARGET_DEVICE=cuda", "-DNVCC_THREADS=2", "-DCMAKE_JOB_POOLS:STRING=compile=3"} <= set(
-        configure)
-    assert compile_ == ["cmake", "--build", str(tmp_path / "build"), "-j", "3",
-                        "--target", "_moe_C_stable_libtorch"]
-    assert install == ["cmake", "--install", str(tmp_path / "build"), "--prefix", str(out),
-                       "--component", "_moe_C_stable_libtorch"]
+    configure, order, compile_, install = (shlex.split(ln) for ln in lines)
+    assert Path(configure[0]).name == "cmake" and configure[1:5] == ["-S", str(src), "-B", str(build)]
+    assert {"-DVLLM_TARGET_DEVICE=cuda", "-DNVCC_THREADS=2", "-DCMAKE_JOB_POOLS:STRING=compile=3",
+            "-DFETCHCONTENT_FULLY_DISCONNECTED=OFF"} <= set(configure)  # no kernel-sources/0.28.0: online
+    assert order[1:] == ["-m", "overlay", "kernels", "order", "--build", str(build), "--targets",
+                         "_moe_C_stable_libtorch"]
+    assert compile_[1:] == ["-C", str(build), "-j", "3", "_moe_C_stable_libtorch"]
+    assert install[1:] == ["--install", str(build), "--prefix", f"{out}.tmp", "--component",
+                           "_moe_C_stable_libtorch"]
     # The whole series is applied to the source tree, kernel and python patches alike.
     assert (src / "csrc/moe/topk_softmax_kernels.cu").read_text() == KERNEL_PATCH[1]
     assert (src / "vllm/layer.py").read_text() == PYTHON_PATCH[1]
     assert "TORCH_CUDA_ARCH_LIST=9.0a" in proc.stderr
+    assert "configure fetches the" in proc.stderr and "(network)" in proc.stderr
 
 
 def test_build_kernels_script_refuses_a_python_only_series(release, tmp_path: Path) -> None:
     root = release({"layer.patch": PYTHON_PATCH})
     proc = subprocess.run(
-        [str(BUILD_KERNELS), "--vllm", "0.28.0", "--patches", str(root), "--src", str(tmp_path / "s"),
+        [str(BUILD_KERNELS), "--vllm", "0.28.0", "--patches", str(root), "--work", str(tmp_path / "w"),
          "--out", str(tmp_path / "k"), "--dry-run"],
         cwd=REPO, env=dict(os.environ, PYTHON=sys.executable), capture_output=True, text=True, check=False,
     )

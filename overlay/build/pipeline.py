@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from overlay import __version__ as TOOL_VERSION
+from overlay import digest
 from overlay.build.apply import apply_series, wheel_reader
 from overlay.build.distdir import write_into
 from overlay.build.fetch import fetch_wheel, verify
@@ -47,8 +48,9 @@ def series_tag(series: Series, pin: Pin) -> str:
     return TAG_PREFIX + series.digest(pin.sha256)[:10]
 
 
-def overlay_manifest(series: Series, pin: Pin, version: str) -> bytes:
-    """``vllm/_overlay.json``: what this wheel is made of. No timestamps."""
+def overlay_manifest(series: Series, pin: Pin, version: str, kernels: dict[str, bytes] | None = None) -> bytes:
+    """``vllm/_overlay.json``: what this wheel is made of (with rebuilt kernels: each library's path,
+    CMake target and sha256, and the kernel patches it was built with). No timestamps."""
     doc = {
         "base": {"version": pin.version, "wheel": pin.wheel, "sha256": pin.sha256},
         "version": version,
@@ -64,6 +66,14 @@ def overlay_manifest(series: Series, pin: Pin, version: str) -> bytes:
         ],
         "tool": {"name": "vllm-overlay", "version": TOOL_VERSION},
     }
+    if kernels:
+        doc["kernels"] = {
+            "patches": [p.name for p in series.kernel_patches],
+            "rebuilt": [
+                {"path": path, "target": path.rsplit("/", 1)[-1].split(".", 1)[0], "sha256": digest.of_bytes(data)}
+                for path, data in sorted(kernels.items())
+            ],
+        }
     return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
 
 
@@ -150,12 +160,14 @@ def build(
             raise WheelError(f"{wheel.name}: has no {VERSION_PY}")
         changed = dict(applied.changed)
         changed[VERSION_PY] = patch_version_py(changed.get(VERSION_PY, version_py), full_version)
-        changed[OVERLAY_JSON] = overlay_manifest(series, pin, full_version)
+        rebuilt: dict[str, bytes] = {}
         for archive_path, binary in sorted((kernels or {}).items()):
             if archive_path not in zf.namelist():
                 raise WheelError(f"{binary}: {archive_path!r} is not a library of {wheel.name}; "
                                  "rebuilt kernels must replace existing ones")
-            changed[archive_path] = binary.read_bytes()
+            rebuilt[archive_path] = binary.read_bytes()
+        changed.update(rebuilt)
+        changed[OVERLAY_JSON] = overlay_manifest(series, pin, full_version, rebuilt)
         target = write_into(dist, target_wheel.filename, lambda tmp: rewrite_wheel(
             wheel, tmp, package="vllm", version=full_version, changed=changed,
             deleted=frozenset(applied.deleted), source=zf))

@@ -65,6 +65,7 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--stage", required=True, metavar="DIR", help="where the sources are staged")
     sp.add_argument("--env-file", required=True, help="write NAME=value lines for the build here")
     sp.add_argument("--max-jobs", type=at_least(1), default=None, help="override the memory bound")
+    sp.add_argument("--no-preflight", action="store_true", help="do not check the toolchain (a dry run)")
     sp.set_defaults(handler=cmd_kernel_prepare)
 
     sp = steps.add_parser("order", help=ORDER_HELP, description=ORDER_HELP)
@@ -150,11 +151,12 @@ def cmd_kernel_prepare(ns: argparse.Namespace) -> int:
     from overlay.kernels import order, sources, toolchain
 
     tc = toolchain.found(os.environ.get("CUDA_HOME"), os.environ.get("Torch_DIR"))
-    toolchain.preflight(tc)
-    decisions = sources.plan(sources.read_cmake_files(Path(ns.src)), ns.targets)
+    if not ns.no_preflight:
+        toolchain.preflight(tc)
     folder = Path(ns.sources) / ns.vllm
     source_lines = ["FETCHCONTENT_FULLY_DISCONNECTED=OFF"]
     if folder.is_dir():
+        decisions = sources.plan(sources.read_cmake_files(Path(ns.src)), ns.targets)
         entries = sources.verify(folder, decisions)
         staged = sources.stage(entries, Path(ns.stage))
         for e in entries:
@@ -162,8 +164,8 @@ def cmd_kernel_prepare(ns: argparse.Namespace) -> int:
                  + (f" at {e.commit[:12]}" if e.commit else "") + f" ({e.why})")
         source_lines = ["FETCHCONTENT_FULLY_DISCONNECTED=ON", *sources.env_lines(decisions, staged)]
     else:
-        _log(f"build-kernels: no {folder}: configure fetches the {len(decisions)} external sources from their "
-             "pinned repositories (network); `make kernel-sources` makes the build offline")
+        _log(f"build-kernels: no {folder}: configure fetches the external sources from their pinned "
+             "repositories (network); `make kernel-sources` makes the build offline")
     if ns.max_jobs:
         jobs, why = ns.max_jobs, f"MAX_JOBS={ns.max_jobs} (given)"
     else:

@@ -182,3 +182,16 @@ def test_a_rename_to_a_quoted_name_is_seen(tmp_path: Path, to: str) -> None:
     patch = Patch.from_bytes("p.patch", raw, tmp_path / "p.patch")
     assert set(patch.touched) == {"vllm/a.py", to}
     assert patch.outside_package == (() if to.startswith("vllm/") else (to,))
+
+
+def test_replay_reads_hunks_where_the_parser_found_them(tmp_path: Path) -> None:
+    """The rebase's hunk signatures index the lines the parser numbered (split at ``\\n`` both).
+
+    Before: both used ``str.splitlines``, which cuts at a form feed too: ``b = 2`` fell out of the hunk.
+    """
+    from overlay.maintain.replay import hunk_signatures
+
+    raw = git_patch(tmp_path, {"vllm/a.py": b"x = 1\n"}, {"vllm/a.py": b"x = 1\na = 1\x0c\nb = 2\n"})
+    ((path, _, removed, added),) = hunk_signatures(raw)
+    assert path == "vllm/a.py" and removed == frozenset()
+    assert added == {b"a = 1", b"b = 2"}  # stripped, as every signature line is

@@ -220,7 +220,7 @@ def hunk_signatures(raw: bytes) -> list[tuple[str, str, frozenset[bytes], frozen
         text = text[text.find("\ndiff --git ") + 1:]
     out: list[tuple[str, str, frozenset[bytes], frozenset[bytes]]] = []
     diffs = parse_diffs(text, "patch")
-    lines = text.splitlines()
+    lines = text.split("\n")  # as parse_diffs splits: its line numbers index these
     for fd in diffs:
         for h in fd.hunks:
             removed: set[bytes] = set()

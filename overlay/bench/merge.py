@@ -35,6 +35,9 @@ import socket
 import statistics
 import sys
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -203,9 +206,9 @@ def _profile_eager(base: Any, opt: Any, group: Any, path: Path, rank: int, calls
     return host
 
 
-def _worker(rank: int, world: int, port: int, tokens: list[int], replays: int, out_file: str,
-            bounds: str = "decode", profile_tokens: tuple[int, ...] = ()) -> None:
-    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+@contextmanager
+def _dcp_group(rank: int, world: int, port: int) -> Iterator[tuple[Any, Any]]:
+    """This rank's device and vLLM's own DCP group (DCP = TP = ``world``), the kernels loaded."""
     import torch
 
     torch.cuda.set_device(rank)
@@ -224,8 +227,6 @@ def _worker(rank: int, world: int, port: int, tokens: list[int], replays: int, o
             torch.ops.load_library(str(Path(vllm.__file__).parent / "_C_stable_libtorch.abi3.so"))
         except OSError:
             pass  # no compiled kernels: the direct transport is reported unavailable
-    rows: list[dict[str, Any]] = []
-    notes: list[str] = []
     vc = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=world,
                                                    decode_context_parallel_size=world),
                     device_config=DeviceConfig(device="cuda"))
@@ -234,8 +235,32 @@ def _worker(rank: int, world: int, port: int, tokens: list[int], replays: int, o
                                      distributed_init_method=f"tcp://127.0.0.1:{port}")
         initialize_model_parallel(tensor_model_parallel_size=world,
                                   decode_context_model_parallel_size=world)
-        group = get_dcp_group()
-        max_tokens = max(tokens)
+        yield device, get_dcp_group()
+
+
+@dataclass(frozen=True)
+class _Rank:
+    """What every measurement of one rank shares."""
+
+    rank: int
+    world: int
+    device: Any
+    group: Any
+    replays: int
+    bounds: str
+    profile_tokens: tuple[int, ...]
+    profile_dir: Path
+
+
+def _worker(rank: int, world: int, port: int, tokens: list[int], replays: int, out_file: str,
+            bounds: str = "decode", profile_tokens: tuple[int, ...] = ()) -> None:
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    import torch
+
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    with _dcp_group(rank, world, port) as (device, group):
+        at = _Rank(rank, world, device, group, replays, bounds, profile_tokens, Path(out_file).parent / "profile")
         for model, dims in MODELS.items():
             heads, lora, v = dims["heads"], dims["kv_lora_rank"], dims["v_head_dim"]
             gen = torch.Generator(device=device).manual_seed(11 + rank)
@@ -243,7 +268,7 @@ def _worker(rank: int, world: int, port: int, tokens: list[int], replays: int, o
             w_uv_dcp = group.all_gather(w_uv.contiguous(), dim=0)
             for transport in TRANSPORTS:
                 try:
-                    fns = _transport_fns(transport, group, device, heads, lora, v, max_tokens)
+                    fns = _transport_fns(transport, group, device, heads, lora, v, max(tokens))
                 except Exception as exc:  # e.g. symmetric memory unavailable
                     fns = None
                     notes.append(f"{model} {transport}: {type(exc).__name__}: {exc}")
@@ -257,50 +282,7 @@ def _worker(rank: int, world: int, port: int, tokens: list[int], replays: int, o
                     is_aiter_triton_fp4_bmm_enabled=False, is_aiter_triton_fp8_bmm_enabled=False,
                     dcp_row_valid_counts=None, dcp_manager=SimpleNamespace(project_combine=project_combine))
                 for n in tokens:
-                    g2 = torch.Generator(device=device).manual_seed(1000 * rank + n)
-                    partial = torch.randn(n, world * heads, lora, generator=g2, device=device).bfloat16()
-                    lse = torch.randn(n, world * heads, generator=g2, device=device) * 3
-                    seq_lens, query_start_loc = _bounds(n, world, rank, device, bounds)
-                    baseline, optimized, out_base, out_opt = _steps(layer, base_combine, partial, lse,
-                                                                    seq_lens, query_start_loc)
-                    row: dict[str, Any] = {
-                        "model": model, "transport": transport, "tokens": n,
-                        "payload_baseline_bytes": n * world * heads * lora * 2,
-                        "payload_optimized_bytes": n * world * heads * v * 2,
-                    }
-                    try:
-                        baseline()
-                        optimized()
-                        torch.cuda.synchronize()
-                        ref = out_base.float()
-                        row["max_abs_diff"] = float((out_opt.float() - ref).abs().max())
-                        row["ref_max"] = float(ref.abs().max())
-                        for mode in ("eager", "graph"):
-                            try:
-                                (row[f"baseline_{mode}_us"],
-                                 row[f"optimized_{mode}_us"]) = _time_pair(baseline, optimized, replays, group,
-                                                                           mode == "graph")
-                                row[f"speedup_{mode}"] = row[f"baseline_{mode}_us"] / row[f"optimized_{mode}_us"]
-                            except Exception as exc:
-                                row[f"{mode}_error"] = f"{type(exc).__name__}: {exc}"
-                                notes.append(f"{model} {transport} T={n} {mode}: "
-                                             f"{traceback.format_exc(limit=4)}")
-                                torch.cuda.synchronize()
-                                group.barrier()
-                        if n in profile_tokens:
-                            try:
-                                host = _profile_eager(baseline, optimized, group, Path(out_file).parent
-                                                      / "profile" / f"{model}-{transport}-T{n}.txt", rank)
-                                row["baseline_host_us"], row["optimized_host_us"] = (host["baseline"],
-                                                                                     host["optimized"])
-                            except Exception as exc:
-                                notes.append(f"{model} {transport} T={n} profile: {type(exc).__name__}: {exc}")
-                                torch.cuda.synchronize()
-                                group.barrier()
-                    except Exception as exc:
-                        row["error"] = f"{type(exc).__name__}: {exc}"
-                        notes.append(f"{model} {transport} T={n}: {traceback.format_exc(limit=3)}")
-                    rows.append(row)
+                    rows.append(_measure(at, layer, base_combine, model, transport, n, notes))
                     group.barrier()
     if rank == 0:
         Path(out_file).write_text(json.dumps({
@@ -308,6 +290,54 @@ def _worker(rank: int, world: int, port: int, tokens: list[int], replays: int, o
             "notes": notes, "gpu": torch.cuda.get_device_name(0),
             "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")},
         }, indent=1))
+
+
+def _measure(at: _Rank, layer: Any, base_combine: Any, model: str, transport: str, n: int,
+             notes: list[str]) -> dict[str, Any]:
+    """One row: both orders at ``n`` tokens, checked against each other, timed eager and under graphs."""
+    import torch
+
+    heads, lora, v = layer.num_heads, layer.kv_lora_rank, layer.v_head_dim
+    g2 = torch.Generator(device=at.device).manual_seed(1000 * at.rank + n)
+    partial = torch.randn(n, at.world * heads, lora, generator=g2, device=at.device).bfloat16()
+    lse = torch.randn(n, at.world * heads, generator=g2, device=at.device) * 3
+    seq_lens, query_start_loc = _bounds(n, at.world, at.rank, at.device, at.bounds)
+    baseline, optimized, out_base, out_opt = _steps(layer, base_combine, partial, lse, seq_lens, query_start_loc)
+    row: dict[str, Any] = {
+        "model": model, "transport": transport, "tokens": n,
+        "payload_baseline_bytes": n * at.world * heads * lora * 2,
+        "payload_optimized_bytes": n * at.world * heads * v * 2,
+    }
+    try:
+        baseline()
+        optimized()
+        torch.cuda.synchronize()
+        ref = out_base.float()
+        row["max_abs_diff"] = float((out_opt.float() - ref).abs().max())
+        row["ref_max"] = float(ref.abs().max())
+        for mode in ("eager", "graph"):
+            try:
+                (row[f"baseline_{mode}_us"],
+                 row[f"optimized_{mode}_us"]) = _time_pair(baseline, optimized, at.replays, at.group, mode == "graph")
+                row[f"speedup_{mode}"] = row[f"baseline_{mode}_us"] / row[f"optimized_{mode}_us"]
+            except Exception as exc:
+                row[f"{mode}_error"] = f"{type(exc).__name__}: {exc}"
+                notes.append(f"{model} {transport} T={n} {mode}: {traceback.format_exc(limit=4)}")
+                torch.cuda.synchronize()
+                at.group.barrier()
+        if n in at.profile_tokens:
+            try:
+                host = _profile_eager(baseline, optimized, at.group,
+                                      at.profile_dir / f"{model}-{transport}-T{n}.txt", at.rank)
+                row["baseline_host_us"], row["optimized_host_us"] = host["baseline"], host["optimized"]
+            except Exception as exc:
+                notes.append(f"{model} {transport} T={n} profile: {type(exc).__name__}: {exc}")
+                torch.cuda.synchronize()
+                at.group.barrier()
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        notes.append(f"{model} {transport} T={n}: {traceback.format_exc(limit=3)}")
+    return row
 
 
 def table(result: dict[str, Any]) -> str:

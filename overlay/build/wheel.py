@@ -247,62 +247,15 @@ def rewrite_wheel(
         infos = zf.infolist()
         dist_info = dist_info_name(infos, base)
         base_record = read_record(zf, dist_info, base)
-        new_dist_info = f"{package}-{escape_version(version)}.dist-info"
-        base_names = {i.filename for i in infos}
-        for path in deleted:
-            if path not in base_names:
-                raise WheelError(f"{base.name}: cannot delete {path!r}: not in the wheel")
-        for path in changed:
-            if path.startswith(f"{dist_info}/"):
-                raise WheelError(f"{path!r}: the overlay cannot patch dist-info files")
+        _check_changes(base, infos, dist_info, changed, deleted)
         metadata = {f"{dist_info}/METADATA": set_metadata_version(zf.read(f"{dist_info}/METADATA"), version)}
-
-        entries: list[_Entry] = []
-        meta: list[_Entry] = []
-        for info in infos:
-            name = info.filename
-            if name in deleted or name == f"{dist_info}/RECORD" or name.endswith("/"):
-                continue
-            data = changed.get(name, metadata.get(name))
-            if name.startswith(f"{dist_info}/"):
-                new_name = new_dist_info + name[len(dist_info):]
-                meta.append(_Entry(new_name, None if data is not None else info, data, info.external_attr))
-            else:
-                entries.append(_Entry(name, None if data is not None else info, data, info.external_attr))
-        for name in sorted(set(changed) - base_names):
-            entries.append(_Entry(name, None, changed[name], 0o100644 << 16))
-        entries += meta
-
-        record_rows: list[str] = []
+        new_dist_info = f"{package}-{escape_version(version)}.dist-info"
+        entries = _entries(infos, dist_info, new_dist_info, {**metadata, **changed}, deleted)
         fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         src_fd = os.open(base, os.O_RDONLY)
         try:
             writer = _Writer(fd)
-            run: list[zipfile.ZipInfo] = []
-            for e in entries:
-                src = e.source
-                if src is not None and src.filename == e.name:
-                    # Same name: copy header and data as they are, batching contiguous members.
-                    if run and run[-1].header_offset + _entry_span(src_fd, run[-1]) != src.header_offset:
-                        writer.add_verbatim(src_fd, run)
-                        run = []
-                    run.append(src)
-                    digest, size = base_record[src.filename]
-                    record_rows.append(_csv_row(e.name, digest, str(size)))
-                    continue
-                if run:
-                    writer.add_verbatim(src_fd, run)
-                    run = []
-                if src is not None:
-                    digest, size = base_record[src.filename]
-                    writer.add_raw(e.name, src_fd, src)
-                else:
-                    assert e.data is not None
-                    digest, size = record_hash(e.data), len(e.data)
-                    writer.add_bytes(e.name, e.data, e.external_attr)
-                record_rows.append(_csv_row(e.name, digest, str(size)))
-            if run:
-                writer.add_verbatim(src_fd, run)
+            record_rows = _write_entries(writer, src_fd, entries, base_record)
             record_name = f"{new_dist_info}/RECORD"
             record_rows.append(_csv_row(record_name, "", ""))
             writer.add_bytes(record_name, "".join(record_rows).encode(), 0o100644 << 16)
@@ -311,6 +264,80 @@ def rewrite_wheel(
         finally:
             os.close(src_fd)
             os.close(fd)
+
+
+def _check_changes(base: Path, infos: list[zipfile.ZipInfo], dist_info: str, changed: dict[str, bytes],
+                   deleted: frozenset[str]) -> None:
+    """Refuse to delete what the wheel lacks, or to patch its dist-info (the overlay writes that)."""
+    base_names = {i.filename for i in infos}
+    for path in deleted:
+        if path not in base_names:
+            raise WheelError(f"{base.name}: cannot delete {path!r}: not in the wheel")
+    for path in changed:
+        if path.startswith(f"{dist_info}/"):
+            raise WheelError(f"{path!r}: the overlay cannot patch dist-info files")
+
+
+def _entries(infos: list[zipfile.ZipInfo], dist_info: str, new_dist_info: str, new_data: dict[str, bytes],
+             deleted: frozenset[str]) -> list[_Entry]:
+    """The members of the new wheel in order: the base's (less ``deleted``), the new files, then the
+    renamed dist-info; each with its base member (``source``) where its bytes stay the base's, else
+    its new bytes (``new_data``: changed files and the new METADATA). RECORD is written apart."""
+    base_names = {i.filename for i in infos}
+    entries: list[_Entry] = []
+    meta: list[_Entry] = []
+    for info in infos:
+        name = info.filename
+        if name in deleted or name == f"{dist_info}/RECORD" or name.endswith("/"):
+            continue
+        data = new_data.get(name)
+        source = None if data is not None else info
+        if name.startswith(f"{dist_info}/"):
+            meta.append(_Entry(new_dist_info + name[len(dist_info):], source, data, info.external_attr))
+        else:
+            entries.append(_Entry(name, source, data, info.external_attr))
+    for name in sorted(set(new_data) - base_names):
+        entries.append(_Entry(name, None, new_data[name], 0o100644 << 16))
+    return entries + meta
+
+
+def _write_entries(writer: _Writer, src_fd: int, entries: list[_Entry],
+                   base_record: dict[str, tuple[str, int]]) -> list[str]:
+    """Write every entry by one of three copy modes; return their RECORD rows.
+
+    - verbatim: a base member under its own name: header and data copied as they are, contiguous
+      members batched into one copy (:meth:`_Writer.add_verbatim`);
+    - raw: a base member under a new name (the renamed dist-info): a new header, the compressed
+      data copied (:meth:`_Writer.add_raw`);
+    - bytes: new contents, compressed here (:meth:`_Writer.add_bytes`).
+    """
+    rows: list[str] = []
+    run: list[zipfile.ZipInfo] = []  # verbatim members not written yet, contiguous in the base
+
+    def flush() -> None:
+        if run:
+            writer.add_verbatim(src_fd, run)
+            run.clear()
+
+    for e in entries:
+        src = e.source
+        if src is not None and src.filename == e.name:  # verbatim
+            if run and run[-1].header_offset + _entry_span(src_fd, run[-1]) != src.header_offset:
+                flush()
+            run.append(src)
+            digest, size = base_record[src.filename]
+        elif src is not None:  # raw
+            flush()
+            digest, size = base_record[src.filename]
+            writer.add_raw(e.name, src_fd, src)
+        else:  # bytes
+            flush()
+            assert e.data is not None
+            digest, size = record_hash(e.data), len(e.data)
+            writer.add_bytes(e.name, e.data, e.external_attr)
+        rows.append(_csv_row(e.name, digest, str(size)))
+    flush()
+    return rows
 
 
 def _entry_span(src_fd: int, info: zipfile.ZipInfo) -> int:

@@ -209,7 +209,7 @@ def resolve(requirements: Sequence[str], device: Mapping[str, str], run: PipRun,
         names = [n for n in conflict.constraints if n in pins and n not in TORCH_FAMILY]
         missing = missing_distribution(outcome.output) if not names else None
         if missing is not None and build is not None:
-            name = _requirement_name(missing)
+            name = requirement_name(missing)
             if name in built:
                 raise DeviceStageError(f"{name}: pip finds no wheel for the device even after building "
                                        f"{built[name]} from its sdist: {pip_error_tail(outcome.output)}")
@@ -242,7 +242,7 @@ def resolve(requirements: Sequence[str], device: Mapping[str, str], run: PipRun,
                       dict(sorted(built.items())))
 
 
-def _requirement_name(text: str) -> str:
+def requirement_name(text: str) -> str:
     try:
         return canonicalize_name(Requirement(text).name)
     except InvalidRequirement:
@@ -357,7 +357,7 @@ def sdist_builder(resolver: Resolver, wheelhouse: Path) -> SdistBuild:
     here for a compiled package would be for this machine's Python, not the device's CPython 3.12."""
 
     def build(requirement: str) -> str:
-        name = _requirement_name(requirement)
+        name = requirement_name(requirement)
         wheelhouse.mkdir(parents=True, exist_ok=True)
         log(f"{name}: no wheel for the device; building one from its sdist ({requirement})")
         with tempfile.TemporaryDirectory(dir=wheelhouse, prefix=".build-") as tmp:

@@ -99,6 +99,12 @@ class DeviceStageError(OverlayError):
 _CLOCK = {"start": time.monotonic()}
 
 
+def start_clock() -> float:
+    """Start the clock of :func:`log`'s lines again (a staging begins); return the start."""
+    _CLOCK["start"] = time.monotonic()
+    return _CLOCK["start"]
+
+
 
 
 

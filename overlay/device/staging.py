@@ -18,9 +18,16 @@ from overlay.device.carries import write_carries
 from overlay.device.files import download_wheels, stage_vllm
 from overlay.device.requirements import device_requirements, read_device_packages, wheel_requires_dist
 from overlay.device.resolution_cache import load_resolution, resolution_cache_file, resolution_key, save_resolution
-from overlay.device.resolve import Resolution, _requirement_name, find_resolver, pip_runner, resolve, sdist_builder
+from overlay.device.resolve import (
+    Resolution,
+    Resolver,
+    find_resolver,
+    pip_runner,
+    requirement_name,
+    resolve,
+    sdist_builder,
+)
 from overlay.device.settings import (
-    _CLOCK,
     CARRY_LIMIT,
     DEVICE_ENV,
     MIB,
@@ -29,6 +36,7 @@ from overlay.device.settings import (
     TORCH_FAMILY,
     DeviceStageError,
     log,
+    start_clock,
 )
 from overlay.outpaths import check_dir
 
@@ -113,13 +121,9 @@ def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: i
     them. A package with no wheel for the device gets one built from its sdist, pure Python only
     (:func:`sdist_builder`); otherwise the staging stops naming it.
     """
-    start = _CLOCK["start"] = time.monotonic()
+    start = start_clock()
     cache = cache or cache_dir()
-    check_dir(dest, "--dest")  # a cache folder that is a file must stop the staging now, not after resolving
-    for sub in ("device-resolutions", "device-wheels", "device-wheels/from-sdist", "device-xz"):
-        check_dir(cache / sub, "device-stage cache folder (VLLM_OVERLAY_CACHE)")
-    if not wheel.is_file():
-        raise DeviceStageError(f"{wheel}: no such wheel (make build writes it)")
+    _check_paths(wheel, dest, cache)
     version, requires = wheel_requires_dist(wheel)
     not_needed = {} if full else NOT_NEEDED
     requirements, skipped = device_requirements(requires, not_needed=not_needed)
@@ -133,46 +137,8 @@ def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: i
         log(f"extra requirement(s): {', '.join(extra_reqs)}")
     if not resolver.exact:
         log("  warning: the resolver is not CPython 3.12: dependencies' markers are evaluated for it")
-    wheelhouse = cache / "device-wheels" / "from-sdist"
-
-    def resolve_with(extra: Sequence[str], pins: Mapping[str, str]) -> Callable[[], Resolution]:
-        def run() -> Resolution:
-            with tempfile.TemporaryDirectory(prefix="device-stage-") as work:
-                wheelhouse.mkdir(parents=True, exist_ok=True)
-                return resolve(requirements, pins, pip_runner(resolver, Path(work), wheelhouse=wheelhouse),
-                               build=sdist_builder(resolver, wheelhouse), extra_requirements=extra)
-        return run
-
-    base_key = resolution_key(requirements, device, resolver)
-    key = resolution_key(requirements, device, resolver, extra_requirements=extra_reqs) if extra_reqs else base_key
-    resolution = load_resolution(resolution_cache_file(cache, key), key) if extra_reqs and resolution_cache else None
-    cached = resolution is not None
-    if resolution is not None:
-        log(f"resolution with the extras reused from the cache (key {key[:16]}): {resolution_cache_file(cache, key)}; "
-            "--no-resolution-cache resolves again")
-    else:
-        base, cached = _cached_resolve(cache, base_key, resolution_cache, "", resolve_with((), device))
-        if extra_reqs:
-            pins = {n: v for n, v in device.items() if canonicalize_name(n) not in {d.name for d in base.dropped}}
-            log(f"resolving the extra requirement(s) with vLLM's: {len(base.dropped)} device pin(s) stay dropped")
-            resolution, cached = resolve_with(extra_reqs, pins)(), False
-            resolution.dropped = sorted([*base.dropped, *resolution.dropped], key=lambda d: d.name)
-            resolution.restored = sorted({*base.restored, *resolution.restored})
-            resolution.rounds += base.rounds
-            check_no_downgrade(resolution, base, device)
-            try:
-                save_resolution(resolution_cache_file(cache, key), key, resolution)
-            except OSError as exc:
-                log(f"  warning: resolution not cached ({exc})")
-        else:
-            resolution = base
-    explicit = {_requirement_name(r) for r in extra_reqs}
-    not_needed = {k: v for k, v in not_needed.items() if k not in explicit}
-    unneeded = [w for w in resolution.wheels if w.name in not_needed]
-    resolution.wheels = [w for w in resolution.wheels if w.name not in not_needed]
-    skipped += [f"{w.name}=={w.version}: not needed on the device: {not_needed[w.name]}" for w in unneeded]
-    log(f"resolved: {len(resolution.wheels)} wheel(s) to stage, {len(resolution.dropped)} device pin(s) dropped"
-        f"{f', {len(unneeded)} not needed' if unneeded else ''}")
+    resolution, cached, key = _resolution(cache, requirements, extra_reqs, device, resolver, resolution_cache)
+    skipped += _leave_out_not_needed(resolution, not_needed, extra_reqs)
     staged_wheels = download_wheels(resolution.wheels, cache / "device-wheels", resolver)
     vllm_files, left_out = stage_vllm(wheel, cache / "device-xz", jobs)
     files = [*vllm_files, *staged_wheels]
@@ -203,6 +169,66 @@ def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: i
     seconds = time.monotonic() - start
     log(f"wrote {len(manifest['carries'])} carries under {dest} ({seconds:.0f} s)")
     return StageResult(dest, manifest, seconds)
+
+
+def _check_paths(wheel: Path, dest: Path, cache: Path) -> None:
+    """Refuse now, not after resolving, a destination or cache folder that cannot take the staging."""
+    check_dir(dest, "--dest")  # a cache folder that is a file must stop the staging now, not after resolving
+    for sub in ("device-resolutions", "device-wheels", "device-wheels/from-sdist", "device-xz"):
+        check_dir(cache / sub, "device-stage cache folder (VLLM_OVERLAY_CACHE)")
+    if not wheel.is_file():
+        raise DeviceStageError(f"{wheel}: no such wheel (make build writes it)")
+
+
+def _resolution(cache: Path, requirements: list[str], extra_reqs: list[str], device: dict[str, str],
+                resolver: Resolver, use_cache: bool) -> tuple[Resolution, bool, str]:
+    """What the device gets: vLLM's requirements resolved against its packages (cached), then the extras
+    on top of that, the device pins it dropped staying dropped; with whether it came from the cache and
+    its cache key."""
+    wheelhouse = cache / "device-wheels" / "from-sdist"
+
+    def resolve_with(extra: Sequence[str], pins: Mapping[str, str]) -> Callable[[], Resolution]:
+        def run() -> Resolution:
+            with tempfile.TemporaryDirectory(prefix="device-stage-") as work:
+                wheelhouse.mkdir(parents=True, exist_ok=True)
+                return resolve(requirements, pins, pip_runner(resolver, Path(work), wheelhouse=wheelhouse),
+                               build=sdist_builder(resolver, wheelhouse), extra_requirements=extra)
+        return run
+
+    base_key = resolution_key(requirements, device, resolver)
+    key = resolution_key(requirements, device, resolver, extra_requirements=extra_reqs) if extra_reqs else base_key
+    resolution = load_resolution(resolution_cache_file(cache, key), key) if extra_reqs and use_cache else None
+    if resolution is not None:
+        log(f"resolution with the extras reused from the cache (key {key[:16]}): {resolution_cache_file(cache, key)}; "
+            "--no-resolution-cache resolves again")
+        return resolution, True, key
+    base, cached = _cached_resolve(cache, base_key, use_cache, "", resolve_with((), device))
+    if not extra_reqs:
+        return base, cached, key
+    pins = {n: v for n, v in device.items() if canonicalize_name(n) not in {d.name for d in base.dropped}}
+    log(f"resolving the extra requirement(s) with vLLM's: {len(base.dropped)} device pin(s) stay dropped")
+    resolution = resolve_with(extra_reqs, pins)()
+    resolution.dropped = sorted([*base.dropped, *resolution.dropped], key=lambda d: d.name)
+    resolution.restored = sorted({*base.restored, *resolution.restored})
+    resolution.rounds += base.rounds
+    check_no_downgrade(resolution, base, device)
+    try:
+        save_resolution(resolution_cache_file(cache, key), key, resolution)
+    except OSError as exc:
+        log(f"  warning: resolution not cached ({exc})")
+    return resolution, False, key
+
+
+def _leave_out_not_needed(resolution: Resolution, not_needed: Mapping[str, str], extra_reqs: list[str]) -> list[str]:
+    """Take the wheels the device does not need (but an extra asks for by name) out of ``resolution``;
+    one line each for the manifest's ``not_requested``."""
+    explicit = {requirement_name(r) for r in extra_reqs}
+    not_needed = {k: v for k, v in not_needed.items() if k not in explicit}
+    unneeded = [w for w in resolution.wheels if w.name in not_needed]
+    resolution.wheels = [w for w in resolution.wheels if w.name not in not_needed]
+    log(f"resolved: {len(resolution.wheels)} wheel(s) to stage, {len(resolution.dropped)} device pin(s) dropped"
+        f"{f', {len(unneeded)} not needed' if unneeded else ''}")
+    return [f"{w.name}=={w.version}: not needed on the device: {not_needed[w.name]}" for w in unneeded]
 
 
 def format_summary(manifest: Mapping) -> str:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from overlay.engine.compare import FLOOR, SAFETY, compare, derive_tolerance
-from overlay.engine.env import PORT_BASE, PORT_STRIDE, REPO, SAFE_ENV, STANDIN, _strip_log_prefix, error_line
+from overlay.engine.env import PORT_BASE, PORT_STRIDE, REPO, SAFE_ENV, STANDIN, error_line, strip_log_prefix
 from overlay.engine.inputs import EngineCheckError, check_inputs, lay_variant, load_variants
 from overlay.engine.workload import Case, cases
 from overlay.outpaths import check_dir
@@ -108,7 +108,7 @@ def graph_mode(log: str) -> dict[str, Any]:
     for m in CAPTURE.finditer(log):
         kinds.setdefault(f"{m.group(1)}, {m.group(2)}", f"Capturing CUDA graphs ({m.group(1)}, {m.group(2)})")
     fallback = PIECEWISE_FALLBACK.search(log)
-    lines = list(kinds.values()) + ([_strip_log_prefix(fallback.group(0).strip())] if fallback else [])
+    lines = list(kinds.values()) + ([strip_log_prefix(fallback.group(0).strip())] if fallback else [])
     mode = "FULL" if "decode, FULL" in kinds else ("PIECEWISE" if kinds else "")
     return {"mode": mode, "lines": lines}
 

@@ -33,7 +33,7 @@ def error_cause(log: str) -> str | None:
     generic = ("Engine core initialization failed", "EngineDeadError", "WorkerProc initialization failed",
                "Worker failed with error")
     specific = [h for h in hits if not any(g in h for g in generic)]
-    return _strip_log_prefix((worker or specific or hits)[-1])[:400]
+    return strip_log_prefix((worker or specific or hits)[-1])[:400]
 
 
 def error_line(log: str) -> str:
@@ -46,7 +46,7 @@ def error_line(log: str) -> str:
     return own[-1][:400] if own else "(no error in its output)" if lines else "(no output)"
 
 
-def _strip_log_prefix(line: str) -> str:
+def strip_log_prefix(line: str) -> str:
     """``(Worker_TP0 pid=1) ERROR 11-30 13:03:01 [file.py:1] RuntimeError: x`` -> ``RuntimeError: x``."""
     m = re.search(r"\b\w*(Error|Exception)\b[:(].*", line)
     return m.group(0) if m else line

@@ -527,7 +527,7 @@ def test_stream_survives_unicode_line_separators_in_the_text() -> None:
 
     async def go() -> Request:
         async with httpx.AsyncClient(transport=httpx.MockTransport(answer), base_url="http://x") as client:
-            return await engine._stream(client, b"{}", 0.0, Request(0.0))
+            return await engine.stream_request(client, b"{}", 0.0, Request(0.0))
 
     req = asyncio.run(go())
     assert req.tokens == [1, 1, 1] and req.cached_tokens == 2

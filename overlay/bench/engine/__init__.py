@@ -113,7 +113,7 @@ from overlay.bench.engine.stats import (
     twins_differ,
     verdict,
 )
-from overlay.bench.engine.stream import _stream, itl_ms_between, itl_totals, run_once, scrape_itl
+from overlay.bench.engine.stream import itl_ms_between, itl_totals, run_once, scrape_itl, stream_request
 
 __all__ = [
     "DEFAULT_VLLM",
@@ -129,7 +129,6 @@ __all__ = [
     "Request",
     "RunOptions",
     "Settings",
-    "_stream",
     "abba",
     "cell_prompts",
     "cell_summary",
@@ -155,6 +154,7 @@ __all__ = [
     "run_once",
     "scrape_itl",
     "steady_intervals",
+    "stream_request",
     "summarize",
     "table",
     "twins_differ",

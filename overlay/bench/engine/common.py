@@ -75,5 +75,5 @@ def progress(msg: str) -> None:
     print(f"{PREFIX} {msg}", flush=True)
 
 
-def _fmt(value: float | None, spec: str) -> str:
+def fmt(value: float | None, spec: str) -> str:
     return format(value, spec) if value is not None else "-"

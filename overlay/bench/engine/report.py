@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from overlay.atomic import write_file
-from overlay.bench.engine.common import CONFIDENCE, DEFINITIONS, FLAGS, METRIC_RATIO, METRICS, TARGET, _fmt, progress
+from overlay.bench.engine.common import CONFIDENCE, DEFINITIONS, FLAGS, METRIC_RATIO, METRICS, TARGET, fmt, progress
 from overlay.bench.engine.servers import comparison
 from overlay.bench.engine.stats import Request, cell_summary, summarize
 
@@ -59,9 +59,9 @@ def table(result: dict[str, Any]) -> str:
         a, b = c["A"], c["B"]
         key = c.get("judged") or ("server_itl_ms" if c.get("server_itl_ratio") is not None else "tpot_ms")
         ratio_key = METRIC_RATIO[key]
-        lines.append(f"| {name} | {METRICS[key][0]} | {_fmt(a.get(key), '.3f')} | {_fmt(b.get(key), '.3f')} | "
-                     f"{_fmt(c.get(ratio_key), '.3f')} | {span(c.get('judged_interval'), ' - ')} | "
-                     f"{span(c.get(f'{ratio_key}_range'))} | {_fmt(c.get('twin_ratio'), '.3f')} | "
+        lines.append(f"| {name} | {METRICS[key][0]} | {fmt(a.get(key), '.3f')} | {fmt(b.get(key), '.3f')} | "
+                     f"{fmt(c.get(ratio_key), '.3f')} | {span(c.get('judged_interval'), ' - ')} | "
+                     f"{span(c.get(f'{ratio_key}_range'))} | {fmt(c.get('twin_ratio'), '.3f')} | "
                      f"{span(c.get('twin_interval'), ' - ')} | "
                      f"{'+'.join(str(c[x]['runs']) for x in FLAGS if x in c)} | "
                      f"{c.get('verdict', '-')} | {'; '.join(c['flags']) or 'ok'} |")
@@ -71,16 +71,16 @@ def table(result: dict[str, Any]) -> str:
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, c in cells.items():
         a, b = c["A"], c["B"]
-        lines.append(f"| {name} | {_fmt(a.get('tpot_ms'), '.3f')} | {_fmt(b.get('tpot_ms'), '.3f')} | "
-                     f"{_fmt(c.get('tpot_ratio'), '.3f')} | {_fmt(a.get('itl_median_ms'), '.3f')} | "
-                     f"{_fmt(b.get('itl_median_ms'), '.3f')} | {_fmt(c.get('itl_median_ratio'), '.3f')} | "
-                     f"{_fmt(a.get('server_itl_ms'), '.3f')} | {_fmt(b.get('server_itl_ms'), '.3f')} | "
-                     f"{_fmt(c.get('server_itl_ratio'), '.3f')} | {_fmt(a.get('decode_tok_s'), '.0f')} | "
-                     f"{_fmt(b.get('decode_tok_s'), '.0f')} | {_fmt(c.get('tok_s_ratio'), '.3f')} |")
+        lines.append(f"| {name} | {fmt(a.get('tpot_ms'), '.3f')} | {fmt(b.get('tpot_ms'), '.3f')} | "
+                     f"{fmt(c.get('tpot_ratio'), '.3f')} | {fmt(a.get('itl_median_ms'), '.3f')} | "
+                     f"{fmt(b.get('itl_median_ms'), '.3f')} | {fmt(c.get('itl_median_ratio'), '.3f')} | "
+                     f"{fmt(a.get('server_itl_ms'), '.3f')} | {fmt(b.get('server_itl_ms'), '.3f')} | "
+                     f"{fmt(c.get('server_itl_ratio'), '.3f')} | {fmt(a.get('decode_tok_s'), '.0f')} | "
+                     f"{fmt(b.get('decode_tok_s'), '.0f')} | {fmt(c.get('tok_s_ratio'), '.3f')} |")
     mixed = cells.get("mixed")
     if mixed and mixed.get("total_tok_s_ratio") is not None:
         lines += ["", f"mixed: total throughput (decode + prefill prompt tokens) A "
-                      f"{_fmt(mixed['A']['total_tok_s'], '.0f')} tok/s, B {_fmt(mixed['B']['total_tok_s'], '.0f')} "
+                      f"{fmt(mixed['A']['total_tok_s'], '.0f')} tok/s, B {fmt(mixed['B']['total_tok_s'], '.0f')} "
                       f"tok/s, ratio {mixed['total_tok_s_ratio']:.3f}"]
     if result.get("reanalyzed"):
         lines += ["", f"Reanalyzed from the raw runs of {result['reanalyzed']} with today's definitions."]

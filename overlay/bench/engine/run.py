@@ -20,14 +20,14 @@ from overlay.bench.engine.common import (
     TARGET,
     BenchError,
     BenchUsageError,
-    _fmt,
+    fmt,
     progress,
 )
 from overlay.bench.engine.report import load_result, reanalyze, table, versions, write_outputs
 from overlay.bench.engine.servers import (
     Settings,
-    _death,
     command,
+    death_of,
     kv_cache_bytes,
     largest_tokens,
     launch,
@@ -66,7 +66,7 @@ def run_cell(cell: Cell, servers: dict[str, Server], st: Settings, timeout_s: fl
 
     def one(side: str, warmup: bool) -> None:
         server = servers[side]
-        if (dead := _death(server)) is not None:
+        if (dead := death_of(server)) is not None:
             raise BenchError(dead)
         idx = count[side]
         mixed = None
@@ -84,9 +84,9 @@ def run_cell(cell: Cell, servers: dict[str, Server], st: Settings, timeout_s: fl
                         "requests": [r.to_dict() for r in reqs], "seconds": time.monotonic() - t})
         measured[side] += 0.0 if warmup else records[-1]["seconds"]
         progress(f"{cell.name} {'warm-up' if warmup else f'run {idx + 1}'} {side}: "
-                 f"TPOT {_fmt(summary.get('tpot_ms'), '.3f')} ms, median ITL "
-                 f"{_fmt(summary.get('itl_median_ms'), '.3f')} ms, {_fmt(summary.get('decode_tok_s'), '.0f')} tok/s, "
-                 f"server ITL {_fmt(summary.get('server_itl_ms'), '.3f')} ms"
+                 f"TPOT {fmt(summary.get('tpot_ms'), '.3f')} ms, median ITL "
+                 f"{fmt(summary.get('itl_median_ms'), '.3f')} ms, {fmt(summary.get('decode_tok_s'), '.0f')} tok/s, "
+                 f"server ITL {fmt(summary.get('server_itl_ms'), '.3f')} ms"
                  + (f", {summary.get('prefills_in_window')} prefills in window" if cell.mixed else ""))
 
     measured = {side: 0.0 for side in sides}
@@ -148,6 +148,42 @@ def run(opts: RunOptions) -> int:
     out: Path = check_dir(opts.out, "--out")
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
+    cells, st = plan(opts)
+    result = _new_result(st, cells)
+    servers: dict[str, Server] = {}
+    signal.signal(signal.SIGTERM, raise_interrupt)  # `timeout`, a job scheduler: write what was measured, stop all
+    rc = 0
+    try:
+        _start_servers(opts, st, out, servers, result)
+        progress(f"started servers {', '.join(f'{k} (pid {v.proc.pid})' for k, v in servers.items())}; logs "
+                 f"{out}/server-<A|B|C>.log; KV cache {st.kv_cache_memory_bytes / 2**30:.2f} GiB, "
+                 f"max-model-len {st.max_model_len}, {len(cells)} cell(s)")
+        wait_ready(list(servers.values()), opts.ready_timeout)
+        result["ready_s"] = time.monotonic() - t_start
+        _measure(cells, servers, st, opts, result, out, t_start)
+        result["partial"] = bool(result["skipped"])
+    except BenchError as exc:
+        result["error"] = str(exc)
+        print(f"bench-engine: {exc}", file=sys.stderr, flush=True)
+        rc = 1
+    except KeyboardInterrupt:
+        result["error"] = "interrupted"
+        print("bench-engine: interrupted; writing what was measured", file=sys.stderr, flush=True)
+        rc = 130
+    finally:
+        stop_all(list(servers.values()))
+    result["seconds"] = time.monotonic() - t_start
+    write_outputs(result, out)
+    print(table(result), flush=True)
+    flagged = [n for n, c in result["cells"].items() if c["flags"]]
+    progress(f"wrote {out}/engine.json, engine.md, engine.png; {len(result['cells'])} cell(s)"
+             + (f", flagged: {', '.join(flagged)}" if flagged else ", none below target")
+             + (" (partial)" if result["partial"] else ""))
+    return rc
+
+
+def plan(opts: RunOptions) -> tuple[list[Cell], Settings]:
+    """The cells and the servers' settings of a run, checked against the model before any server starts."""
     try:
         cells = parse_cells(opts.cells, opts.batches, opts.contexts, mixed_batch=opts.mixed_batch,
                             mixed_context=opts.mixed_context, mixed=not opts.no_mixed)
@@ -184,6 +220,11 @@ def run(opts: RunOptions) -> int:
         b_tree=str(opts.b_tree.resolve()) if opts.b_tree else "", b_label=opts.b_label or "")
     st.kv_cache_memory_bytes = opts.kv_cache_memory_bytes or kv_cache_bytes(
         -(-largest_tokens(cells, opts.decode_tokens) // opts.dcp), max(layers, 1))
+    return cells, st
+
+
+def _new_result(st: Settings, cells: list[Cell]) -> dict[str, Any]:
+    """``engine.json`` as it starts: the settings and plan, no cell measured yet."""
     result: dict[str, Any] = {
         "format": 1, "partial": True, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "settings": asdict(st), "cells_planned": [c.name for c in cells], "versions": versions(),
@@ -192,67 +233,56 @@ def run(opts: RunOptions) -> int:
     }
     gpus = result["versions"].get("gpus") or []
     result["gpu"] = f"{len(gpus)}x {gpus[0].split(',')[0]}" if gpus else ""
+    return result
+
+
+def _start_servers(opts: RunOptions, st: Settings, out: Path, servers: dict[str, Server],
+                   result: dict[str, Any]) -> None:
+    """Launch one server per side into ``servers`` (filled as they start, so that all are stopped after
+    a failure), their commands into ``result``."""
     ports = dict(zip(FLAGS, [*opts.ports, max(opts.ports) + 1][:3], strict=True))
-    servers: dict[str, Server] = {}
-    signal.signal(signal.SIGTERM, raise_interrupt)  # `timeout`, a job scheduler: write what was measured, stop all
-    rc = 0
-    try:
-        for side in st.sides():
-            cmd = command(opts.server_cmd, opts.vllm, st, ports[side], side)
-            result.setdefault("commands", {})[side] = shlex.join(cmd)
-            servers[side] = launch(side, cmd, st.env(side, out), out / f"server-{side}.log", ports[side])
-        progress(f"started servers {', '.join(f'{k} (pid {v.proc.pid})' for k, v in servers.items())}; logs "
-                 f"{out}/server-<A|B|C>.log; KV cache {st.kv_cache_memory_bytes / 2**30:.2f} GiB, "
-                 f"max-model-len {st.max_model_len}, {len(cells)} cell(s)")
-        wait_ready(list(servers.values()), opts.ready_timeout)
-        result["ready_s"] = time.monotonic() - t_start
-        durations: list[float] = []
-        for i, cell in enumerate(cells):
-            elapsed = time.monotonic() - t_start
-            estimate = max(durations) * 1.5 + 10.0 if durations else 0.0
-            if opts.budget and elapsed + estimate > opts.budget:
-                result["skipped"] = [c.name for c in cells[i:]]
-                progress(f"budget: {opts.budget - elapsed:.0f} s left, a cell takes ~{estimate:.0f} s: "
-                         f"not starting {', '.join(result['skipped'])}")
-                break
-            progress(f"cell {cell.name} ({i + 1}/{len(cells)})")
-            t = time.monotonic()
-            records: list[dict[str, Any]] = []
-            try:
-                run_cell(cell, servers, st, opts.request_timeout, records)
-            finally:  # a server dying mid-cell: the runs measured before stay in engine.json
-                result["runs"] += records
-            durations.append(time.monotonic() - t)
-            summary = cell_summary(records, expect_cached=st.prefix_caching, mixed=cell.mixed, name=cell.name)
-            summary["seconds"] = durations[-1]
-            result["cells"][cell.name] = summary
-            progress(f"{cell.name}: TPOT A {_fmt(summary['A']['tpot_ms'], '.3f')} ms, B "
-                     f"{_fmt(summary['B']['tpot_ms'], '.3f')} ms, ratio {_fmt(summary['tpot_ratio'], '.3f')}; "
-                     f"tok/s ratio {_fmt(summary['tok_s_ratio'], '.3f')}; server ITL ratio "
-                     f"{_fmt(summary['server_itl_ratio'], '.3f')}; judged {summary['judged']} "
-                     f"{_fmt(summary['judged_ratio'], '.3f')}, twin {_fmt(summary.get('twin_ratio'), '.3f')}: "
-                     f"{summary['verdict']}"
-                     + (f"  FLAG: {'; '.join(summary['flags'])}" if summary["flags"] else ""))
-            write_outputs(result, out, draw=False)
-        result["partial"] = bool(result["skipped"])
-    except BenchError as exc:
-        result["error"] = str(exc)
-        print(f"bench-engine: {exc}", file=sys.stderr, flush=True)
-        rc = 1
-    except KeyboardInterrupt:
-        result["error"] = "interrupted"
-        print("bench-engine: interrupted; writing what was measured", file=sys.stderr, flush=True)
-        rc = 130
-    finally:
-        stop_all(list(servers.values()))
-    result["seconds"] = time.monotonic() - t_start
-    write_outputs(result, out)
-    print(table(result), flush=True)
-    flagged = [n for n, c in result["cells"].items() if c["flags"]]
-    progress(f"wrote {out}/engine.json, engine.md, engine.png; {len(result['cells'])} cell(s)"
-             + (f", flagged: {', '.join(flagged)}" if flagged else ", none below target")
-             + (" (partial)" if result["partial"] else ""))
-    return rc
+    for side in st.sides():
+        cmd = command(opts.server_cmd, opts.vllm, st, ports[side], side)
+        result.setdefault("commands", {})[side] = shlex.join(cmd)
+        servers[side] = launch(side, cmd, st.env(side, out), out / f"server-{side}.log", ports[side])
+
+
+def _measure(cells: list[Cell], servers: dict[str, Server], st: Settings, opts: RunOptions,
+             result: dict[str, Any], out: Path, t_start: float) -> None:
+    """Every cell in turn, within the budget; ``engine.json`` rewritten after each."""
+    durations: list[float] = []
+    for i, cell in enumerate(cells):
+        elapsed = time.monotonic() - t_start
+        estimate = max(durations) * 1.5 + 10.0 if durations else 0.0
+        if opts.budget and elapsed + estimate > opts.budget:
+            result["skipped"] = [c.name for c in cells[i:]]
+            progress(f"budget: {opts.budget - elapsed:.0f} s left, a cell takes ~{estimate:.0f} s: "
+                     f"not starting {', '.join(result['skipped'])}")
+            break
+        progress(f"cell {cell.name} ({i + 1}/{len(cells)})")
+        t = time.monotonic()
+        records: list[dict[str, Any]] = []
+        try:
+            run_cell(cell, servers, st, opts.request_timeout, records)
+        finally:  # a server dying mid-cell: the runs measured before stay in engine.json
+            result["runs"] += records
+        durations.append(time.monotonic() - t)
+        summary = cell_summary(records, expect_cached=st.prefix_caching, mixed=cell.mixed, name=cell.name)
+        summary["seconds"] = durations[-1]
+        result["cells"][cell.name] = summary
+        progress(_cell_line(cell.name, summary))
+        write_outputs(result, out, draw=False)
+
+
+def _cell_line(name: str, summary: dict[str, Any]) -> str:
+    """A measured cell in one progress line."""
+    return (f"{name}: TPOT A {fmt(summary['A']['tpot_ms'], '.3f')} ms, B "
+            f"{fmt(summary['B']['tpot_ms'], '.3f')} ms, ratio {fmt(summary['tpot_ratio'], '.3f')}; "
+            f"tok/s ratio {fmt(summary['tok_s_ratio'], '.3f')}; server ITL ratio "
+            f"{fmt(summary['server_itl_ratio'], '.3f')}; judged {summary['judged']} "
+            f"{fmt(summary['judged_ratio'], '.3f')}, twin {fmt(summary.get('twin_ratio'), '.3f')}: "
+            f"{summary['verdict']}"
+            + (f"  FLAG: {'; '.join(summary['flags'])}" if summary["flags"] else ""))
 
 
 def redraw(source: Path, out: Path, *, recompute: bool) -> int:

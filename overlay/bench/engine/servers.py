@@ -158,15 +158,15 @@ class BenchServer(Server):
         self.side = side
 
 
-def _side(server: Server) -> str:
+def side_of(server: Server) -> str:
     return getattr(server, "side", "?")
 
 
-def _death(server: Server) -> str | None:
+def death_of(server: Server) -> str | None:
     """None while ``server`` lives; else the one-line error naming it and its log's telling line."""
     if server.alive(attempts=2, pause_s=0.5):
         return None
-    side = _side(server)
+    side = side_of(server)
     if server.proc is not None:
         try:
             server.proc.wait(timeout=5.0)  # a crashing server is usually gone within moments
@@ -200,20 +200,20 @@ def wait_ready(servers: list[Server], timeout_s: float) -> None:
     while pending:
         for server in list(pending):
             if server.exited() is not None:
-                raise BenchError(_death(server) or f"server {_side(server)} exited")
+                raise BenchError(death_of(server) or f"server {side_of(server)} exited")
             try:
                 if server.client.health() and SERVED_NAME in server.client.models():
-                    progress(f"server {_side(server)} ready after {time.monotonic() - start:.0f} s")
+                    progress(f"server {side_of(server)} ready after {time.monotonic() - start:.0f} s")
                     pending.remove(server)
             except httpx.HTTPError:
                 pass
         now = time.monotonic()
         if pending and now - start > timeout_s:
-            names = ", ".join(_side(s) for s in pending)
+            names = ", ".join(side_of(s) for s in pending)
             raise BenchError(f"server {names} not ready after {timeout_s:.0f} s (--ready-timeout); "
                              f"{pending[0].log_path}: {error_line(pending[0].log_tail(40))}")
         if pending and now >= next_note:
-            progress(f"waiting for server {', '.join(_side(s) for s in pending)} ({now - start:.0f} s)")
+            progress(f"waiting for server {', '.join(side_of(s) for s in pending)} ({now - start:.0f} s)")
             next_note = now + 30.0
         if pending:
             time.sleep(1.0)

@@ -11,7 +11,7 @@ from httpx_sse import EventSource
 
 from overlay.bench.engine.cells import Cell, fresh_prompt
 from overlay.bench.engine.common import BenchError
-from overlay.bench.engine.servers import _death, _side
+from overlay.bench.engine.servers import death_of, side_of
 from overlay.bench.engine.stats import Request
 from overlay.regress.server import Server
 
@@ -22,7 +22,7 @@ def _body(model: str, prompt: list[int], max_tokens: int) -> bytes:
                        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).encode()
 
 
-async def _stream(client: httpx.AsyncClient, body: bytes, start: float, req: Request) -> Request:
+async def stream_request(client: httpx.AsyncClient, body: bytes, start: float, req: Request) -> Request:
     """Send one pre-serialized streaming completion; record each token-bearing chunk's arrival."""
     req.sent = time.perf_counter() - start
     async with client.stream("POST", "/v1/completions", content=body,
@@ -70,7 +70,7 @@ async def _run_async(url: str, model: str, prompts: list[list[int]], max_tokens:
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(timeout_s, connect=30.0), limits=limits) as cl:
         start = time.perf_counter()
         reqs = [Request(0.0, prompt_tokens=len(p)) for p in prompts]
-        tasks = [asyncio.create_task(_stream(cl, b, start, r)) for b, r in zip(bodies, reqs, strict=True)]
+        tasks = [asyncio.create_task(stream_request(cl, b, start, r)) for b, r in zip(bodies, reqs, strict=True)]
         extra: list[asyncio.Task[Request]] = []
         prefills: list[Request] = []
         try:
@@ -89,7 +89,7 @@ async def _run_async(url: str, model: str, prompts: list[list[int]], max_tokens:
                     req = Request(0.0, prompt_tokens=context, kind="prefill")
                     prefills.append(req)
                     body = _body(model, fresh_prompt(context, seed, f"{tag}:{k}"), 1)
-                    extra.append(asyncio.create_task(_stream(cl, body, start, req)))
+                    extra.append(asyncio.create_task(stream_request(cl, body, start, req)))
                 await decodes
             await asyncio.gather(*tasks, *extra)
         finally:
@@ -146,6 +146,6 @@ def run_once(server: Server, cell: Cell, prompts: list[list[int]], max_tokens: i
         return asyncio.run(_run_async(server.base_url, server.model, prompts, max_tokens, timeout_s, mixed))
     except (httpx.HTTPError, json.JSONDecodeError, BenchError) as exc:
         cause = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        raise BenchError(_death(server) or f"cell {cell.name}: server {_side(server)}: {cause}") from None
+        raise BenchError(death_of(server) or f"cell {cell.name}: server {side_of(server)}: {cause}") from None
 
 

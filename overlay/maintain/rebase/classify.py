@@ -7,7 +7,8 @@ import re
 import shutil
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
+from enum import Enum
 from pathlib import Path
 
 from overlay.build.pins import Pin, pin_dir
@@ -15,7 +16,7 @@ from overlay.build.series import Patch, Series
 from overlay.errors import KernelPatchError
 from overlay.git import git, git_text
 from overlay.interrupt import sigterm_as_interrupt
-from overlay.maintain.rebase.report import _finish, _write_report
+from overlay.maintain.rebase.report import write_release, write_report
 from overlay.maintain.rebase.resolve import NOTHING_LEFT, abort, pick, try_candidates
 from overlay.maintain.rebase.stale import sha256_of
 from overlay.maintain.rebase.state import STATE, Outcome, RebaseError, Result, State, prepared_pin
@@ -232,13 +233,14 @@ def _run(work: Path, state: State, series: Series, runner: TestRunner | None) ->
         old_parent = state.old_commits[i - 1] if i else "base"
         head = _rev(work, "HEAD")
         print(f"rebase {state.to_version}: {patch.name} ...", file=sys.stderr, flush=True)
-        res, stop = _classify(work, state, patch, old_commit, old_parent, head, runner)
+        classified = _classify(work, state, patch, old_commit, old_parent, head, runner)
+        res = classified.result
         res.source_sha256 = sha256_of(patch.raw)
-        if res.outcome == "contradicted":
+        if classified.then is Then.SET_ASIDE:
             aside.append((i, head))  # no candidate either: the tests cannot vouch for any
-        elif stop is not None:
+        elif classified.then is Then.RESOLVE:
             later = list(zip([p.name for p in series.patches[i + 1:]], state.old_commits[i + 1:], strict=True))
-            if _resolve(work, state, patch, res, stop, head, old_commit, later, runner) is None:
+            if _resolve(work, state, patch, res, classified.conflicts, head, old_commit, later, runner) is None:
                 aside.append((i, head))
         depends = _rests_on(work, state, series, i, [j for j, _ in aside if j < i], res.outcome)
         if depends:
@@ -246,10 +248,10 @@ def _run(work: Path, state: State, series: Series, runner: TestRunner | None) ->
         results.append(res)
         # What is known so far, in the worktree after every patch: a run killed mid-way (a test
         # run can take minutes per patch) leaves the classification of the patches it got through.
-        _write_report(work, state, results, work, pending=[series.patches[j].name for j, _ in aside],
+        write_report(work, state, results, work, pending=[series.patches[j].name for j, _ in aside],
                       unclassified=[p.name for p in series.patches[i + 1:]])
     if not aside:
-        out = _finish(work, state, series, results)
+        out = write_release(work, state, series, results)
         shutil.rmtree(work)
         return Outcome(True, out, results, [], work, f"wrote {out}")
     return _stop_at_first(work, state, series, results, aside)
@@ -317,7 +319,7 @@ def _rests_on(work: Path, state: State, series: Series, i: int, aside: list[int]
 def _stop_at_first(work: Path, state: State, series: Series, results: list[Result],
                    aside: list[tuple[int, str]]) -> Outcome:
     """Report every patch into ``work``, then leave the first set-aside conflict for a person."""
-    _write_report(work, state, results, work, pending=[series.patches[j].name for j, _ in aside])
+    write_report(work, state, results, work, pending=[series.patches[j].name for j, _ in aside])
     first, head = aside[0]
     git(["reset", "-q", "--hard", head], work)
     git(["clean", "-fdq"], work)  # the report stays: it is excluded there
@@ -340,44 +342,61 @@ def _tests_of(state: State, patch: Patch) -> str:
     return str(test_file(Path(state.tests_dir), patch.name))
 
 
+class Then(Enum):
+    """What the run does with a patch once :func:`_classify` has looked at it."""
+
+    GO_ON = "go on"  # classified: the next patch
+    RESOLVE = "resolve"  # the merge conflicted: try the candidates (resolve), else set it aside
+    SET_ASIDE = "set aside"  # for a person, no candidates (its tests contradict the target)
+
+
+@dataclass
+class Classified:
+    result: Result
+    then: Then = Then.GO_ON
+    conflicts: list[ConflictHunk] = field(default_factory=list)  # with Then.RESOLVE: the conflicting hunks
+
+
 def _classify(work: Path, state: State, patch: Patch, old_commit: str, old_parent: str, head: str,
-              runner: TestRunner | None) -> tuple[Result, list[ConflictHunk] | None]:
+              runner: TestRunner | None) -> Classified:
     to = state.to_version
     if applies(work, patch.raw, reverse=True):
-        return Result(patch.name, "upstream", f"reverse-applies to vllm {to}: upstream has this exact change"), None
+        return Classified(Result(patch.name, "upstream",
+                                 f"reverse-applies to vllm {to}: upstream has this exact change"))
     runs = _behaviour(work, patch, old_parent, runner)
     verdict, fixed, still, note = behaviour_verdict(runs, _tests_of(state, patch))
-    if verdict == "absorbed":
-        return Result(patch.name, "upstream-by-behaviour", note + "; dropped", absorbed=fixed,
-                      behaviour=runs), None
+    if verdict == "upstream-by-behaviour":
+        return Classified(Result(patch.name, "upstream-by-behaviour", note + "; dropped", absorbed=fixed,
+                                 behaviour=runs))
     if verdict == "contradicted":  # never carried on tests the target contradicts: set aside
-        return Result(patch.name, "contradicted", note, still_needed=still, absorbed=fixed, behaviour=runs), []
+        return Classified(Result(patch.name, "contradicted", note, still_needed=still, absorbed=fixed,
+                                 behaviour=runs), Then.SET_ASIDE)
     if applies(work, patch.raw):
         am(work, patch, f"vllm {to}")
         state.exported[patch.name] = "verbatim"
         if verdict == "partial":
-            return Result(patch.name, "partly-upstream", note + "; the patch applies unchanged and is carried",
-                          still_needed=still, absorbed=fixed, behaviour=runs, carried=True), None
-        return Result(patch.name, "applied", f"applies to vllm {to} exactly; carried verbatim"
-                      + (f" ({note})" if runs else ""), behaviour=runs, carried=True), None
+            return Classified(Result(patch.name, "partly-upstream", note + "; the patch applies unchanged and is "
+                                     "carried", still_needed=still, absorbed=fixed, behaviour=runs, carried=True))
+        return Classified(Result(patch.name, "applied", f"applies to vllm {to} exactly; carried verbatim"
+                                 + (f" ({note})" if runs else ""), behaviour=runs, carried=True))
     _, stderr, followed = pick(work, old_commit)
     moved = "; ".join(f"followed {f.old} into {f.new} ({f.containment:.0%} of its lines are there)"
                       for f in followed)
     if in_progress(work):
         if unmerged(work):
-            return Result(patch.name, "conflict", "", behaviour=runs), conflict_report(work)
+            return Classified(Result(patch.name, "conflict", "", behaviour=runs), Then.RESOLVE, conflict_report(work))
         if git(["diff", "--cached", "--quiet", "HEAD"], work, check=False).returncode == 0:
             abort(work)
-            return Result(patch.name, "upstream", f"the 3-way merge onto vllm {to} leaves nothing to commit"
-                          + (f" ({moved})" if moved else ""), behaviour=runs), None
+            return Classified(Result(patch.name, "upstream", f"the 3-way merge onto vllm {to} leaves nothing to "
+                                     "commit" + (f" ({moved})" if moved else ""), behaviour=runs))
         raise RebaseError(f"{patch.name}: git cherry-pick stopped: "
                           + stderr.decode(errors="replace").strip().splitlines()[-1])
     new = _rev(work, "HEAD")
     if new == head or git(["diff", "--quiet", head, new], work, check=False).returncode == 0:
         if new != head:
             git(["reset", "-q", "--hard", head], work)
-        return Result(patch.name, "upstream", f"the 3-way merge onto vllm {to} leaves nothing to commit",
-                      behaviour=runs), None
+        return Classified(Result(patch.name, "upstream", f"the 3-way merge onto vllm {to} leaves nothing to commit",
+                                 behaviour=runs))
     state.exported[patch.name] = new
     kept, gone = absorbed_hunks(patch.raw, format_patch(work, new))
     renames = _renames(work, old_commit, new)
@@ -389,10 +408,10 @@ def _classify(work: Path, state: State, patch: Patch, old_commit: str, old_paren
             parts.append(f"vllm {to} already has hunk(s) {', '.join(gone)}; still needed: {', '.join(kept)}")
         if verdict == "partial":
             parts.append(note)
-        return Result(patch.name, "partly-upstream", f"{how}; " + "; ".join(parts),
-                      still_needed=kept + still, absorbed=gone + fixed, behaviour=runs, carried=True), None
-    return Result(patch.name, "refreshed", how + "; the refreshed patch is exported"
-                  + (f" ({note})" if runs else ""), behaviour=runs, carried=True), None
+        return Classified(Result(patch.name, "partly-upstream", f"{how}; " + "; ".join(parts),
+                                 still_needed=kept + still, absorbed=gone + fixed, behaviour=runs, carried=True))
+    return Classified(Result(patch.name, "refreshed", how + "; the refreshed patch is exported"
+                             + (f" ({note})" if runs else ""), behaviour=runs, carried=True))
 
 
 def _renames(work: Path, old_commit: str, new_commit: str) -> str:

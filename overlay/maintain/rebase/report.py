@@ -21,7 +21,7 @@ from overlay.maintain.replay import ConflictHunk
 from overlay.maintain.workspace import format_patch
 
 
-def _finish(work: Path, state: State, series: Series, results: list[Result]) -> Path:
+def write_release(work: Path, state: State, series: Series, results: list[Result]) -> Path:
     patches_root = Path(state.patches_root)
     out = pin_dir(patches_root, state.to_version)
     try:
@@ -47,7 +47,7 @@ def _finish(work: Path, state: State, series: Series, results: list[Result]) -> 
             shutil.copy2(out / "pin.toml", tmp / "pin.toml")
         else:
             (tmp / "pin.toml").write_text(pin.to_toml())
-        _write_report(tmp, state, results, work)
+        write_report(tmp, state, results, work)
         os.chmod(tmp, 0o755)
         if out.exists():  # prepared by a person (empty, or only pin.toml): swapped in one step
             exchange(tmp, out)
@@ -59,7 +59,7 @@ def _finish(work: Path, state: State, series: Series, results: list[Result]) -> 
     return out
 
 
-def _write_report(dest: Path, state: State, results: list[Result], work: Path, *,
+def write_report(dest: Path, state: State, results: list[Result], work: Path, *,
                   pending: list[str] | None = None, unclassified: list[str] | None = None) -> None:
     """``rebase.json`` and ``REBASE.md`` into ``dest`` (the release folder, or the worktree);
     ``unclassified``: the run is still going and these patches are not classified yet."""

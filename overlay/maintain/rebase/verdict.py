@@ -8,7 +8,10 @@ from overlay.maintain.rebase.testrun import TestRun, describe
 
 
 def behaviour_verdict(runs: dict[str, dict], tests: str) -> tuple[str, list[str], list[str], str]:
-    """("absorbed" | "partial" | "needed" | "contradicted" | "unknown", tests now passing, still failing, note).
+    """("upstream-by-behaviour" | "partial" | "needed" | "contradicted" | "unknown", tests now passing, still
+    failing, note). "upstream-by-behaviour" is the outcome it leads to: every test that fails on the old
+    base passes on the target without the patch (``Result.absorbed`` is another thing: the hunks or tests
+    of a patch that are already upstream).
 
     Only behaviour failures judge: a test that failed on the old base by a harness error showed
     no bug; one that cannot run on the target (:attr:`TestRun.cannot_run`, or a harness error of
@@ -48,7 +51,7 @@ def behaviour_verdict(runs: dict[str, dict], tests: str) -> tuple[str, list[str]
                                    f"({new.skip_reason}): they cannot tell")
     if not still:
         skips = f"; {len(skipped)} skipped there ({new.skip_reason})" if skipped else ""
-        return "absorbed", fixed, [], (f"its tests fail on the old base ({describe(old)}) and pass on the "
+        return "upstream-by-behaviour", fixed, [], (f"its tests fail on the old base ({describe(old)}) and pass on the "
                                        f"target without it ({describe(new)}){skips}")
     if fixed:
         return "partial", fixed, still, (f"of its tests that fail on the old base, {len(fixed)} pass on the "

@@ -292,6 +292,27 @@ def parse_profile(text: str, source: str) -> Profile:
         raise ProfileError(f"{source}: expected a mapping at the top level")
     problems: list[str] = []
     f = _Fields(problems)
+    name, description, checks, checks_off = _top_level(f, data)
+    server, spec_tokens = _server(f, data)
+    gsm8k = _gsm8k(f, data)
+    long_context = _long_context(f, data)
+    differential = _differential(f, data, checks)
+    latency = _latency(f, data)
+    baseline = _baseline(f, data, checks, spec_tokens, latency)
+    thresholds = _thresholds(f, data, checks)
+    problems += f.unknown_keys()
+
+    if problems:
+        raise ProfileError(f"{source}: " + "; ".join(problems))
+    return Profile(name=name, description=description, path=source, checks=tuple(checks),
+                   server=server, gsm8k=gsm8k, long_context=long_context, latency=latency,
+                   baseline=baseline, thresholds=thresholds, differential=differential,
+                   checks_off={str(k): str(v).strip() for k, v in checks_off.items()})
+
+
+def _top_level(f: _Fields, data: dict[str, Any]) -> tuple[str, str, list[str] | None, dict[str, Any]]:
+    """The top level: name, description, and which checks run (``checks``) and which are off, with why."""
+    problems = f.problems
     name = f.get(data, "", "name", str)
     description = f.get(data, "", "description", str, default="")
     checks = f.get(data, "", "checks", list, default=list(DEFAULTS))
@@ -306,7 +327,12 @@ def parse_profile(text: str, source: str) -> Profile:
             problems.append(f"checks_off.{c}: the check is also in checks")
         if not isinstance(why, str) or not why.strip():
             problems.append(f"checks_off.{c}: say why the check is off (a non-empty string)")
+    return name, description, checks, checks_off
 
+
+def _server(f: _Fields, data: dict[str, Any]) -> tuple[ServerSpec, int]:
+    """``server``: the command and environment, and how many tokens it drafts (``--speculative-config``)."""
+    problems = f.problems
     s = f.section(data, "server")
     args = f.get(s, "server", "args", list, default=[])
     if any(not isinstance(a, str) for a in args or []):
@@ -330,7 +356,11 @@ def parse_profile(text: str, source: str) -> Profile:
         spec_tokens = server.speculative_tokens
     except (ValueError, AttributeError, TypeError) as exc:
         problems.append(f"server.args: --speculative-config is not a JSON object: {exc}")
+    return server, spec_tokens
 
+
+def _gsm8k(f: _Fields, data: dict[str, Any]) -> Gsm8kSpec:
+    """``gsm8k``: the GSM8K check's options."""
     g = f.section(data, "gsm8k")
     gsm8k = Gsm8kSpec(
         num_fewshot=f.get(g, "gsm8k", "num_fewshot", int, default=5),
@@ -340,7 +370,12 @@ def parse_profile(text: str, source: str) -> Profile:
         timeout_s=f.get(g, "gsm8k", "timeout_s", float, default=7200.0, positive=True),
         data=f.get(g, "gsm8k", "data", str, default=None),
     )
+    return gsm8k
 
+
+def _long_context(f: _Fields, data: dict[str, Any]) -> LongContextSpec:
+    """``long_context``: the long-context check's options, its prompts past ``index_topk`` and the workspace."""
+    problems = f.problems
     lc = f.section(data, "long_context")
     prompt_tokens = f.get(lc, "long_context", "prompt_tokens", list) or []
     if any(not isinstance(n, int) or n <= 0 for n in prompt_tokens):
@@ -364,7 +399,12 @@ def parse_profile(text: str, source: str) -> Profile:
         if max(prompt_tokens) <= long_context.workspace_capacity_tokens:
             problems.append(f"long_context.prompt_tokens: none is longer than workspace_capacity_tokens "
                             f"{long_context.workspace_capacity_tokens}; the workspace overflow would go untested")
+    return long_context
 
+
+def _differential(f: _Fields, data: dict[str, Any], checks: list[str] | None) -> DifferentialSpec:
+    """``differential``: the differential check's prompts and decoding (optional: defaults)."""
+    problems = f.problems
     dd = f.section(data, "differential", optional=True)
     dflt = DifferentialSpec()
     d_prompts = f.get(dd, "differential", "prompt_tokens", list, default=list(dflt.prompt_tokens)) or []
@@ -389,7 +429,12 @@ def parse_profile(text: str, source: str) -> Profile:
     if "differential" in (checks or []) and max(differential.prompt_tokens) <= differential.index_topk:
         problems.append(f"differential.prompt_tokens: none is longer than index_topk {differential.index_topk}; "
                         "the sparse top-k path would go uncompared")
+    return differential
 
+
+def _latency(f: _Fields, data: dict[str, Any]) -> LatencySpec:
+    """``latency``: the latency check's options."""
+    problems = f.problems
     la = f.section(data, "latency")
     latency = LatencySpec(
         tool=f.get(la, "latency", "tool", str, default="vllm-bench"),
@@ -400,7 +445,13 @@ def parse_profile(text: str, source: str) -> Profile:
     )
     if latency.tool not in LATENCY_TOOLS:
         problems.append(f"latency.tool: {latency.tool!r} is not one of {', '.join(LATENCY_TOOLS)}")
+    return latency
 
+
+def _baseline(f: _Fields, data: dict[str, Any], checks: list[str] | None, spec_tokens: int,
+              latency: LatencySpec) -> Baseline:
+    """``baseline``: the numbers the checks compare with, and where they came from."""
+    problems = f.problems
     b = f.section(data, "baseline")
     bg = f.get(b, "baseline", "gsm8k", dict, default={}) or {}
     gsm8k_base: dict[str, float] = {}
@@ -434,7 +485,12 @@ def parse_profile(text: str, source: str) -> Profile:
     elif baseline.latency_tool and "latency" in (checks or []) and latency.tool != baseline.latency_tool:
         problems.append(f"latency.tool: {latency.tool}, but baseline.latency.tool is {baseline.latency_tool}; "
                         "the two tools do not measure the same thing: measure a baseline with the tool you run")
+    return baseline
 
+
+def _thresholds(f: _Fields, data: dict[str, Any], checks: list[str] | None) -> dict[str, Threshold]:
+    """``thresholds``: each with its value and why; exactly those the checks this profile runs read."""
+    problems = f.problems
     t = f.section(data, "thresholds")
     needed = {n for c in (checks or []) for n in THRESHOLDS.get(c, ())}
     known = {n for names in THRESHOLDS.values() for n in names}
@@ -454,11 +510,4 @@ def parse_profile(text: str, source: str) -> Profile:
             thresholds[key] = Threshold(value, why.strip())
     for key in sorted(needed - set(t)):
         problems.append(f"thresholds.{key}: missing (needed by the checks this profile runs)")
-    problems += f.unknown_keys()
-
-    if problems:
-        raise ProfileError(f"{source}: " + "; ".join(problems))
-    return Profile(name=name, description=description, path=source, checks=tuple(checks),
-                   server=server, gsm8k=gsm8k, long_context=long_context, latency=latency,
-                   baseline=baseline, thresholds=thresholds, differential=differential,
-                   checks_off={str(k): str(v).strip() for k, v in checks_off.items()})
+    return thresholds

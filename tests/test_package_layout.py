@@ -39,3 +39,38 @@ def private_crossings(path: Path) -> list[str]:
 def test_no_module_takes_a_private_name_from_another() -> None:
     found = [line for path in sorted(PACKAGE.rglob("*.py")) for line in private_crossings(path)]
     assert found == [], "make these public or move them:\n" + "\n".join(found)
+
+
+def packages() -> dict[str, set[str]]:
+    """``overlay/<pkg>/`` -> its modules and subpackages (``name/``), as the tree has them."""
+    out = {}
+    for init in sorted(PACKAGE.rglob("__init__.py")):
+        folder = init.parent
+        if "__pycache__" in folder.parts:
+            continue
+        names = {p.stem for p in folder.glob("*.py") if p.name != "__init__.py"}
+        names |= {f"{p.name}/" for p in folder.iterdir() if (p / "__init__.py").is_file()}
+        out[f"{folder.relative_to(REPO)}/"] = names
+    return out
+
+
+def layout_rows() -> dict[str, set[str]]:
+    """The README Layout's ``overlay/...`` rows -> the module names they give (backticked words)."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        m = re.match(r"\| `(overlay/[a-z_/]*)` \| (.*) \|$", line)
+        if m:
+            rows[m[1]] = set(re.findall(r"`([a-z_0-9]+/?|__main__)`", m[2])) - {"__init__"}
+    return rows
+
+
+def test_the_readme_layout_names_every_package_and_module() -> None:
+    rows, tree = layout_rows(), packages()
+    assert sorted(rows) == sorted(tree), f"Layout rows {sorted(rows)} vs packages {sorted(tree)}"
+    for pkg, names in tree.items():
+        assert rows[pkg] == names, (f"README Layout, {pkg}: leaves out {sorted(names - rows[pkg])}, "
+                                    f"names what is not there {sorted(rows[pkg] - names)}")

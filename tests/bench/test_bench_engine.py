@@ -233,7 +233,8 @@ def test_reanalyze_the_real_null_run() -> None:
     """The A/A run on one H200 (2026-12-01), judged again from its raw arrivals: at batch 64 the median
     step is steady where the mean TPOT carried the prefill of the requests' last tokens; the 64 x 16384
     cell, whose tokens came 15-56 to a chunk, is not judged on the client's gaps."""
-    src = REPO / "docs" / "records" / "bench" / "engine-null-1xh200-2026-12-01" / "run2-null-5-repeats" / "engine.json.gz"
+    record = REPO / "docs" / "records" / "bench" / "engine-null-1xh200-2026-12-01"
+    src = record / "run2-null-5-repeats" / "engine.json.gz"
     result = engine.reanalyze(engine.load_result(src), src.name)
     cells = result["cells"]
     big = cells["64x4096"]

@@ -10,6 +10,8 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
+from overlay import numbers
+
 
 def root(ns: argparse.Namespace) -> Path:
     """The folder holding ``patches/<version>/`` (``overlay --patches``)."""
@@ -23,15 +25,17 @@ def add_vllm(sp: argparse.ArgumentParser) -> None:
 
 def _bounded(kind: Callable[[str], int | float], name: str, low: float, *, strict: bool = False,
              high: float | None = None) -> Callable[[str], int | float]:
+    """A ``type=`` that parses with ``kind`` and checks the range with :mod:`overlay.numbers` (the profiles'
+    check too): ``nan``, ``inf`` and ``1e999`` are refused like any out-of-range number."""
     def parse(text: str) -> int | float:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {name}, got {text!r}") from None
-        if value < low or (strict and value == low) or (high is not None and value > high):
-            where = f"> {low}" if strict else f">= {low}"
+        if not numbers.in_range(value, low, strict=strict, high=high):
+            why = "" if numbers.finite(value) else ": not a finite number"
             raise argparse.ArgumentTypeError(
-                f"expected {name} {where}{'' if high is None else f' and <= {high}'}, got {text}")
+                f"expected {name} {numbers.bounds(low, strict=strict, high=high)}, got {text}{why}")
         return value
 
     parse.__name__ = name  # argparse names the type in its messages

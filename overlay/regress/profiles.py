@@ -19,12 +19,17 @@ from typing import Any
 
 import yaml
 
+from overlay import numbers
 from overlay.regress.checks import DEFAULTS, NAMES, THRESHOLDS
 from overlay.regress.errors import ProfileError
 
 LATENCY_TOOLS = ("vllm-bench", "builtin")
 GSM8K_METRICS = ("strict-match", "flexible-extract")  # lm-eval's two GSM8K filters, each with a baseline
 # The checks, their order and the thresholds each reads: overlay.regress.checks (NAMES, DEFAULTS, THRESHOLDS).
+# Thresholds that are shares or rates, in (0, 1]: above 1 they can never fire (acceptance_near_one: 7 turned
+# the collapse rules off without a word).
+FRACTION_THRESHOLDS = ("acceptance_near_one", "acceptance_cliff", "acceptance_max_drop", "repetition_max_ratio")
+MAX_PORT = 65535
 
 
 @dataclass(frozen=True)
@@ -176,10 +181,11 @@ class Profile:
             raise ProfileError(f"--latency-tool {latency_tool}: the baseline in {self.path} (baseline.latency.tool) "
                                f"was measured with {self.baseline.latency_tool}, and the two tools do not measure "
                                f"the same thing; use a baseline measured with {latency_tool}, or --skip latency")
-        if attach_timeout_s is not None and attach_timeout_s <= 0:
-            raise ProfileError(f"attach timeout: must be > 0, got {attach_timeout_s:g}")
-        if port is not None and not 0 < port < 65536:
-            raise ProfileError(f"--port: expected 1-65535, got {port}")
+        wrong = numbers.problem(attach_timeout_s, 0, strict=True) if attach_timeout_s is not None else None
+        if wrong:  # REGRESS_ATTACH_TIMEOUT or --attach-timeout
+            raise ProfileError(f"attach timeout: {wrong}")
+        if port is not None and not 0 < port <= MAX_PORT:
+            raise ProfileError(f"--port: expected 1-{MAX_PORT}, got {port}")
         if vllm_bin is not None and not vllm_bin.split():
             raise ProfileError("--vllm-bin: empty command")
         if gsm8k_data is not None:
@@ -237,7 +243,10 @@ class _Fields:
         return value
 
     def get(self, data: dict[str, Any], where: str, key: str, kind: type | tuple[type, ...],
-            default: Any = ..., positive: bool = False) -> Any:
+            default: Any = ..., positive: bool = False, low: float | None = None,
+            high: float | None = None) -> Any:
+        """``data[key]`` checked to be ``kind``; a number also finite, ``> 0`` with ``positive`` (else
+        ``>= low``) and ``<= high`` (:mod:`overlay.numbers`, the command line's check)."""
         self.read.setdefault(id(data), (where, data, set()))[2].add(key)
         if key not in data or data[key] is None:
             if default is ...:
@@ -252,9 +261,11 @@ class _Fields:
         if not isinstance(value, kind):
             self.problems.append(f"{_at(where, key)}: expected {_kind_name(kind)}, got {value!r}")
             return None
-        if positive and value <= 0:
-            self.problems.append(f"{_at(where, key)}: must be > 0, got {value!r}")
-            return None
+        if isinstance(value, int | float):
+            wrong = numbers.problem(value, 0 if positive else low, strict=positive, high=high)
+            if wrong:
+                self.problems.append(f"{_at(where, key)}: {wrong}")
+                return None
         return value
 
 
@@ -346,7 +357,7 @@ def _server(f: _Fields, data: dict[str, Any]) -> tuple[ServerSpec, int]:
     server = ServerSpec(
         model=model or "", served_model_name=f.get(s, "server", "served_model_name", str, default=model or ""),
         args=tuple(args or ()), env=dict(env or {}), host=f.get(s, "server", "host", str, default="127.0.0.1"),
-        port=f.get(s, "server", "port", int, default=8000, positive=True) or 8000,
+        port=f.get(s, "server", "port", int, default=8000, positive=True, high=MAX_PORT) or 8000,
         ready_timeout_s=f.get(s, "server", "ready_timeout_s", float, default=1800.0, positive=True) or 1800.0,
         vllm_bin=f.get(s, "server", "vllm_bin", str, default="vllm"),
         attach_timeout_s=f.get(s, "server", "attach_timeout_s", float, default=30.0, positive=True) or 30.0,
@@ -456,7 +467,7 @@ def _baseline(f: _Fields, data: dict[str, Any], checks: list[str] | None, spec_t
     bg = f.get(b, "baseline", "gsm8k", dict, default={}) or {}
     gsm8k_base: dict[str, float] = {}
     for metric in GSM8K_METRICS:
-        value = f.get(bg, "baseline.gsm8k", metric, float)
+        value = f.get(bg, "baseline.gsm8k", metric, float, low=0, high=1)
         if value is not None:
             gsm8k_base[metric] = value
     bl = f.get(b, "baseline", "latency", dict, default={}) or {}
@@ -474,7 +485,7 @@ def _baseline(f: _Fields, data: dict[str, Any], checks: list[str] | None, spec_t
     baseline = Baseline(
         source=f.get(b, "baseline", "source", str),
         gsm8k=gsm8k_base,
-        gsm8k_stderr=f.get(bg, "baseline.gsm8k", "stderr", float),
+        gsm8k_stderr=f.get(bg, "baseline.gsm8k", "stderr", float, low=0),
         mean_ttft_ms=f.get(bl, "baseline.latency", "mean_ttft_ms", float, positive=True),
         mean_tpot_ms=f.get(bl, "baseline.latency", "mean_tpot_ms", float, positive=True),
         acceptance_per_position=tuple(float(x) for x in acc) if acc is not None else None,
@@ -502,7 +513,8 @@ def _thresholds(f: _Fields, data: dict[str, Any], checks: list[str] | None) -> d
         if not isinstance(raw, dict):
             problems.append(f"thresholds.{key}: expected a mapping with value and why")
             continue
-        value = f.get(raw, f"thresholds.{key}", "value", float, positive=True)
+        value = f.get(raw, f"thresholds.{key}", "value", float, positive=True,
+                      high=1 if key in FRACTION_THRESHOLDS else None)
         why = f.get(raw, f"thresholds.{key}", "why", str)
         if isinstance(why, str) and not why.strip():
             problems.append(f"thresholds.{key}.why: empty (every threshold says why)")

@@ -101,6 +101,7 @@ image-smoke: $(TOOL_STAMP) ## our image built on a CPU stand-in of the base (Deb
 	$(OVERLAY) image-smoke --vllm $(call q,VLLM)$(if $(ENGINE), --engine $(call q,ENGINE))$(if $(SANDBOX), --sandbox $(call q,SANDBOX))$(if $(NEGATIVE), --negative $(call q,NEGATIVE))$(if $(KEEP), --keep)$(if $(TORCH), --torch $(call q,TORCH))
 
 .PHONY: kernel-sources kernel-toolchain kernels
+KERNEL_PATCHES = $(if $(PATCHES),$(call q,PATCHES),patches)
 kernel-sources: $(TOOL_STAMP) ## kernel-sources/<VLLM>/: each FetchContent source at its pin (placeholders for what TARGETS do not compile), offline builds [TARGETS= MIRROR= REMOTES="name=repo" EXCLUDE="name=path" CHECK=1]
 	$(OVERLAY) kernel-sources --vllm $(call q,VLLM)$(if $(TARGETS), --targets$(call qw,TARGETS))$(if $(MIRROR), --mirror $(call q,MIRROR))$(foreach r,$(REMOTES), --remote $(call q,r))$(foreach e,$(EXCLUDE), --exclude $(call q,e))$(if $(CHECK), --check)
 
@@ -108,7 +109,7 @@ kernel-toolchain: $(TOOL_STAMP) ## check the kernel build's cmake, CUDA torch co
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(OVERLAY) kernel-toolchain$(if $(ASSEMBLE), --assemble)
 
 kernels: $(TOOL_STAMP) ## rebuild the CUDA targets the series' kernel patches touch (scripts/build-kernels.sh) into KERNELS_OUT, then the wheel with them [PATCHES=patches KERNELS_OUT=kernels/<VLLM> MAX_JOBS=]
-	$(OVERLAY) --patches $(if $(PATCHES),$(call q,PATCHES),patches) kernels build --vllm $(call q,VLLM) --out $(if $(KERNELS_OUT),$(call q,KERNELS_OUT),kernels/$(VLLM))
+	$(OVERLAY) --patches $(KERNEL_PATCHES) kernels build --vllm $(call q,VLLM) --out $(if $(KERNELS_OUT),$(call q,KERNELS_OUT),kernels/$(VLLM))
 
 rebase: $(TOOL_STAMP) ## carry the series onto release TO: every patch classified in one run; patches/<TO>/ with REBASE.md, or exit 2 with the report in .work/rebase-<TO>/ [TO=x.y.z NO_TESTS=1]
 	@test -n $(call q,TO) || { echo "usage: make rebase TO=x.y.z" >&2; exit 1; }

@@ -33,7 +33,7 @@ from overlay import digest
 from overlay.atomic import write_file
 from overlay.engine.compare import compare, derive_tolerance
 from overlay.regress.checks import StepContext
-from overlay.regress.client import Client
+from overlay.regress.client import Client, describe, rate_limited
 from overlay.regress.errors import RegressError
 from overlay.regress.profiles import DifferentialSpec, Profile
 from overlay.regress.reference import FORMAT, ShapeError, check_run, load_recording, parse_reply
@@ -98,7 +98,7 @@ def reference(spec: DifferentialSpec, ids: list[list[int]], ref_url: str | None,
             runs = [collect(client, ids, spec, source)]
             runs += [collect(client, ids, spec, source, reverse=True) for _ in range(spec.spread_runs)]
         except (httpx.HTTPError, ValueError) as exc:
-            raise RegressError(f"{source}: {exc}") from None
+            raise RegressError(f"{source}: {describe(exc) if rate_limited(exc) else exc}") from None
         finally:
             client.close()
         for k, run in enumerate(runs):
@@ -147,7 +147,7 @@ def _collect(server: Server, ids: list[list[int]], spec: DifferentialSpec, *, re
     try:
         return collect(server.client, ids, spec, f"server {server.base_url}", reverse=reverse)
     except (httpx.HTTPError, ValueError, ShapeError) as exc:
-        cause = f"{type(exc).__name__}: {exc}"
+        cause = describe(exc)
         server.ensure_alive("differential", cause)
         raise RegressError(f"differential: {cause}") from None
 

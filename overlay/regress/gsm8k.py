@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -154,13 +155,31 @@ def run_gsm8k(profile: Profile, server: Server, out_dir: Path, progress: Callabl
                 proc.wait()
     if proc.returncode != 0:
         server.ensure_alive("gsm8k", f"lm-eval exited with status {proc.returncode}")
-        raise RegressError(f"gsm8k: lm-eval exited with status {proc.returncode}: {_last_line(log_path)} "
+        raise RegressError(f"gsm8k: lm-eval exited with status {proc.returncode}: {_failure(log_path)} "
                            f"(see {log_path})")
     results = read_results(out_dir / "results", task)
     results["task"] = task
     results["seconds"] = round(time.monotonic() - start, 1)
     results["log"] = str(log_path)
     return results, judge(profile, results)
+
+
+_RATE_LIMITED = re.compile(r"Status code: 429\b")
+_ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)\b(?::.*)?$")
+
+
+def _failure(path: Path) -> str:
+    """Why lm-eval failed, from its log: the server's 429s (lm-eval's client retries a few times and
+    never reads Retry-After; its other requests then end in "Session is closed"), else the last
+    exception line, else the last line."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    limited = len(_RATE_LIMITED.findall(text))
+    if limited:
+        return (f"the server answered 429 Too Many Requests {limited} time(s): it refuses the load (lm-eval "
+                "retries a few times and does not wait for Retry-After); lower gsm8k.concurrency or lift the "
+                "server's rate limit")
+    errors = [ln.strip() for ln in text.splitlines() if _ERROR_LINE.match(ln.strip())]
+    return errors[-1][:300] if errors else _last_line(path)
 
 
 def _last_line(path: Path) -> str:

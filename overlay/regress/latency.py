@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 from overlay.regress.checks import StepContext
-from overlay.regress.client import Client, StreamTiming
+from overlay.regress.client import Client, StreamTiming, describe, rate_limited
 from overlay.regress.errors import RegressError
 from overlay.regress.profiles import Profile
 from overlay.regress.results import Finding
@@ -97,11 +97,15 @@ def run_builtin(profile: Profile, server: Server, out_dir: Path) -> dict[str, An
     client = Client(server.base_url, server.model, timeout_s=la.timeout_s)
     prompts = [random_prompt(la.input_len, seed=i) for i in range(la.num_prompts)]
 
+    limited = 0
+
     def one(prompt: str) -> StreamTiming | str:
+        nonlocal limited
         try:
             return client.stream_completion(prompt, la.output_len)
         except (httpx.HTTPError, ValueError, KeyError) as exc:
-            return f"{type(exc).__name__}: {exc}"
+            limited += rate_limited(exc)
+            return describe(exc)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=la.num_prompts) as pool:
@@ -115,7 +119,7 @@ def run_builtin(profile: Profile, server: Server, out_dir: Path) -> dict[str, An
     tpots = [(o.latency_s - o.ttft_s) / (o.output_tokens - 1) * 1000 for o in done if o.output_tokens > 1]
     data: dict[str, Any] = {
         "tool": "builtin", "duration": duration, "completed": len(done), "failed": len(errors),
-        "errors": errors[:5], "total_input_tokens": sum(estimate_tokens(p) for p in prompts),
+        "errors": errors[:5], "rate_limited": limited, "total_input_tokens": sum(estimate_tokens(p) for p in prompts),
         "total_output_tokens": sum(o.output_tokens for o in done),
         **_stats("ttft", [o.ttft_s * 1000 for o in done]), **_stats("tpot", tpots),
         **_stats("itl", [x * 1000 for o in done for x in o.itls_s]),
@@ -128,7 +132,9 @@ def judge(profile: Profile, data: dict[str, Any]) -> list[Finding]:
     findings: list[Finding] = []
     failed = int(data.get("failed") or 0)
     if failed or not data.get("completed"):
-        findings.append(Finding("latency", "regression", f"{failed} of {failed + int(data.get('completed') or 0)} "
+        # every failure a 429: the server refused the load; nothing is known of the build's latency
+        kind = "harness" if failed and int(data.get("rate_limited") or 0) == failed else "regression"
+        findings.append(Finding("latency", kind, f"{failed} of {failed + int(data.get('completed') or 0)} "
                                 f"benchmark requests failed: {(data.get('errors') or ['?'])[0]}"))
         return findings
     for key, base, threshold in (("mean_ttft_ms", profile.baseline.mean_ttft_ms, "ttft_max_ratio"),

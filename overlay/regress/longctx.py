@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from overlay.regress.checks import StepContext
-from overlay.regress.client import Client, Completion
+from overlay.regress.client import Client, Completion, describe, rate_limited
 from overlay.regress.profiles import Profile
 from overlay.regress.results import Finding
 from overlay.regress.server import Server
@@ -120,10 +120,12 @@ def run_long_context(profile: Profile, server: Server, progress: Callable[[str],
 
     def judge(probe: Probe, outcome: Completion | Exception, label: str) -> None:
         if isinstance(outcome, Exception):
-            cause = _describe(outcome)
+            cause = describe(outcome)
             server.ensure_alive("long_context", f"{label}: {cause}")
             probe.result = {"error": cause}
-            findings.append(Finding("long_context", "regression", f"{label}: request failed: {cause}"))
+            # a 429 the server kept answering: it refused the load, which says nothing of the build
+            findings.append(Finding("long_context", "harness" if rate_limited(outcome) else "regression",
+                                    f"{label}: request failed: {cause}"))
             return
         probe.result = {"answer": outcome.text[:2000], "prompt_tokens": outcome.prompt_tokens,
                         "completion_tokens": outcome.completion_tokens}
@@ -172,12 +174,6 @@ def run_long_context(profile: Profile, server: Server, progress: Callable[[str],
         "repeated": {"question": repeated.prompt, "answers": repeated_rows},
     }
     return data, findings
-
-
-def _describe(exc: Exception) -> str:
-    if isinstance(exc, httpx.HTTPStatusError):
-        return f"HTTP {exc.response.status_code}: {exc.response.text[:200]}"
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def step(ctx: StepContext) -> tuple[dict[str, Any], list[Finding]]:

@@ -17,6 +17,7 @@ from typing import Any
 from overlay.outpaths import check_dir, check_file
 from overlay.regress.baseline_record import destinations, failed_checks, recorded_values, write_recorded_profile
 from overlay.regress.checks import CHECKS, Check, StepContext, function
+from overlay.regress.client import check_url
 from overlay.regress.errors import RegressError, ServerDied
 from overlay.regress.profiles import Profile
 from overlay.regress.report import write_report
@@ -51,6 +52,10 @@ def run(profile: Profile, out_dir: Path, base_url: str | None = None,
     gets ``<profile>.yaml`` of each) with this run's measurements as its baseline.
     """
     say = progress or Progress()
+    if base_url is not None:  # a file:// (or any non-http) URL can never answer: refused before anything waits
+        check_url(base_url, "--base-url")
+    if ref_url:
+        check_url(ref_url, "--ref-url (REF_URL)")
     check_dir(out_dir, "--out")  # every output is checked before the server is asked anything
     if record_differential:
         check_file(record_differential, "--record-differential")

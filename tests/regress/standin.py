@@ -29,6 +29,10 @@ as lists, 3 tokens whatever ``max_tokens``): a reference server gone wrong.
 
 ``--start-delay`` makes any mode start slowly: the port is bound only after that many seconds,
 as vLLM binds only once the engine is loaded.
+
+``--trickle S`` sends every POST reply's body one byte every S seconds (the headers at once): a
+server that never stops answering and never finishes. ``--rate-limit N`` answers the first N POST
+requests ``429 Too Many Requests`` with ``Retry-After: --retry-after`` (a proxy or gateway in front).
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ class State:
         self.corruption = 0
         self.long_seen = False
         self.requests = 0
+        self.posts = 0  # POST requests seen, for --rate-limit
         self.drafts = 0.0
         self.draft_tokens = 0.0
         self.accepted = [0.0] * args.spec_tokens
@@ -184,7 +189,17 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        self._write(body)
+
+    def _write(self, data: bytes) -> None:
+        """Write (part of) a reply; with ``--trickle`` a POST reply goes one byte every S seconds."""
+        if not (self.command == "POST" and self.state.args.trickle):
+            self.wfile.write(data)
+            return
+        for i in range(len(data)):
+            self.wfile.write(data[i:i + 1])
+            self.wfile.flush()
+            time.sleep(self.state.args.trickle)
 
     def _json(self, code: int, obj: object) -> None:
         self._send(code, json.dumps(obj).encode())
@@ -238,6 +253,18 @@ class Handler(BaseHTTPRequestHandler):
             req = json.loads(self.rfile.read(length) or b"{}")
         except json.JSONDecodeError:
             self._json(400, {"error": "bad json"})
+            return
+        with self.state.lock:
+            self.state.posts += 1
+            limited = self.state.posts <= self.state.args.rate_limit
+        if limited:
+            body = json.dumps({"error": {"message": "rate limit exceeded", "code": 429}}).encode()
+            self.send_response(429)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Retry-After", f"{self.state.args.retry_after:g}")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
             return
         if self.path == "/v1/completions":
             prompt = req.get("prompt", "")
@@ -351,14 +378,14 @@ class Handler(BaseHTTPRequestHandler):
             if continuous:
                 chunk["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": i + 1,
                                   "total_tokens": prompt_tokens + i + 1}
-            self.wfile.write(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode())
+            self._write(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode())
             self.wfile.flush()
         if include_usage:
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
                      "total_tokens": prompt_tokens + len(tokens)}
             tail = {"id": "cmpl-standin", "object": "text_completion", "choices": [], "usage": usage}
-            self.wfile.write(f"data: {json.dumps(tail)}\n\n".encode())
-        self.wfile.write(b"data: [DONE]\n\n")
+            self._write(f"data: {json.dumps(tail)}\n\n".encode())
+        self._write(b"data: [DONE]\n\n")
         self.wfile.flush()
 
     def _stream(self, text: str, usage: dict[str, int], req: dict[str, object]) -> None:
@@ -374,13 +401,13 @@ class Handler(BaseHTTPRequestHandler):
                 time.sleep(self.state.args.tpot_ms / 1000)
             chunk = {"id": "cmpl-standin", "object": "text_completion", "model": self.state.args.model_name,
                      "choices": [{"index": 0, "text": piece, "finish_reason": None}]}
-            self.wfile.write(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode())
+            self._write(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode())
             self.wfile.flush()
         options = req.get("stream_options")
         if isinstance(options, dict) and options.get("include_usage"):
             tail = {"id": "cmpl-standin", "object": "text_completion", "choices": [], "usage": usage}
-            self.wfile.write(f"data: {json.dumps(tail)}\n\n".encode())
-        self.wfile.write(b"data: [DONE]\n\n")
+            self._write(f"data: {json.dumps(tail)}\n\n".encode())
+        self._write(b"data: [DONE]\n\n")
         self.wfile.flush()
 
 
@@ -421,6 +448,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ttft-ms", type=float, default=20.0)
     p.add_argument("--tpot-ms", type=float, default=0.5)
     p.add_argument("--die-after", type=int, default=0, help="SIGKILL itself on request N + 1 (0: never)")
+    p.add_argument("--trickle", type=float, default=0.0, help="POST reply bodies one byte every S seconds")
+    p.add_argument("--rate-limit", type=int, default=0, help="answer the first N POST requests 429")
+    p.add_argument("--retry-after", type=float, default=1.0, help="the 429s' Retry-After, seconds")
     p.add_argument("--reply-fault", choices=["no-choices", "short-prompt-logprobs", "top-logprobs-lists",
                                              "short-tokens"], help="token-id replies broken so (a bad reference)")
     args = p.parse_args(argv)

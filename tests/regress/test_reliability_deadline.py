@@ -1,0 +1,120 @@
+"""Issue 35 item 4, *no whole-request deadline*: every HTTP request the regression makes has an overall
+deadline, a URL that can never answer is refused at once, and a 429 is honoured or named as a 429."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from regress_helpers import MODEL, free_port, make_profile, run_cli, standin_command, wait_port
+
+from overlay.regress.client import Client
+
+
+@pytest.fixture
+def server(tmp_path: Path):
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(*extra: str) -> str:
+        port = free_port()
+        log = (tmp_path / f"standin-{port}.log").open("wb")
+        procs.append(subprocess.Popen(standin_command(port, "healthy", *extra), stdout=log, stderr=subprocess.STDOUT))
+        assert wait_port(port, 15)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_trickled_reply_ends_at_the_requests_deadline(server) -> None:
+    """Issue 35 item 4: a reply sent one byte a second never tripped httpx's per-read timeout: a chat or a
+    stream ran for as long as the server kept trickling. Now each ends at its timeout, as a whole."""
+    client = Client(server("--trickle", "1"), MODEL, timeout_s=3)
+    for call in (lambda: client.chat("What is 3+4?", 16), lambda: client.stream_completion("hello", 8)):
+        start = time.monotonic()
+        with pytest.raises(httpx.ReadTimeout, match=r"no complete reply within 3 s \(the request's whole deadline\)"):
+            call()
+        assert time.monotonic() - start < 6
+    assert client.health() and client.models() == [MODEL]  # GETs are not trickled: the server is alive
+
+
+def test_a_trickling_server_ends_in_a_verdict_and_a_report(server, tmp_path: Path) -> None:
+    """Issue 35 item 4: against a server sending its replies one byte every 2 s, ``regress`` ran past every
+    timeout, with no verdict and no report (the subprocess timeout here ended it). Now each request ends
+    at its deadline: a regression verdict, the report written, in seconds."""
+    url = server("--trickle", "2")
+    profile = make_profile(tmp_path, **{"long_context.request_timeout_s": 4, "latency.timeout_s": 4})
+    start = time.monotonic()
+    run = run_cli(profile, tmp_path / "out", "--base-url", url, "--skip", "gsm8k", timeout_s=120)
+    assert time.monotonic() - start < 90
+    assert run.code == 1, run.stderr
+    assert (tmp_path / "out" / "report.md").is_file()
+    assert (tmp_path / "out" / "verdict").read_text().strip() == "regression"
+    messages = [f["message"] for f in run.findings("regression")]
+    assert any("no complete reply within 4 s" in m for m in messages), messages
+
+
+@pytest.mark.parametrize("url", ["file:///etc/passwd", "ftp://host/x", "http://", "localhost:8000"])
+def test_a_base_url_that_is_not_http_is_refused_at_once(tmp_path: Path, url: str) -> None:
+    """Issue 35 item 4: ``--base-url file:///...`` waited for the ready timeout (the profile's, an hour: the
+    subprocess timeout here ended it), since httpx's "unsupported protocol" counted as an answer. Now
+    one line, exit 2, before anything waits."""
+    start = time.monotonic()
+    run = run_cli(make_profile(tmp_path), tmp_path / "out", "--base-url", url, timeout_s=60)
+    assert time.monotonic() - start < 30
+    assert run.code == 2
+    assert run.stderr.strip().splitlines() == [
+        f"error: --base-url {url!r}: not an http:// or https:// server URL "
+        + ("(it names no host)" if url == "http://" else f"(its scheme is {url.split(':', 1)[0]!r})")]
+    assert (tmp_path / "out" / "verdict").read_text().strip() == "harness"
+
+
+def test_a_ref_url_that_is_not_http_is_refused_at_once(tmp_path: Path) -> None:
+    """Issue 35 item 4: the same for the differential check's reference (``--ref-url``, ``REF_URL``)."""
+    run = run_cli(make_profile(tmp_path), tmp_path / "out", "--base-url", "http://127.0.0.1:9", "--ref-url",
+                  "file:///tmp/ref", timeout_s=60)
+    assert run.code == 2
+    assert run.stderr.strip().splitlines()[-1].startswith("error: --ref-url (REF_URL) 'file:///tmp/ref': not an http")
+
+
+def test_a_429_with_retry_after_is_waited_out(server, tmp_path: Path) -> None:
+    """Issue 35 item 4: a 429 with ``Retry-After: 1`` (a gateway in front of the server) failed the request at
+    once: long-context findings "request failed: HTTP 429", a regression. Now the client waits the
+    Retry-After out and sends the request again: the run passes."""
+    url = server("--rate-limit", "3", "--retry-after", "1")
+    run = run_cli(make_profile(tmp_path), tmp_path / "out", "--base-url", url, "--skip", "gsm8k,latency",
+                  timeout_s=120)
+    assert run.code == 0, run.stderr
+    assert run.findings() == []
+
+
+def test_a_429_that_does_not_end_is_named_a_429_not_a_regression(server, tmp_path: Path) -> None:
+    """Issue 35 item 4: a server that kept answering 429 (Retry-After past the deadline) ended as regressions
+    of the build ("request failed: HTTP 429 ..."; GSM8K through lm-eval as "Session is closed" or its
+    progress bar). Now every check says 429 Too Many Requests, as a harness failure: the server refused
+    the load, nothing is known of the build."""
+    url = server("--rate-limit", "1000000", "--retry-after", "120")
+    profile = make_profile(tmp_path, **{"long_context.request_timeout_s": 5, "latency.timeout_s": 5,
+                                        "gsm8k.limit": 2})
+    run = run_cli(profile, tmp_path / "out", "--base-url", url, "--skip", "acceptance", timeout_s=240)
+    assert run.code == 2, run.stderr
+    assert run.findings("regression") == []
+    by_check = {f["check"]: f["message"] for f in run.findings("harness")}
+    assert set(by_check) == {"long_context", "gsm8k", "latency"}, by_check
+    assert all("429 Too Many Requests" in m for m in by_check.values()), by_check
+    assert "Retry-After: 120" in by_check["long_context"]
+
+
+def test_describe_names_a_429_and_its_retry_after() -> None:
+    """Issue 35 item 4: the one line a failed request becomes (new)."""
+    from overlay.regress.client import describe
+
+    request = httpx.Request("POST", "http://h/v1/completions")
+    response = httpx.Response(429, headers={"Retry-After": "7"}, request=request)
+    exc = httpx.HTTPStatusError("x", request=request, response=response)
+    assert describe(exc).startswith("HTTP 429 Too Many Requests: the server refuses the load (Retry-After: 7")

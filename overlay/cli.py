@@ -2,8 +2,9 @@
 
 Each verb's options and handler live in its module under ``overlay/commands/``; this module only
 puts them together. Library code raises :class:`overlay.errors.OverlayError`; only this module
-prints it (one line, ``error: ...``) and picks the exit code from it. Unexpected exceptions keep
-their traceback.
+prints it (one line, ``error: ...``) and picks the exit code from it. An ``OSError`` that names a path
+(a cache that is a file, a read-only ``.venv`` or ``dist/``) is one line too, naming the path and what
+the OS said (exit 1). Other unexpected exceptions keep their traceback.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 from overlay.commands import MODULES
-from overlay.errors import OverlayError
+from overlay.errors import OverlayError, os_error_line
 
 
 def parser() -> argparse.ArgumentParser:
@@ -32,6 +33,20 @@ def verbs() -> dict[str, str]:
     return {c.dest: c.help or "" for c in sub._choices_actions}
 
 
+def _path_hints(ns: argparse.Namespace) -> dict[str, str]:
+    """The folders an OS error's path may lie in, and what to call them in its line."""
+    import os
+
+    from overlay.build.fetch import cache_dir
+
+    hints = {}
+    if getattr(ns, "install", None):
+        hints[str(Path(ns.install))] = f"in the environment {ns.install} (--install; make: VENV)"
+    where = "VLLM_OVERLAY_CACHE" if os.environ.get("VLLM_OVERLAY_CACHE") else "the default; VLLM_OVERLAY_CACHE moves it"
+    hints[str(cache_dir())] = f"under the tool's cache {cache_dir()} ({where})"
+    return hints
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parser().parse_args(argv)
     try:
@@ -43,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     except OverlayError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:
+        if exc.filename is None:  # no path to name: an unexpected error, with its traceback
+            raise
+        print(f"error: {os_error_line(exc, _path_hints(ns))}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

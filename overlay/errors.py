@@ -83,3 +83,27 @@ class LockError(OverlayError):
 
 class DistError(OverlayError):
     """The output folder (``dist/``) cannot take the built wheel: not a folder, not writable, disk full."""
+
+
+def os_error_line(exc: OSError, hints: dict[str, str] | None = None) -> str:
+    """An ``OSError`` that names a path as one line: the path, what the OS said and, for "not a
+    directory", which part of the path is a file. ``hints`` maps folders to what they are (the
+    cache, ``VLLM_OVERLAY_CACHE``): a path under one says which it is under."""
+    import errno
+    from pathlib import Path
+
+    path = Path(str(exc.filename))
+    what = exc.strerror or str(exc)
+    line = f"{path}: {what}"
+    if exc.filename2 is not None:
+        line = f"{path} -> {exc.filename2}: {what}"
+    if exc.errno == errno.ENOTDIR or (exc.errno == errno.EEXIST and not path.is_dir()):
+        for part in [*reversed(path.parents), path]:
+            if part.exists() and not part.is_dir():
+                line += f" ({part} is a file, not a folder)" if part != path else " (it is a file, not a folder)"
+                break
+    for folder, name in (hints or {}).items():
+        if path == Path(folder) or Path(folder) in path.parents:
+            line += f"; it is {name}"
+            break
+    return line

@@ -36,6 +36,8 @@ LOCATIONS: dict[str, list[tuple[str, str]]] = {
     "sparse_utils": [("0.28.0", "vllm.v1.attention.backends.mla.sparse_utils")],
     "attention_layer_base": [("0.28.0", "vllm.model_executor.layers.attention_layer_base")],
     "gpu_model_runner": [("0.28.0", "vllm.v1.worker.gpu_model_runner")],
+    "gpu_model_runner_v2": [("0.28.0", "vllm.v1.worker.gpu.model_runner")],  # Model Runner V2
+    "vllm_config": [("0.28.0", "vllm.config.vllm")],
     "eagle": [("0.28.0", "vllm.v1.spec_decode.eagle")],
     # symmetric-memory probing and the direct workspaces' base class (0.29.0 split them out)
     "cp_common": [("0.28.0", "vllm.v1.attention.ops.dcp_utils"), ("0.29.0", "vllm.v1.attention.ops.cp_common")],

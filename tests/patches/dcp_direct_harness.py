@@ -185,7 +185,7 @@ def _run_sizes(manager, rank: int, world: int, sizes: list[int], calls: dict[str
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, modes: dict[str, dict[str, str]],
-            sizes: list[int], out_dir: str, sys_path: list[str]) -> None:
+            sizes: list[int], out_dir: str, sys_path: list[str], user_defaults: bool = False) -> None:
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
     os.environ.update({"VLLM_USE_DIRECT_DCP_A2A": "1", "VLLM_USE_DIRECT_DCP_Q_GATHER": "1"})
     import compat
@@ -200,8 +200,14 @@ def _worker(rank: int, world: int, port: int, model_dir: str, modes: dict[str, d
 
     results: dict[str, Any] = {}
     try:
+        # user_defaults: the DCP options a GLM-5 user who names none gets where the release lets the
+        # model choose them (0.33.0: a2a, query replication); a2a spelled out where it does not
+        backend = None if user_defaults and h.release_sets_model_dcp_defaults() else "a2a"
         vc = h.make_vllm_config(Path(model_dir), max_num_seqs=4, max_num_batched_tokens=64, dcp=world,
-                                heads_per_rank=H)
+                                heads_per_rank=H, comm_backend=backend)
+        results["resolved"] = {"dcp_comm_backend": vc.parallel_config.dcp_comm_backend,
+                               "dcp_q_replicate": getattr(vc.parallel_config, "dcp_q_replicate", None),
+                               "by_release": backend is None}
         a2a = compat.module("dcp_alltoall")
         dcp = compat.module("dcp")
         with set_current_vllm_config(vc):
@@ -225,14 +231,16 @@ def _worker(rank: int, world: int, port: int, model_dir: str, modes: dict[str, d
 
 
 def run_ranks(tmp: Path, sizes: list[int], modes: dict[str, dict[str, str]] | None = None,
-              world: int = 2, timeout: float = 240) -> list[dict[str, Any]]:
+              world: int = 2, timeout: float = 240, user_defaults: bool = False) -> list[dict[str, Any]]:
     """Run the scenarios on ``world`` gloo ranks, one manager per sizing mode; each rank's results.
 
     On a tree without the sizing mode the variable is ignored and every manager is
-    decode-sized.
+    decode-sized. ``user_defaults``: the config leaves the DCP options to the release where it
+    lets the model choose them (``results["resolved"]`` says what it chose).
     """
     return spawn_ranks(_worker, lambda r, port: (r, world, port, str(tmp / "model"), modes or MODES, sizes,
-                                                 str(tmp), list(sys.path)), tmp, world=world, timeout=timeout)
+                                                 str(tmp), list(sys.path), user_defaults), tmp, world=world,
+                       timeout=timeout)
 
 
 # --------------------------------------------------------------------------------------------

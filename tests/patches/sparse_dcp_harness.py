@@ -60,13 +60,19 @@ def glm5_config(num_heads: int = NUM_HEADS * DCP) -> dict[str, Any]:
     return {**GLM5_CONFIG, "num_attention_heads": num_heads, "num_key_value_heads": num_heads}
 
 
+_UNSET = object()
+
+
 def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 256,
                      device: str = "cpu", dcp: int = DCP, heads_per_rank: int = NUM_HEADS,
-                     interleave: int = 1):
+                     interleave: int = 1, comm_backend: Any = _UNSET):
     """A real VllmConfig for a small local GLM-5 model with TP = DCP = ``dcp``.
 
     The model has ``dcp * heads_per_rank`` attention heads, so each TP rank holds
     ``heads_per_rank`` of them; ``interleave`` is ``cp_kv_cache_interleave_size``.
+    ``comm_backend``: ``dcp_comm_backend`` (default ``"a2a"`` with DCP, else ``"ag_rs"``); ``None``
+    leaves it (and ``dcp_q_replicate``) unset, as a user who names neither does: the release decides
+    (0.33.0's GLM-5: a2a with query replication, see :func:`release_sets_model_dcp_defaults`).
     """
     from vllm.config import (
         CacheConfig,
@@ -83,6 +89,9 @@ def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 8, max_num_batched_
     tmp = model_dir / f"config.json.{os.getpid()}"
     tmp.write_text(json.dumps(glm5_config(dcp * heads_per_rank)))
     os.replace(tmp, model_dir / "config.json")
+    if comm_backend is _UNSET:
+        comm_backend = "a2a" if dcp > 1 else "ag_rs"
+    backend = {} if comm_backend is None else {"dcp_comm_backend": comm_backend}
     with compat.setup("the VllmConfig of the test model"):
         model_config = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True,
                                    dtype="bfloat16", max_model_len=4096)
@@ -90,13 +99,21 @@ def make_vllm_config(model_dir: Path, *, max_num_seqs: int = 8, max_num_batched_
             device_config=DeviceConfig(device=device),
             model_config=model_config,
             parallel_config=ParallelConfig(tensor_parallel_size=dcp, decode_context_parallel_size=dcp,
-                                           cp_kv_cache_interleave_size=interleave,
-                                           dcp_comm_backend="a2a" if dcp > 1 else "ag_rs"),
+                                           cp_kv_cache_interleave_size=interleave, **backend),
             scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs,
                                              max_num_batched_tokens=max_num_batched_tokens,
                                              max_model_len=4096, is_encoder_decoder=False),
             cache_config=CacheConfig(block_size=BLOCK),
         )
+
+
+def release_sets_model_dcp_defaults() -> bool:
+    """Whether the vLLM under test lets the model choose the DCP settings a user leaves unset
+    (``ParallelConfig.set_dcp_defaults``, which 0.33.0's ``GlmMoeDsaForCausalLM`` calls with
+    ``comm_backend="a2a", q_replicate=True``); 0.28.0 has fixed defaults (ag_rs, no replication)."""
+    from vllm.config import ParallelConfig
+
+    return hasattr(ParallelConfig, "set_dcp_defaults")
 
 
 class _TokenToRequestKernel:

@@ -299,6 +299,10 @@ def judge(records: list[dict[str, Any]], out: Path, expect: str | None) -> dict[
             r["diff"] = d.to_dict()
             r["spec_decode"] = docs[name].get("spec_decode") or {}
             problems = d.problems(tol)
+        resolved = docs.get(name, {}).get("resolved")
+        if resolved is not None:
+            r["resolved"] = resolved
+        problems += resolve_problems(r["case"].get("resolves") or {}, resolved) if r["status"] == "ok" else []
         wanted_graphs = r["case"].get("graphs")
         seen_graphs = (r.get("graphs") or {}).get("mode")
         if r["status"] == "ok" and wanted_graphs and seen_graphs is not None and seen_graphs != wanted_graphs:
@@ -319,6 +323,35 @@ def judge(records: list[dict[str, Any]], out: Path, expect: str | None) -> dict[
         failed |= r["verdict"] == "fail"
     summary["verdict"] = "fail" if failed else "pass"
     return summary
+
+
+def resolve_problems(wanted: dict[str, Any], resolved: dict[str, Any] | None) -> list[str]:
+    """What a case's engine resolved differently from what the case says it runs (``Case.resolves``)."""
+    if not wanted:
+        return []
+    if resolved is None:
+        return ["resolved: the run recorded no resolved settings"]
+    return [f"resolved: {key}={resolved.get(key)!r}, the case runs {value!r}"
+            for key, value in wanted.items() if resolved.get(key) != value]
+
+
+def release_under_test(tree: Path | None = None) -> str:
+    """The vLLM release the engines import, ``x.y.z``: ``tree``'s ``vllm/_version.py``, else the
+    installed distribution's version; "" when neither says."""
+    if tree is not None:
+        try:
+            text = (tree / "vllm" / "_version.py").read_text(encoding="utf-8")
+        except OSError:
+            text = ""
+        found = re.search(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", text, re.M)
+        if found:
+            return found[1].split("+")[0]
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version("vllm").split("+")[0]
+    except (ImportError, PackageNotFoundError):
+        return ""
 
 
 def _matches(expect: str, record: dict[str, Any]) -> bool:
@@ -396,7 +429,8 @@ def run_check(ns: CheckOptions) -> int:
     spec = TinyGlm5Spec()
     model = ns.model or default_cache() / checkpoint_id(spec, 0)
     generate(model, spec, 0)
-    todo = cases(ns.tp)
+    release = release_under_test(ns.tree)
+    todo = cases(ns.tp, release or None)
     if ns.cases:
         wanted = ns.cases.split(",")
         unknown = sorted(set(wanted) - {c.name for c in todo})
@@ -408,7 +442,8 @@ def run_check(ns: CheckOptions) -> int:
     if ns.variants:
         # after the references, the production shape and the first spread run: the variants
         jobs[4:4] = variant_jobs(ns.variants, ns.tp, ns.out)
-    meta = {"model": str(model), "tree": str(ns.tree or ""), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    meta = {"model": str(model), "tree": str(ns.tree or ""), "vllm": release,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "parallel": ns.parallel}
     t0 = time.monotonic()
 

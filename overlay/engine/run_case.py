@@ -45,6 +45,24 @@ def _spec_metrics(llm: Any) -> dict[str, Any]:
     return out
 
 
+def _resolved(llm: Any) -> dict[str, Any]:
+    """What the engine's config resolved the options the check judges to (``Case.resolves``): the
+    DCP comm backend and query replication (0.33.0 lets the model choose them), the model runner."""
+    out: dict[str, Any] = {}
+    try:
+        config = llm.llm_engine.vllm_config
+    except Exception as e:  # informative, and judged only where a case asks for it
+        return {"error": repr(e)}
+    parallel = config.parallel_config
+    for key in ("dcp_comm_backend", "dcp_q_replicate"):
+        out[key] = getattr(parallel, key, None)
+    try:
+        out["use_v2_model_runner"] = bool(config.use_v2_model_runner)
+    except Exception as e:
+        out["use_v2_model_runner"] = repr(e)
+    return out
+
+
 def run(case: dict[str, Any], model: str, out: Path, seed: int) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -76,7 +94,7 @@ def run(case: dict[str, Any], model: str, out: Path, seed: int) -> None:
             "top": _logprob_rows(comp.logprobs),
         }
     doc = {"case": case, "model": model, "startup_s": round(t1 - t0, 2), "generate_s": round(t2 - t1, 2),
-           "requests": requests, "spec_decode": _spec_metrics(llm) if c.mtp else {},
+           "requests": requests, "spec_decode": _spec_metrics(llm) if c.mtp else {}, "resolved": _resolved(llm),
            "vllm": __import__("vllm").__version__}
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc))

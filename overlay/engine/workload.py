@@ -10,12 +10,18 @@ DCP combine) and 64 greedy steps with top-5 logprobs. Prompt tokens are seeded r
 A case is one engine configuration; ``CASES`` lists them in the order of their value (the
 production shape first, after the references), so a run cut short by the device's time limits
 still answers the most important question.
+
+A later release's build gets cases of its own (:func:`release_cases`): vLLM 0.33.0 chooses the DCP
+options a GLM-5 user leaves unset (``GLM5_DCP_DEFAULTS``), so it runs TP2 x DCP2 with nothing set,
+with our profiles' explicit settings (which leave query replication to it) and with the query
+all-gather named explicitly, each judged against its DCP 1 reference and on what the engine
+resolved (``Case.resolves``).
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 PROMPT_LENS = (100, 3000, 9000, 8, 16, 24, 40)
@@ -34,6 +40,20 @@ MTP = {"method": "mtp", "num_speculative_tokens": 5}
 # CUDA graphs up to 128 tokens: every decode step of the workload (7 requests x (1 + 5) with
 # MTP) fits, and start-up captures 4x fewer sizes than vLLM's default 512.
 MAX_CUDAGRAPH_CAPTURE_SIZE = 128
+# What each release makes of the DCP options a GLM-5 user leaves unset, where the model chooses them:
+# vLLM 0.33.0's GlmMoeDsaForCausalLM.verify_and_update_config calls
+# parallel_config.set_dcp_defaults(comm_backend="a2a", q_replicate=True) (upstream #50382); vLLM
+# 0.28.0 has fixed defaults (ag_rs, no replication) and no dcp_q_replicate option.
+GLM5_DCP_DEFAULTS: dict[str, dict[str, Any]] = {
+    "0.33.0": {"dcp_comm_backend": "a2a", "dcp_q_replicate": True},
+}
+# The explicit settings of our two-GPU regress profiles (overlay/regress/profiles/): their
+# server arguments name the comm backend, never query replication; their env names the rest.
+PROFILE_SETTINGS: dict[str, dict[str, Any]] = {
+    "tiny-glm5-tp2-dcp2-mtp5": {"backend": "a2a", "env": {"VLLM_USE_DIRECT_DCP_A2A": "1",
+                                                          "VLLM_DCP_PROJECT_BEFORE_MERGE": "1"}},
+    "tiny-glm5-tp2-dcp2-agrs-mtp5": {"backend": "ag_rs", "env": {"VLLM_DCP_PROJECT_BEFORE_MERGE": "1"}},
+}
 # A fixed KV cache per GPU instead of vLLM's free-memory profiling: engines of the check run side
 # by side on the same GPUs (``engine.check --parallel``), and a profile would count the others'
 # allocations as its own. 2 GiB holds about 600k tokens of this checkpoint (fp8_ds_mla 656 B +
@@ -63,7 +83,7 @@ class Case:
     role: str = "check"
     tp: int = 2
     dcp: int = 1
-    backend: str = "ag_rs"
+    backend: str = "ag_rs"  # dcp_comm_backend; "" passes none (the release's default decides)
     eager: bool = False
     mtp: bool = False
     env: dict[str, str] = field(default_factory=dict)
@@ -77,6 +97,11 @@ class Case:
     # resolved to piecewise), "" (not judged: eager)
     graphs: str = ""
     prompt_lens: tuple[int, ...] = PROMPT_LENS  # the workload's prompts (LONG_PROMPT_LENS: the long cases)
+    q_replicate: bool | None = None  # dcp_q_replicate (vLLM 0.33.0's option); None passes none
+    # what the engine's config must have resolved to (``run_case`` records ``resolved``): e.g.
+    # {"dcp_comm_backend": "a2a", "dcp_q_replicate": True}; {} not judged
+    resolves: dict[str, Any] = field(default_factory=dict)
+    release: str = ""  # the release whose build the case is written for ("": any)
 
     def engine_kwargs(self, model: str) -> dict[str, Any]:
         kw: dict[str, Any] = {
@@ -98,7 +123,10 @@ class Case:
             kw["compilation_config"] = {"max_cudagraph_capture_size": MAX_CUDAGRAPH_CAPTURE_SIZE}
         if self.dcp > 1:
             kw["decode_context_parallel_size"] = self.dcp
-            kw["dcp_comm_backend"] = self.backend
+            if self.backend:
+                kw["dcp_comm_backend"] = self.backend
+            if self.q_replicate is not None:
+                kw["dcp_q_replicate"] = self.q_replicate
             if self.interleave > 1:
                 kw["cp_kv_cache_interleave_size"] = self.interleave
         if self.mtp:
@@ -119,7 +147,10 @@ class Case:
                 **({"compare_to": self.compare_to} if self.compare_to else {}),
                 **({"interleave": self.interleave} if self.interleave > 1 else {}),
                 **({"graphs": self.graphs} if self.graphs else {}),
-                **({"prompt_lens": list(self.prompt_lens)} if tuple(self.prompt_lens) != PROMPT_LENS else {})}
+                **({"prompt_lens": list(self.prompt_lens)} if tuple(self.prompt_lens) != PROMPT_LENS else {}),
+                **({"q_replicate": self.q_replicate} if self.q_replicate is not None else {}),
+                **({"resolves": dict(self.resolves)} if self.resolves else {}),
+                **({"release": self.release} if self.release else {})}
 
 
 def _dcp(name: str, *, backend: str = "a2a", direct: bool = True, project: bool = True, eager: bool = False,
@@ -138,11 +169,77 @@ def _dcp(name: str, *, backend: str = "a2a", direct: bool = True, project: bool 
                 interleave=interleave, graphs=graphs, prompt_lens=LONG_PROMPT_LENS if long else PROMPT_LENS)
 
 
-def cases(tp: int = 2) -> list[Case]:
-    """Every case for TP ``tp`` (DCP = TP), references first, then by value.
+def cases(tp: int = 2, release: str | None = None) -> list[Case]:
+    """Every case for TP ``tp`` (DCP = TP), references first, then by value, for the build of
+    ``release`` (None: the default pin's, 0.28.0); a release with :func:`release_cases` runs those
+    first after the references, then the others, each judged on what it resolved there too.
 
     With ``tp == 1`` only the DCP 1 cases remain (a one-GPU machine cannot run DCP).
     """
+    generic = _cases(tp)
+    own = release_cases(release, tp)
+    if not own:
+        return generic
+    defaults = GLM5_DCP_DEFAULTS[str(release)]
+    # the generic cases on this build: the comm backend each names, query replication as the release
+    # resolves it for GLM-5 (none of them names it)
+    generic = [replace(c, release=str(release), resolves={**c.resolves, "dcp_comm_backend": c.backend,
+                                                          "dcp_q_replicate": defaults["dcp_q_replicate"]})
+               if c.dcp > 1 and c.q_replicate is None and not c.resolves else c for c in generic]
+    by_name = {c.name: c for c in generic}
+    first = [by_name[n] for n in ("ref-dcp1", "ref-dcp1-mtp")]
+    spread, profile = by_name["ref-dcp1-reordered"], by_name["dcp-a2a-direct-proj1-graph-mtp"]
+    rest = [c for c in generic if c.name not in {*(f.name for f in first), spread.name, profile.name}]
+    # the references, the release's defaults, a spread run, our profile's production shape, then the rest
+    return [*first, own[0], spread, profile, *own[1:], *rest]
+
+
+def release_cases(release: str | None, tp: int = 2) -> list[Case]:
+    """The two-GPU cases of ``release``'s build (none for a release without ``GLM5_DCP_DEFAULTS``,
+    or without DCP): TP ``tp`` x DCP ``tp`` with
+
+    - nothing set (``dcp-defaults-*``): the release's GLM-5 defaults (0.33.0: a2a with query
+      replication; the direct a2a and project-before-merge by their own defaults), with MTP-5 in
+      FULL decode graphs, without MTP, with project-before-merge off (the release's own merge
+      under replication), with the opt-in all-tokens workspace sizing;
+    - our profiles' explicit settings (``PROFILE_SETTINGS``), which leave query replication to the
+      release (``dcp-a2a-direct-proj1-graph-mtp``, ``dcp-agrs-proj1-graph-mtp``: the generic cases);
+    - those settings with the query all-gather named (``dcp_q_replicate=False``): the decode path of
+      0.28.0, on this build.
+
+    Each is judged against its DCP 1 reference (``ref-dcp1-mtp``, or ``ref-dcp1`` without MTP) and
+    on the settings it resolved to (``Case.resolves``).
+    """
+    if release not in GLM5_DCP_DEFAULTS or tp < 2:
+        return []
+    defaults = GLM5_DCP_DEFAULTS[release]
+    d = {"tp": tp, "dcp": tp}
+
+    def own(name: str, *, mtp: bool = True, backend: str = "", env: dict[str, str] | None = None,
+            q_replicate: bool | None = None, note: str) -> Case:
+        resolves = {"dcp_comm_backend": backend or defaults["dcp_comm_backend"],
+                    "dcp_q_replicate": defaults["dcp_q_replicate"] if q_replicate is None else q_replicate}
+        return Case(name, backend=backend, mtp=mtp, env=dict(env or {}), q_replicate=q_replicate, resolves=resolves,
+                    release=release, compare_to="ref-dcp1-mtp" if mtp else "", graphs="FULL" if mtp else "",
+                    note=note, **d)
+
+    a2a, agrs = PROFILE_SETTINGS["tiny-glm5-tp2-dcp2-mtp5"], PROFILE_SETTINGS["tiny-glm5-tp2-dcp2-agrs-mtp5"]
+    return [
+        own("dcp-defaults-graph-mtp", note=f"vLLM {release}'s GLM-5 defaults (no DCP option set), MTP-5"),
+        own("dcp-a2a-direct-proj1-qgather-graph-mtp", backend=a2a["backend"], env=a2a["env"], q_replicate=False,
+            note="profile tiny-glm5-tp2-dcp2-mtp5's settings with the query all-gather (0.28.0's decode path)"),
+        own("dcp-defaults-graph", mtp=False, note=f"vLLM {release}'s GLM-5 defaults, no MTP"),
+        own("dcp-defaults-proj0-graph-mtp", env={"VLLM_DCP_PROJECT_BEFORE_MERGE": "0"},
+            note="the defaults, project-before-merge off: the release's own merge under query replication"),
+        own("dcp-agrs-proj1-qgather-graph-mtp", backend=agrs["backend"], env=agrs["env"], q_replicate=False,
+            note="profile tiny-glm5-tp2-dcp2-agrs-mtp5's settings with the query all-gather (0.28.0's default)"),
+        own("dcp-defaults-sizing-mnbt-graph-mtp", env={"VLLM_DCP_DIRECT_WORKSPACE_SIZING": "max_num_batched_tokens"},
+            note="the defaults, the opt-in all-tokens direct workspace sizing (dcp-direct-a2a-fallback)"),
+    ]
+
+
+def _cases(tp: int) -> list[Case]:
+    """The cases of the default pin's build (every release runs them too)."""
     refs = [
         Case("ref-dcp1", role="reference", tp=tp),
         Case("ref-dcp1-rerun", role="spread", tp=tp, note="identical rerun: run-to-run noise"),

@@ -4,7 +4,10 @@ Same arguments; writes ``<out>.env.json`` (the environment it ran with: port, ca
 PYTHONPATH), then behaves as the case's env asks: ``FAKE_WAIT_FOR=NAME`` waits (up to ``FAKE_WAIT_S``, 20 s)
 until job NAME has started (proves two jobs ran at once), ``FAKE_HANG=1`` never ends,
 ``FAKE_CRASH_HANG=MSG`` logs a fatal worker error and never ends,
-``FAKE_CRASH=MSG`` prints MSG and exits 1; otherwise writes a minimal run output.
+``FAKE_CRASH=MSG`` prints MSG and exits 1; otherwise writes a minimal run output. Like the engine it
+stands for, it logs the capture of FULL decode graphs for a case that asks for them, and records the
+settings it ``resolved``: what ``GLM5_DCP_DEFAULTS`` of the case's release makes of the options the
+case leaves unset (``FAKE_RESOLVED``, a JSON object, overrides them: an engine resolving otherwise).
 """
 
 from __future__ import annotations
@@ -15,6 +18,16 @@ import os
 import sys
 import time
 from pathlib import Path
+
+
+def _resolved(case: dict) -> dict:
+    from overlay.engine.workload import GLM5_DCP_DEFAULTS
+
+    defaults = GLM5_DCP_DEFAULTS.get(case.get("release", ""), {"dcp_comm_backend": "ag_rs", "dcp_q_replicate": None})
+    resolved = {"dcp_comm_backend": case.get("backend") or defaults["dcp_comm_backend"],
+                "dcp_q_replicate": defaults["dcp_q_replicate"] if case.get("q_replicate") is None
+                else case["q_replicate"]}
+    return resolved | json.loads(os.environ.get("FAKE_RESOLVED") or "{}")
 
 
 def main() -> int:
@@ -41,8 +54,11 @@ def main() -> int:
     if msg := os.environ.get("FAKE_CRASH"):
         print(msg, flush=True)
         return 1
+    case = json.loads(ns.case.read_text())
+    if case.get("graphs") == "FULL":
+        print("Capturing CUDA graphs (decode, FULL): 100%|##| 20/20 [00:02<00:00]", flush=True)
     doc = {"requests": [{"prompt_len": 2, "prompt_logprobs": [None, -1.0], "tokens": [5], "top": [[[5, -0.1]]]}],
-           "startup_s": 0.1, "generate_s": 0.1}
+           "startup_s": 0.1, "generate_s": 0.1, "resolved": _resolved(case)}
     ns.out.write_text(json.dumps(doc))
     print(f"wrote {ns.out}", file=sys.stderr)
     return 0

@@ -1,0 +1,152 @@
+"""The two-GPU cases of the vLLM 0.33.0 build (issue 34 item 4), on CPU with the run_case stand-in.
+
+vLLM 0.33.0 resolves the DCP options a GLM-5 user leaves unset to the a2a combine with query
+replication; our regress profiles name the comm backend and leave query replication to the release.
+The 0.33.0 build's cases run TP2 x DCP2 with nothing set, with the profiles' explicit settings and
+with the query all-gather named, each against its DCP 1 reference and judged on what the engine
+resolved. Here: what each case hands the engine, that the settings are our profiles' and the
+release's, and that the check's machinery (jobs, judge, report) runs and judges them, with
+``tests/engine/fake_run_case.py`` in place of the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from overlay.engine import check
+from overlay.engine.workload import GLM5_DCP_DEFAULTS, PROFILE_SETTINGS, cases, release_cases
+
+REPO = Path(__file__).resolve().parents[2]
+OWN = ["dcp-defaults-graph-mtp", "dcp-a2a-direct-proj1-qgather-graph-mtp", "dcp-defaults-graph",
+       "dcp-defaults-proj0-graph-mtp", "dcp-agrs-proj1-qgather-graph-mtp", "dcp-defaults-sizing-mnbt-graph-mtp"]
+
+
+def test_the_0_33_0_build_runs_its_own_cases_first_after_the_references() -> None:
+    names = [c.name for c in cases(2, "0.33.0")]
+    assert names[:5] == ["ref-dcp1", "ref-dcp1-mtp", "dcp-defaults-graph-mtp", "ref-dcp1-reordered",
+                         "dcp-a2a-direct-proj1-graph-mtp"]  # then our profile's production shape
+    assert [c.name for c in release_cases("0.33.0")] == OWN and set(OWN) <= set(names)
+    assert len(names) == len(set(names))
+    assert [c.name for c in cases(2)] == [c.name for c in cases(2, "0.28.0")]  # 0.28.0's list as it was
+    assert {c.name for c in cases(2, "0.33.0")} - set(OWN) == {c.name for c in cases(2)}
+    assert release_cases("0.33.0", tp=1) == [] and [c.name for c in cases(1, "0.33.0")] == [c.name for c in cases(1)]
+
+
+def test_what_each_case_hands_the_engine() -> None:
+    by = {c.name: c for c in cases(2, "0.33.0")}
+    defaults = by["dcp-defaults-graph-mtp"].engine_kwargs("/m")
+    assert defaults["decode_context_parallel_size"] == 2 and defaults["tensor_parallel_size"] == 2
+    assert "dcp_comm_backend" not in defaults and "dcp_q_replicate" not in defaults  # the release decides
+    assert defaults["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 5}
+    assert by["dcp-defaults-graph-mtp"].env == {}  # our build's own defaults too (project-before-merge on)
+    qgather = by["dcp-a2a-direct-proj1-qgather-graph-mtp"].engine_kwargs("/m")
+    assert (qgather["dcp_comm_backend"], qgather["dcp_q_replicate"]) == ("a2a", False)
+    profile = by["dcp-a2a-direct-proj1-graph-mtp"].engine_kwargs("/m")
+    assert profile["dcp_comm_backend"] == "a2a" and "dcp_q_replicate" not in profile
+    assert by["dcp-defaults-proj0-graph-mtp"].env == {"VLLM_DCP_PROJECT_BEFORE_MERGE": "0"}
+    sizing = by["dcp-defaults-sizing-mnbt-graph-mtp"].env
+    assert sizing == {"VLLM_DCP_DIRECT_WORKSPACE_SIZING": "max_num_batched_tokens"}
+
+
+def test_every_dcp_case_of_the_build_is_judged_on_what_it_resolved_and_against_dcp1() -> None:
+    qrep = GLM5_DCP_DEFAULTS["0.33.0"]["dcp_q_replicate"]
+    names = {c.name for c in cases(2, "0.33.0")}
+    for c in cases(2, "0.33.0"):
+        if c.dcp == 1:
+            assert not c.resolves
+            continue
+        assert c.release == "0.33.0"
+        assert c.resolves["dcp_comm_backend"] == (c.backend or GLM5_DCP_DEFAULTS["0.33.0"]["dcp_comm_backend"])
+        assert c.resolves["dcp_q_replicate"] == (qrep if c.q_replicate is None else c.q_replicate), c.name
+        assert (c.compare_to or "ref-dcp1") in names  # its DCP 1 reference runs in the same check
+        if c.mtp and not c.eager and c.interleave == 1:
+            assert c.graphs == "FULL" and c.compare_to.startswith("ref-dcp1-mtp")
+
+
+def test_round_trip_through_the_case_file() -> None:
+    from overlay.engine.workload import Case
+
+    for c in cases(2, "0.33.0"):
+        d = json.loads(json.dumps(c.to_dict()))
+        assert Case(**{k: tuple(v) if k == "prompt_lens" else v for k, v in d.items()}) == c  # as run_case reads it
+    assert all("resolves" not in c.to_dict() and "release" not in c.to_dict() for c in cases(2))
+
+
+def test_the_profile_settings_are_the_profiles() -> None:
+    """PROFILE_SETTINGS say what the shipped profiles say: the comm backend in their arguments, no
+    query replication there, the rest in their environment."""
+    yaml = pytest.importorskip("yaml")
+    for name, settings in PROFILE_SETTINGS.items():
+        doc = yaml.safe_load((REPO / "overlay" / "regress" / "profiles" / f"{name}.yaml").read_text())
+        server = doc["server"]
+        args = [str(a) for a in server["args"]]
+        assert args[args.index("--dcp-comm-backend") + 1] == settings["backend"], name
+        assert not any("q-replicate" in a or "q_replicate" in a for a in args), name
+        env = {k: str(v) for k, v in (server.get("env") or {}).items()}
+        assert {k: env.get(k) for k in settings["env"]} == settings["env"], name
+        assert "VLLM_DCP_Q_REPLICATE" not in env, name
+
+
+@pytest.mark.slow
+def test_the_defaults_are_0_33_0s() -> None:
+    """GLM5_DCP_DEFAULTS["0.33.0"] is what 0.33.0's GlmMoeDsaForCausalLM sets (its wheel's text)."""
+    from overlay.maintain.trees import base_tree
+
+    text = (base_tree(REPO / "patches", "0.33.0") / "vllm" / "model_executor" / "models" / "config.py").read_text()
+    glm = text[text.index("class GlmMoeDsaForCausalLM"):]
+    glm = glm[:glm.index("\nclass ")]
+    want = GLM5_DCP_DEFAULTS["0.33.0"]
+    assert (f'set_dcp_defaults(\n            comm_backend="{want["dcp_comm_backend"]}", '
+            f'q_replicate={want["dcp_q_replicate"]}\n        )') in glm
+
+
+@pytest.fixture
+def fake_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(check, "RUN_CASE", "tests.engine.fake_run_case")
+
+
+def _run(tmp_path: Path, names: list[str], **env: str) -> tuple[list[dict], dict]:
+    by = {c.name: c for c in cases(2, "0.33.0")}
+    jobs = [check.Job(by[n], n) for n in names]
+    if env:
+        jobs = [check.Job(replace(j.case, env={**j.case.env, **env}), j.name)
+                if j.case.role == "check" else j for j in jobs]
+    out = tmp_path / "run"
+    out.mkdir()
+    records = check.run_jobs(jobs, tmp_path / "model", out, timeout=120, parallel=4, poll_s=0.05)
+    summary = check.judge(records, out, None)
+    check.report(out, summary, records, {"model": str(tmp_path / "model"), "vllm": "0.33.0"})
+    return records, summary
+
+
+def test_the_build_cases_run_and_pass_with_the_stand_in(tmp_path: Path, fake_engine: None) -> None:
+    names = ["ref-dcp1", "ref-dcp1-mtp", *OWN, "dcp-a2a-direct-proj1-graph-mtp", "dcp-agrs-proj1-graph-mtp"]
+    records, summary = _run(tmp_path, names)
+    assert summary["verdict"] == "pass", [(r["name"], r.get("problems")) for r in records]
+    by = {r["name"]: r for r in records}
+    assert by["dcp-defaults-graph-mtp"]["resolved"] == {"dcp_comm_backend": "a2a", "dcp_q_replicate": True}
+    assert by["dcp-a2a-direct-proj1-qgather-graph-mtp"]["resolved"]["dcp_q_replicate"] is False
+    assert by["dcp-defaults-graph-mtp"]["graphs"]["mode"] == "FULL"
+    report = (tmp_path / "run" / "REPORT.md").read_text()
+    assert "- vllm: `0.33.0`" in report and "| dcp-defaults-graph-mtp | check | ok | pass |" in report
+
+
+def test_an_engine_resolving_otherwise_fails_the_case(tmp_path: Path, fake_engine: None) -> None:
+    """A build that does not replicate the query by default (or ignores the option) is not the
+    configuration the case claims to have run: it fails, saying what it resolved."""
+    records, summary = _run(tmp_path, ["ref-dcp1", "ref-dcp1-mtp", "dcp-defaults-graph-mtp"],
+                            FAKE_RESOLVED='{"dcp_q_replicate": false}')
+    assert summary["verdict"] == "fail"
+    assert records[2]["problems"] == ["resolved: dcp_q_replicate=False, the case runs True"]
+
+
+def test_the_release_under_test_is_read_from_the_tree(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    (tree / "vllm").mkdir(parents=True)
+    (tree / "vllm" / "_version.py").write_text("__version__ = version = '0.33.0+ovl1a2b3c'\n")
+    assert check.release_under_test(tree) == "0.33.0"
+    assert [c.name for c in cases(2, check.release_under_test(tree))][2] == "dcp-defaults-graph-mtp"

@@ -93,7 +93,7 @@ MERGED_TEST = """
 import vllm.c
 
 def test_c10_is_both():
-    assert vllm.c.c_10.startswith('upstream') and vllm.c.c_10.endswith('ours')
+    assert str(vllm.c.c_10).startswith('upstream') and str(vllm.c.c_10).endswith('ours')
 """
 
 

@@ -1,19 +1,34 @@
-"""A release's test runs get the dependencies it pins beyond this environment
-(``overlay/maintain/rebase/deps.py``), found by the release its tree names."""
+"""A release's test runs get that release's whole resolved dependency set and this environment's CPU
+torch, nothing else of this environment (``overlay/maintain/rebase/deps.py``), found by the release its
+tree names (issue 35 item 1)."""
 
 from __future__ import annotations
 
+import tomllib
+import zipfile
+from importlib.metadata import distribution
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from overlay.errors import OverlayError
-from overlay.maintain.rebase.deps import deps_for, release_deps, tree_version, unmet
+from overlay.maintain.rebase.deps import (
+    DONE,
+    RUNNER,
+    Torch,
+    deps_for,
+    env_torch,
+    release_deps,
+    roots,
+    stub_wheel,
+    tree_version,
+)
 from overlay.maintain.rebase.testrun import pytest_runner, run_files
 from tests.wheelkit import make_wheel
 
+REPO = Path(__file__).resolve().parent.parent
 VERSION_PY = "__version__ = version = '9.9.0'\n__version_tuple__ = version_tuple = (9, 9, 0)\n"
+TORCH = Torch("2.13.0+cpu", ("filelock", "sympy>=1.13.3", 'pyyaml; extra == "pyyaml"'), ())
 
 
 def _wheel(tmp_path: Path, *requires: str) -> Path:
@@ -28,88 +43,127 @@ def test_the_tree_names_its_release(tmp_path: Path) -> None:
     assert tree_version(tmp_path) == "9.9.0"
 
 
-def test_unmet_leaves_the_torch_family_and_other_machines_out(tmp_path: Path) -> None:
-    wheel = _wheel(tmp_path, "packaging>=1", "pytest==0.0.1", "torch==99.0", "torchvision==0.1",
-                   "no-such-package-overlay-test[cu13]>=1", "pywin32==1; sys_platform == 'win32'")
-    assert unmet(wheel) == ["no-such-package-overlay-test>=1", "pytest==0.0.1"]
+def test_the_roots_keep_extras_and_leave_the_torch_family_to_stand_ins(tmp_path: Path) -> None:
+    """0.28.0 requires fastapi[standard]: the closure that dropped the extra had fastapi and uvicorn
+    but not uvloop, which vLLM imports (a fresh clone's old-base runs stopped there)."""
+    wheel = _wheel(tmp_path, "fastapi[standard]<0.137.0,>=0.133.0", "packaging>=1", "torch==2.14.0",
+                   "torchvision==0.28.0", "torchcodec>=0.14", "pywin32==1; sys_platform == 'win32'")
+    reqs, stubs = roots(wheel, TORCH)
+    assert reqs == ["fastapi[standard]<0.137.0,>=0.133.0", "packaging>=1", *RUNNER]
+    assert stubs == {"torch": ("2.14.0", TORCH.requires), "torchvision": ("0.28.0", ())}
+    _, unpinned = roots(_wheel(tmp_path / "u", "numpy"), TORCH)
+    assert unpinned == {"torch": ("2.13.0", TORCH.requires)}  # this torch's version, its local label dropped
 
 
-def test_release_deps_installs_once_and_only_when_needed(tmp_path: Path) -> None:
-    calls: list[list[str]] = []
+def test_the_stand_in_is_a_wheel_of_metadata_only(tmp_path: Path) -> None:
+    path = stub_wheel(tmp_path, "torch", "2.14.0", TORCH.requires)
+    assert path.name == "torch-2.14.0-py3-none-any.whl"
+    with zipfile.ZipFile(path) as zf:
+        assert sorted(zf.namelist()) == ["torch-2.14.0.dist-info/METADATA", "torch-2.14.0.dist-info/RECORD",
+                                         "torch-2.14.0.dist-info/WHEEL"]
+        meta = zf.read("torch-2.14.0.dist-info/METADATA").decode()
+    assert "Requires-Dist: sympy>=1.13.3\n" in meta and "Version: 2.14.0\n" in meta
 
-    def install(reqs: list[str], dest: Path) -> None:
-        calls.append(reqs)
+
+def test_the_runner_is_the_projects_own_test_pins() -> None:
+    test = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    assert set(RUNNER) <= set(test)
+
+
+def test_release_deps_resolves_and_installs_once_by_key(tmp_path: Path) -> None:
+    asked: list[list[str]] = []
+    installed: list[list[str]] = []
+
+    def resolve(reqs: list[str]) -> list[str]:
+        asked.append(reqs)
+        return ["dep-only-here==2.0", "pytest==9.2.0"]
+
+    def install(pins: list[str], dest: Path) -> None:
+        installed.append(pins)
         (dest / "dep_only_here.py").write_text("VALUE = 7\n")
 
-    wheel = _wheel(tmp_path, "no-such-package-overlay-test==2.0")
-    first = release_deps("9.9.0", wheel, cache=tmp_path / "cache", installer=install)
-    again = release_deps("9.9.0", wheel, cache=tmp_path / "cache", installer=install)
-    assert first == again and first is not None and first.name.startswith("9.9.0-")
-    assert calls == [["no-such-package-overlay-test==2.0"]] and (first / "dep_only_here.py").is_file()
-    satisfied = _wheel(tmp_path / "s", "packaging>=1")
-    assert release_deps("9.9.0", satisfied, cache=tmp_path / "cache", installer=install) is None
+    wheel = _wheel(tmp_path, "dep-only-here[extra]==2.0", "torch==2.13.0")
+    first = release_deps("9.9.0", wheel, cache=tmp_path / "cache", resolver=resolve, installer=install, torch=TORCH)
+    again = release_deps("9.9.0", wheel, cache=tmp_path / "cache", resolver=resolve, installer=install, torch=TORCH)
+    assert first == again and first.name.startswith("9.9.0-") and first.parent == tmp_path / "cache" / "deps"
+    assert asked == [["dep-only-here[extra]==2.0", *RUNNER]] and installed == [["dep-only-here==2.0", "pytest==9.2.0"]]
+    assert (first / DONE).read_text().split() == ["dep-only-here==2.0", "pytest==9.2.0"]
+    other = Torch("2.14.0", TORCH.requires, ())  # another torch is another environment
+    assert release_deps("9.9.0", wheel, cache=tmp_path / "cache", resolver=resolve, installer=install,
+                        torch=other) != first
 
 
-def test_a_tree_runs_with_the_deps_of_its_release(tmp_path: Path) -> None:
+def test_a_failed_install_leaves_nothing_to_reuse(tmp_path: Path) -> None:
+    def install(pins: list[str], dest: Path) -> None:
+        (dest / "half.py").write_text("")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError):
+        release_deps("9.9.0", _wheel(tmp_path), cache=tmp_path / "cache", resolver=lambda r: ["x==1"],
+                     installer=install, torch=TORCH)
+    assert not [p for p in (tmp_path / "cache" / "deps").iterdir() if not p.name.startswith(".")]
+
+
+def _link_dist(name: str, dest: Path) -> None:
+    """This environment's distribution ``name`` linked into ``dest`` (a stand-in for pip --target)."""
+    dist = distribution(name)
+    base = Path(str(dist.locate_file("")))
+    for top in {f.parts[0] for f in dist.files or [] if f.parts[0] not in ("..", "__pycache__")}:
+        if (base / top).exists() and not (dest / top).exists():
+            (dest / top).symlink_to(base / top)
+
+
+def _runner_folder(dest: Path) -> Path:
+    """A release's set as far as the runner and torch need it: pytest and what this torch requires."""
+    dest.mkdir()
+    for name in ("pytest", "pluggy", "iniconfig", "packaging", "pygments", "pytest-timeout", "filelock",
+                 "typing-extensions", "sympy", "mpmath", "networkx", "jinja2", "markupsafe", "fsspec", "setuptools"):
+        _link_dist(name, dest)
+    return dest
+
+
+def test_a_tree_runs_with_its_releases_set_and_nothing_else_of_this_environment(tmp_path: Path) -> None:
+    """Whatever .venv holds: a module installed here (yaml) but not in the release's set does not
+    import in the run; the release's own dependency does; torch is this environment's."""
     tree = tmp_path / "tree"
     (tree / "vllm").mkdir(parents=True)
     (tree / "vllm" / "__init__.py").write_text("")
     (tree / "vllm" / "_version.py").write_text(VERSION_PY)
     (tree / "vllm" / "kernels.py").write_text("import dep_only_here\n\n\ndef value():\n"
                                               "    return dep_only_here.VALUE\n")
-    deps = tmp_path / "deps"
-    deps.mkdir()
+    deps = _runner_folder(tmp_path / "deps")
     (deps / "dep_only_here.py").write_text("VALUE = 7\n")
     tests = tmp_path / "tests"
     tests.mkdir()
-    (tests / "test_p.py").write_text("import vllm.kernels\n\n\ndef test_value():\n"
-                                     "    assert vllm.kernels.value() == 7\n")
+    (tests / "test_p.py").write_text(
+        "import importlib.util\n\nimport torch\n\nimport vllm.kernels\n\n\n"
+        "def test_value():\n    assert vllm.kernels.value() == 7\n\n\n"
+        "def test_nothing_else_of_the_environment():\n    assert importlib.util.find_spec('yaml') is None\n\n\n"
+        f"def test_torch_is_this_environments():\n    assert torch.__version__ == {env_torch().version!r}\n")
     without = run_files([tests / "test_p.py"], tree, cwd=tests)
-    assert without.status == "harness"  # the release's dependency is missing here: not the behaviour
+    assert without.status == "harness"  # this environment lacks the release's dependency: not the behaviour
     assert "No module named 'dep_only_here'" in without.first_error()
     runner = pytest_runner(tests, deps=deps_for({"9.9.0": Path("unused.whl")}))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("overlay.maintain.rebase.deps.release_deps", lambda release, wheel: deps)
         run = runner(SimpleNamespace(name="p.patch"), tree)
-    assert run is not None and run.status == "passed"
+        assert runner.environment(tree) is not None  # its runs are kept by the release's set, not by .venv
+    assert run is not None and run.status == "passed", run
+    assert len(run.passed) == 3 and run.environment == str(deps)
 
 
-def _dist(dest: Path, name: str, ver: str, *requires: str) -> None:
-    info = dest / f"{name.replace('-', '_')}-{ver}.dist-info"
-    info.mkdir(parents=True)
-    lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {ver}",
-             *(f"Requires-Dist: {r}" for r in requires)]
-    (info / "METADATA").write_text("\n".join(lines) + "\n")
-
-
-def test_what_the_installed_packages_require_is_installed_too(tmp_path: Path) -> None:
-    """0.31.0 pins transformers<5.18, whose 5.17 requires huggingface-hub<2 where the environment has
-    2.4: installing only the release's own pins left transformers refusing to import."""
-    calls: list[list[str]] = []
-
-    def install(reqs: list[str], dest: Path) -> None:
-        calls.append(reqs)
-        if reqs == ["no-such-package-overlay-test==2.0"]:
-            _dist(dest, "no-such-package-overlay-test", "2.0", "packaging<0.1", "pytest>=1",
-                  "torch==99.0", "winonly-overlay-test; sys_platform == 'win32'",
-                  "extra-only-overlay-test; extra == 'dev'", "no-such-package-overlay-test>=1")
-        else:
-            _dist(dest, "packaging", "0.0.9", "other-overlay-test==1.0")
-            _dist(dest, "other-overlay-test", "1.0")
-
-    wheel = _wheel(tmp_path, "no-such-package-overlay-test==2.0")
-    dest = release_deps("9.9.0", wheel, cache=tmp_path / "cache", installer=install)
-    assert calls == [["no-such-package-overlay-test==2.0"], ["packaging<0.1"]]
-    assert dest is not None
-    assert (dest / ".complete").read_text().split() == ["no-such-package-overlay-test==2.0", "packaging<0.1"]
-
-
-def test_a_closure_that_keeps_growing_is_refused(tmp_path: Path) -> None:
-    def install(reqs: list[str], dest: Path) -> None:
-        n = len(list(dest.glob("*.dist-info")))
-        _dist(dest, f"chain{n}-overlay-test", "1.0", f"chain{n + 1}-overlay-test==1.0")
-
-    wheel = _wheel(tmp_path, "chain0-overlay-test==1.0")
-    with pytest.raises(OverlayError, match="still grow after 8 rounds"):
-        release_deps("9.9.0", wheel, cache=tmp_path / "cache", installer=install)
-    assert not any((tmp_path / "cache" / "deps").iterdir())  # nothing half-made is left to be reused
+def test_a_frame_in_the_releases_set_is_library_code(tmp_path: Path) -> None:
+    """The set's folder has no site-packages in its path: an exception its packages raise from a call
+    of the code under test is still the behaviour's, as it was with the packages in .venv."""
+    tree = tmp_path / "tree"
+    (tree / "vllm").mkdir(parents=True)
+    (tree / "vllm" / "__init__.py").write_text("")
+    (tree / "vllm" / "_version.py").write_text(VERSION_PY)
+    (tree / "vllm" / "config.py").write_text("import strict_lib\n\n\ndef make():\n    return strict_lib.check(-1)\n")
+    deps = _runner_folder(tmp_path / "deps")
+    (deps / "strict_lib.py").write_text("def check(v):\n    if v < 0:\n        raise ValueError('negative')\n")
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_p.py").write_text("import vllm.config\n\n\ndef test_make():\n    vllm.config.make()\n")
+    run = run_files([tests / "test_p.py"], tree, cwd=tests, deps=deps)
+    assert (run.status, run.kinds) == ("failed", ("behaviour",)), run

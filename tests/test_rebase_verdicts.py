@@ -8,8 +8,10 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from overlay.build.series import Patch, Series
-from overlay.maintain.rebase import TestRun, resume, start
+from overlay.maintain.rebase import RebaseError, TestRun, resume, start
 from tests.rebasekit import BASE, FROM, TARGET, TARGET_PIN, TO, fill, lines, make_patch, series_dir
 
 APPLIES = {"vllm/a.py": lines("a", 40, l30="a_30 = 'patched'")}  # applies to the target as it is
@@ -60,10 +62,45 @@ def test_behaviour_failures_on_the_target_still_say_the_patch_is_needed(tmp_path
     assert "  - still failing there: `test_bug`: assert 'wrong' == 'right'" in report
 
 
-def test_harness_errors_on_the_old_base_judge_nothing(tmp_path: Path) -> None:
-    out, entry, _ = _rebase(tmp_path, APPLIES, HARNESS, TestRun("passed", passed=("test_bug",), summary="1 passed"))
+MISSING = TestRun("harness", failed=("test_bug",), summary="1 error",
+                  reasons=("ModuleNotFoundError: No module named 'uvloop'",), kinds=("harness",),
+                  where=("tests/patches/sparse_dcp_harness.py:20",), environment="/cache/deps/0.1.0-abc")
+PASSED = TestRun("passed", passed=("test_bug",), summary="1 passed")
+
+
+@pytest.mark.parametrize("changes", [APPLIES, CLASH], ids=["applies", "conflicts"])
+def test_a_harness_error_on_the_old_base_is_the_tools_failure(tmp_path: Path, changes: dict[str, str]) -> None:
+    """Issue 35 item 1: on a fresh clone the old base's tests stopped at a module the test environment
+    lacked, and the rebase set the patch aside as a conflict telling the user to fix the test. The
+    old base is where the series is built and tested: the rebase stops, in one line naming the module."""
+    with pytest.raises(RebaseError) as info:
+        _rebase(tmp_path, changes, MISSING, PASSED)
+    message = str(info.value)
+    assert "\n" not in message and "fix tests" not in message and "conflict" not in message
+    assert message.startswith("p.patch: its tests cannot run on the old base")
+    assert ("module 'uvloop' is missing from the release's test environment (/cache/deps/0.1.0-abc): "
+            "ModuleNotFoundError: No module named 'uvloop' (test_bug, at tests/patches/sparse_dcp_harness.py:20)"
+            ) in message
+    assert "this tool's failure" in message
+    assert not (tmp_path / "work").exists() and not (tmp_path / "patches" / TO).exists()  # nothing set aside
+    kept = json.loads((tmp_path / "work-stopped" / "rebase.json").read_text()) if (
+        tmp_path / "work-stopped" / "rebase.json").exists() else {"patches": []}
+    assert all(p["outcome"] != "conflict" for p in kept["patches"])
+
+
+def test_another_harness_error_on_the_old_base_names_the_setup_step(tmp_path: Path) -> None:
+    with pytest.raises(RebaseError, match=r"a harness error in the tests' setup: TypeError: 'function' object is not "
+                                          r"subscriptable \(test_bug, at tests/patches/sparse_dcp_harness.py:142\)"):
+        _rebase(tmp_path, APPLIES, HARNESS, PASSED)
+
+
+def test_tests_all_skipped_on_the_old_base_cannot_tell(tmp_path: Path) -> None:
+    skipped = TestRun("skipped", skipped=("test_bug",), skip_reason="needs CUDA GPUs", summary="1 skipped")
+    out, entry, _ = _rebase(tmp_path, APPLIES, skipped, PASSED)
     assert out.done and entry["outcome"] == "applied"  # never upstream-by-behaviour on such evidence
-    assert "its tests cannot run on the old base (TypeError" in entry["evidence"]
+    assert "its tests cannot run on the old base (every test skipped: needs CUDA GPUs): they cannot tell" in \
+        entry["evidence"]
+    assert "fix tests" not in entry["evidence"]
 
 
 def test_a_conflicting_patch_whose_tests_pass_on_the_target_is_upstream_by_behaviour(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ with tree-filling callables and a fake test runner; the CLI uses :func:`rebase_r
 The package's rooms: ``classify`` (the run and each patch's classification), ``testrun`` (a patch's
 own tests with their JUnit report), ``failkind`` (the pytest plugin that tells a harness error from a
 behaviour failure), ``verdict`` (what the runs on the old base and the target say), ``matrix``
-(``make patch-tests-matrix``), ``deps`` (what a release pins beyond this environment, for its test
+(``make patch-tests-matrix``), ``deps`` (each release's whole resolved dependency set, for its test
 runs), ``resolve`` (candidate resolutions of a conflict, judged by the
 tests), ``report`` (the release folder, ``REBASE.md``, ``rebase.json``), ``stale`` (what later pins
 say of the current series, for ``make status``), ``runcache`` (test runs kept by what they ran on),

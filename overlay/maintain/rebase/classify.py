@@ -21,7 +21,7 @@ from overlay.maintain.rebase.resolve import NOTHING_LEFT, abort, pick, try_candi
 from overlay.maintain.rebase.stale import sha256_of
 from overlay.maintain.rebase.state import STATE, Outcome, RebaseError, Result, State, prepared_pin
 from overlay.maintain.rebase.testrun import TestRun, TestRunner, test_file
-from overlay.maintain.rebase.verdict import behaviour_verdict
+from overlay.maintain.rebase.verdict import behaviour_verdict, old_base_failure
 from overlay.maintain.replay import (
     ConflictHunk,
     TreeSource,
@@ -211,8 +211,17 @@ def _behaviour(work: Path, patch: Patch, old_parent: str, runner: TestRunner | N
             run = runner(patch, tree)
             if run is None:
                 return {}
+            if label == "old-base" and (tool := old_base_failure(run)) is not None:
+                raise OldBaseError(f"{patch.name}: its tests cannot run on the old base (the series' own release "
+                                   f"with the earlier patches): {tool}; that is this tool's failure, not the "
+                                   "patch's, its tests' or the target's, and the rebase stops rather than judge "
+                                   "without them")
             runs[label] = run.to_dict()
     return runs
+
+
+class OldBaseError(RebaseError):
+    """A patch's tests cannot run on the old base: the tool's own test environment or harness failed."""
 
 
 def _run(work: Path, state: State, series: Series, runner: TestRunner | None) -> Outcome:

@@ -1,32 +1,46 @@
-"""The dependencies a release pins that this environment does not satisfy, installed beside it for
-that release's test runs (``make rebase``, ``make patch-tests-matrix``).
+"""Each release's whole resolved dependency set, for that release's test runs (``make rebase``,
+``make rebase-continue``, ``make patch-tests-matrix``), whatever this environment holds.
 
-The environment is built for the default release (``make build``). A later release may import a
-newer dependency than it has: vLLM 0.32.0 imports ``humming.tune.process_input``, which
-``humming-kernels`` 0.1.12 (0.28.0's pin) lacks, so its model runner does not even import. For a
-tree of such a release the runs put ``<cache>/deps/<version>-<key>/`` after the tree on
-``sys.path``: the release's own ``Requires-Dist`` that this environment does not satisfy, installed
-there with ``pip install --no-deps --target`` once (small: 45 MB for 0.32.0), and then what those
-packages require that neither the folder nor the environment satisfies, round by round until
-nothing is missing (0.31.0 pins ``transformers<5.18``; 5.17 requires ``huggingface-hub<2``, and the
-environment has 2.4). The torch family is left to the environment's CPU build (PyPI's builds are
-CUDA ones that do not import beside it): 0.33.0 pins torch 2.14.0 and runs on 2.13.0 here.
+A patch's tests on a tree of release ``X`` (the old base as much as the target) run in an
+environment made of ``X``'s own dependencies alone: the tree, then ``<cache>/deps/<X>-<key>/``,
+then this environment's CPU torch (nothing else of ``.venv``: the run's Python starts with ``-S``,
+:func:`run_path`). That folder holds what pip resolves for the wheel's ``Requires-Dist`` (this
+machine's markers, **extras kept**: ``fastapi[standard]`` brings ``uvicorn[standard]`` and so
+``uvloop``, which vLLM imports), transitively, plus the test runner (:data:`RUNNER`), installed once
+with ``pip install --no-deps --target`` of exactly the resolved versions; ``.complete`` lists them.
+
+Before, the folder held only what the release pinned beyond ``.venv``: on a machine where ``make
+build`` had filled ``.venv`` the runs worked, on a fresh clone (``make rebase`` installs the tool
+only) the old base's tests stopped at ``No module named 'uvloop'`` and two patches were set aside as
+conflicts. A verdict now depends on the release and the key, not on what happened to be installed.
+
+The torch family is left to this environment's CPU build (PyPI's builds are CUDA ones that do not
+import beside it; 0.33.0 pins torch 2.14.0 and runs on 2.13.0 here): the resolution sees a stand-in
+wheel of torch (the release's exact pin, else this torch's version) that requires what this torch
+requires, so torch's own dependencies are in the set and PyPI's CUDA ones are not; the family is
+never installed into the folder. The key is the wheel, Python, the machine, this torch and the
+runner: the same key is the same environment on every clone.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import platform
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import zipfile
 from collections.abc import Callable
-from importlib.metadata import PackageNotFoundError, distributions, version
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 from overlay import digest
 from overlay.build.fetch import cache_dir
@@ -34,13 +48,21 @@ from overlay.build.install import CPU_SKIP, requirements
 from overlay.build.pipeline import VERSION_PY
 from overlay.errors import OverlayError
 
-ENV_SERVES = CPU_SKIP | {"torch"}  # the environment's own CPU torch serves every release
+FAMILY = CPU_SKIP | {"torch"}  # the environment's own CPU torch serves every release; the rest stay out
+RUNNER = ("pytest==9.2.0", "pytest-timeout==2.4.0")  # pyproject's test pins (held there by a test)
+SCHEME = "whole-closure-1"  # how a folder is made: a new scheme is a new key
 _VERSION = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
 DONE = ".complete"
-ROUNDS = 8  # dependency rounds before the closure is called runaway
 
+Resolver = Callable[[list[str]], list[str]]
+"""``resolve(requirements)``: every distribution pip would install for them (``name==version``),
+torch family left out, sorted."""
 Installer = Callable[[list[str], Path], None]
-"""``install(requirements, dest)`` puts those packages (no dependencies) into the folder ``dest``."""
+"""``install(pins, dest)`` puts exactly those distributions (no dependencies) into the folder ``dest``."""
+
+
+class DepsError(OverlayError):
+    """A release's test environment could not be resolved or installed."""
 
 
 def tree_version(tree: Path) -> str | None:
@@ -52,96 +74,130 @@ def tree_version(tree: Path) -> str | None:
     return found[1] if found else None
 
 
-def unmet(wheel: Path) -> list[str]:
-    """The wheel's requirements (markers of this machine, extras dropped, the torch family left out)
-    that the packages installed here do not satisfy, sorted."""
-    reqs = [Requirement(text) for text in requirements(wheel)]
-    return sorted(f"{r.name}{r.specifier}" for r in reqs
-                  if canonicalize_name(r.name) not in ENV_SERVES and not _satisfied(r, {}))
+@dataclass(frozen=True)
+class Torch:
+    """This environment's torch build, which every release's tests run on."""
+
+    version: str
+    requires: tuple[str, ...]  # its Requires-Dist as written (markers kept)
+    entries: tuple[Path, ...]  # its top-level entries in site-packages (packages, the dist-info)
 
 
-def _satisfied(req: Requirement, first: dict[str, str]) -> bool:
-    """Whether the version in ``first`` (canonical name -> version), else the one installed here,
-    meets ``req``."""
-    have = first.get(canonicalize_name(req.name))
-    if have is None:
-        try:
-            have = version(req.name)
-        except PackageNotFoundError:
-            return False
-    return req.specifier.contains(have, prereleases=True)
+def env_torch() -> Torch:
+    """The torch installed here; :class:`DepsError` when there is none."""
+    try:
+        dist = distribution("torch")
+    except PackageNotFoundError:
+        raise DepsError("this environment has no torch, the CPU build every release's tests run on: "
+                        "install it (`make` does: pip install torch==2.13.0) and run again") from None
+    base = Path(str(dist.locate_file("")))
+    tops = sorted({f.parts[0] for f in dist.files or [] if f.parts and f.parts[0] not in ("..", "__pycache__")})
+    entries = tuple(base / t for t in tops if (base / t).exists() and not t.endswith(".pth"))
+    return Torch(dist.version, tuple(dist.requires or ()), entries)
 
 
-def _in_folder(folder: Path) -> dict[str, str]:
-    """Canonical name -> version of the distributions installed in ``folder``."""
-    return {canonicalize_name(d.metadata["Name"]): d.version for d in distributions(path=[str(folder)])}
+def _exact(req: Requirement) -> str | None:
+    """The version of ``name==X``, else None."""
+    specs = list(req.specifier)
+    if len(specs) == 1 and specs[0].operator in ("==", "===") and "*" not in specs[0].version:
+        return specs[0].version
+    return None
 
 
-def unmet_in(folder: Path, asked: set[str]) -> list[str]:
-    """What the distributions in ``folder`` require (markers of this machine, no extras) that
-    neither ``folder`` nor this environment satisfies, leaving out the torch family and the names
-    in ``asked`` (already installed there), sorted."""
-    have_here = _in_folder(folder)
-    out: set[str] = set()
-    for dist in distributions(path=[str(folder)]):
-        for text in dist.requires or []:
-            req = Requirement(text)
-            if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-                continue
-            name = canonicalize_name(req.name)
-            if name not in ENV_SERVES and name not in asked and not _satisfied(req, have_here):
-                out.add(f"{req.name}{req.specifier}")
-    return sorted(out)
+def roots(wheel: Path, torch: Torch) -> tuple[list[str], dict[str, tuple[str, tuple[str, ...]]]]:
+    """What the resolution starts from: the wheel's requirements for this machine less the torch
+    family, plus :data:`RUNNER`; and the stand-ins of the family, ``name -> (version, requires)``
+    (torch always, at the release's exact pin or else this torch's version; the others the release
+    pins exactly, requiring nothing)."""
+    keep: list[str] = []
+    stubs: dict[str, tuple[str, tuple[str, ...]]] = {}
+    for text in requirements(wheel, skip=frozenset()):
+        req = Requirement(text)
+        name = canonicalize_name(req.name)
+        if name not in FAMILY:
+            keep.append(text)
+        elif (pinned := _exact(req)) is not None:
+            stubs[name] = (pinned, torch.requires if name == "torch" else ())
+    if "torch" not in stubs:
+        stubs["torch"] = (Version(torch.version).public, torch.requires)
+    return sorted(set(keep)) + list(RUNNER), stubs
 
 
-def install_closure(reqs: list[str], dest: Path, installer: Installer) -> list[str]:
-    """Install ``reqs`` into ``dest``, then what they need beyond ``dest`` and this environment,
-    round by round; every requirement installed, in order."""
-    done: list[str] = []
-    asked: set[str] = set()
-    for _ in range(ROUNDS):
-        if not reqs:
-            return done
-        if done:
-            print(f"deps: and what those require beyond this environment: {', '.join(reqs)}",
-                  file=sys.stderr, flush=True)
-        installer(reqs, dest)
-        done += reqs
-        asked |= {canonicalize_name(Requirement(r).name) for r in reqs}
-        reqs = unmet_in(dest, asked)
-    raise OverlayError(f"the dependencies for the test runs still grow after {ROUNDS} rounds "
-                       f"(last: {', '.join(reqs)}); install them into the environment instead")
+def stub_wheel(folder: Path, name: str, version: str, requires: tuple[str, ...]) -> Path:
+    """A wheel of ``name`` ``version`` that holds nothing but its metadata (a stand-in for pip's resolver)."""
+    dist = f"{name.replace('-', '_')}-{version}"
+    meta = "".join([f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+                    *(f"Requires-Dist: {r}\n" for r in requires)])
+    files = {f"{dist}.dist-info/METADATA": meta,
+             f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: vllm-overlay\nRoot-Is-Purelib: true\n"
+                                        "Tag: py3-none-any\n",
+             f"{dist}.dist-info/RECORD": ""}
+    path = folder / f"{dist}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        for member, text in files.items():
+            zf.writestr(member, text)
+    return path
 
 
-def pip_target(reqs: list[str], dest: Path) -> None:
-    """``pip install --no-deps --target dest`` of binary wheels."""
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
-           "--only-binary=:all:", "--target", str(dest), *reqs]
+def _pip(args: list[str], what: str) -> None:
+    cmd = [sys.executable, "-m", "pip", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-        raise OverlayError(f"pip could not install {' '.join(reqs)} for the test runs: {last}")
+        lines = [ln.strip() for ln in proc.stderr.strip().splitlines() if ln.strip()]
+        errors = [ln for ln in lines if ln.startswith("ERROR")]
+        raise DepsError(f"pip could not {what}: {(errors or lines or [f'exit {proc.returncode}'])[-1]}")
 
 
-def release_deps(release: str, wheel: Path, *, cache: Path | None = None,
-                 installer: Installer | None = None) -> Path | None:
-    """The folder of what ``wheel`` (release ``release``) needs beyond this environment, installed
-    once; None when the environment satisfies it."""
-    reqs = unmet(wheel)
-    if not reqs:
-        return None
-    key = digest.of_text("\n".join([wheel.name, sys.version, "closure", *reqs]))[:12]
+def pip_resolve(reqs: list[str]) -> list[str]:
+    """:data:`Resolver` by ``pip install --dry-run --ignore-installed --report`` (nothing installed)."""
+    with tempfile.TemporaryDirectory(prefix="overlay-deps-") as tmp:
+        report = Path(tmp) / "report.json"
+        _pip(["install", "-q", "--dry-run", "--ignore-installed", "--prefer-binary", "--disable-pip-version-check",
+              "--report", str(report), *reqs], f"resolve the test environment ({len(reqs)} requirements)")
+        items = json.loads(report.read_text(encoding="utf-8")).get("install") or []
+    pins = {f"{canonicalize_name(i['metadata']['name'])}=={i['metadata']['version']}" for i in items
+            if canonicalize_name(i["metadata"]["name"]) not in FAMILY}
+    return sorted(pins)
+
+
+def pip_target(pins: list[str], dest: Path) -> None:
+    """:data:`Installer`: ``pip install --no-deps --target dest`` of exactly ``pins``."""
+    _pip(["install", "-q", "--disable-pip-version-check", "--no-deps", "--prefer-binary", "--no-warn-script-location",
+          "--target", str(dest), *pins], f"install the test environment into {dest}")
+
+
+def key_of(wheel: Path, torch: Torch, reqs: list[str], stubs: dict[str, tuple[str, tuple[str, ...]]]) -> str:
+    """What makes a release's environment: its wheel, Python, the machine, this torch, the runner."""
+    parts = [SCHEME, wheel.name, sys.version, platform.machine(), torch.version, *torch.requires, *reqs,
+             *(f"{n}=={v}" for n, (v, _) in sorted(stubs.items()))]
+    return digest.of_text("\n".join(parts))[:12]
+
+
+def release_deps(release: str, wheel: Path, *, cache: Path | None = None, resolver: Resolver | None = None,
+                 installer: Installer | None = None, torch: Torch | None = None) -> Path:
+    """The folder of release ``release``'s whole dependency set (``wheel``'s), made once per key."""
+    torch = torch or env_torch()
+    reqs, stubs = roots(wheel, torch)
     root = (cache or cache_dir()) / "deps"
-    dest = root / f"{release}-{key}"
+    dest = root / f"{release}-{key_of(wheel, torch, reqs, stubs)}"
     if (dest / DONE).is_file():
         return dest
-    print(f"deps {release}: installing what it pins beyond this environment: {', '.join(reqs)}",
-          file=sys.stderr, flush=True)
+    print(f"deps {release}: resolving its whole dependency set for the test runs (torch: this environment's "
+          f"{torch.version}) into {dest} ...", file=sys.stderr, flush=True)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=root))
     try:
-        done = install_closure(reqs, tmp, installer or pip_target)
-        (tmp / DONE).write_text("\n".join(done) + "\n")
+        if resolver is None:
+            stub_dir = tmp / ".stubs"
+            stub_dir.mkdir()
+            named = [f"{n} @ {stub_wheel(stub_dir, n, v, r).as_uri()}" for n, (v, r) in sorted(stubs.items())]
+            pins = pip_resolve(reqs + named)
+            shutil.rmtree(stub_dir)
+        else:
+            pins = resolver(reqs)
+        print(f"deps {release}: installing {len(pins)} distributions", file=sys.stderr, flush=True)
+        (installer or pip_target)(pins, tmp)
+        (tmp / DONE).write_text("\n".join(pins) + "\n", encoding="utf-8")
         if dest.exists():
             shutil.rmtree(dest)  # an earlier attempt that did not complete
         os.replace(tmp, dest)
@@ -154,7 +210,7 @@ def release_deps(release: str, wheel: Path, *, cache: Path | None = None,
 def deps_for(wheels: dict[str, Path]) -> Callable[[str], Path | None]:
     """``deps(release)`` for a test runner: :func:`release_deps` of ``wheels[release]``, made once per
     release and only when a run needs it; None for a release not in ``wheels``."""
-    made: dict[str, Path | None] = {}
+    made: dict[str, Path] = {}
 
     def deps(release: str) -> Path | None:
         if release not in wheels:
@@ -164,3 +220,28 @@ def deps_for(wheels: dict[str, Path]) -> Callable[[str], Path | None]:
         return made[release]
 
     return deps
+
+
+def run_path(deps: Path, scratch: Path, torch: Torch | None = None) -> list[Path]:
+    """What a test run of a tree puts after the tree on ``sys.path`` (its Python started with ``-S``,
+    so nothing else of this environment): ``deps``, then a folder in ``scratch`` of links to this
+    environment's torch."""
+    torch = torch or env_torch()
+    view = scratch / "torch"
+    view.mkdir(parents=True, exist_ok=True)
+    for entry in torch.entries:
+        link = view / entry.name
+        if not link.exists():
+            link.symlink_to(entry, target_is_directory=entry.is_dir())
+    return [deps, view]
+
+
+def environment_of(deps: Path, torch: Torch | None = None) -> str:
+    """The run environment of ``deps`` as one digest (its resolved set, this torch, Python), for the
+    test runs kept (:mod:`overlay.maintain.rebase.runcache`)."""
+    torch = torch or env_torch()
+    try:
+        pins = (deps / DONE).read_text(encoding="utf-8")
+    except OSError:
+        pins = ""
+    return digest.of_text("\n".join([sys.version, deps.name, pins, f"torch=={torch.version}"]))

@@ -85,8 +85,11 @@ def _innermost(exc: BaseException) -> BaseException:
 
 
 def _library_roots() -> list[Path]:
+    """The standard library, and the run's dependency folders (``OVERLAY_TEST_LIBRARIES``: a release's
+    whole dependency set, :mod:`overlay.maintain.rebase.deps`, holds no ``site-packages`` in its path)."""
     paths = sysconfig.get_paths()
-    return [Path(paths[k]).resolve() for k in ("stdlib", "platstdlib") if k in paths]
+    given = [Path(p).resolve() for p in os.environ.get("OVERLAY_TEST_LIBRARIES", "").split(os.pathsep) if p]
+    return [Path(paths[k]).resolve() for k in ("stdlib", "platstdlib") if k in paths] + given
 
 
 def _under(path: Path, roots: list[Path]) -> bool:

@@ -10,7 +10,9 @@ runs the release's own tree again for every patch that follows. A run is keyed b
 - the test folder (every file: the patch's tests and the shared harness modules beside them)
   and the ``conftest.py`` files above it up to the working folder,
 - the tool's own test-running code (this package's ``testrun``, ``failkind`` and ``deps``),
-- the patch's name, Python's version and every distribution installed here (name and version).
+- the patch's name, and what the run imports beside the tree: the release's whole dependency set
+  (:func:`overlay.maintain.rebase.deps.environment_of`: its folder's resolved versions, this torch,
+  Python), or, for a run in this environment, Python's version and every distribution installed here.
 
 Only runs that judged the code are kept: ``passed``, ``failed`` (by behaviour) and ``skipped``,
 and none with a harness error in it. A harness error or a run that did not finish may be the
@@ -78,10 +80,20 @@ def cached(runner: TestRunner, tests_dir: Path, *, cwd: Path, cache: Path) -> Te
     """``runner`` with its judging runs kept under ``cache`` (a folder of ``<key>.json``)."""
     tool = Path(__file__).resolve().parent
     fixed = [folder_digest(tests_dir), *_conftests(tests_dir, cwd),
-             *(digest.of_file(tool / name) for name in _TOOL), environment()]
+             *(digest.of_file(tool / name) for name in _TOOL)]
+    here: list[str] = []  # this environment's digest, made when a run has no release environment of its own
+    env_of = getattr(runner, "environment", None)
+
+    def run_environment(tree: Path) -> str:
+        found = env_of(tree) if env_of is not None else None
+        if found is None:
+            if not here:
+                here.append(environment())
+            found = here[0]
+        return found
 
     def run(patch: Patch, tree: Path) -> TestRun | None:
-        key = digest.of_text("\n".join([patch.name, folder_digest(tree), *fixed]))
+        key = digest.of_text("\n".join([patch.name, folder_digest(tree), *fixed, run_environment(tree)]))
         path = cache / f"{key}.json"
         try:
             kept = TestRun.from_dict(json.loads(path.read_text(encoding="utf-8")))

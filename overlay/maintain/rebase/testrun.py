@@ -4,6 +4,8 @@ behaviour's (:mod:`overlay.maintain.rebase.failkind`, loaded into the run)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
 import sys
@@ -39,11 +41,14 @@ class TestRun:
     where: tuple[str, ...] = ()  # per failed test, file:line of the innermost test-code frame, or ""
     skipped: tuple[str, ...] = ()  # tests skipped, with the first reason in skip_reason
     skip_reason: str = ""
+    retried: tuple[str, ...] = ()  # ranks killed at their timeout and started again (tests/patches/ranks.py)
+    environment: str = ""  # the release's dependency folder the run had (deps), or "" for this environment
 
     def to_dict(self) -> dict[str, object]:
         return {"status": self.status, "passed": list(self.passed), "failed": list(self.failed),
                 "summary": self.summary, "reasons": list(self.reasons), "kinds": list(self.kinds),
-                "where": list(self.where), "skipped": list(self.skipped), "skip_reason": self.skip_reason}
+                "where": list(self.where), "skipped": list(self.skipped), "skip_reason": self.skip_reason,
+                "retried": list(self.retried), "environment": self.environment}
 
     @classmethod
     def from_dict(cls, d: dict) -> TestRun:
@@ -51,7 +56,8 @@ class TestRun:
         failed = tuple(d["failed"])
         kinds = tuple(d.get("kinds") or ("behaviour",) * len(failed))
         return cls(d["status"], tuple(d["passed"]), failed, d["summary"], tuple(d.get("reasons", ())), kinds,
-                   tuple(d.get("where", ())), tuple(d.get("skipped", ())), d.get("skip_reason", ""))
+                   tuple(d.get("where", ())), tuple(d.get("skipped", ())), d.get("skip_reason", ""),
+                   tuple(d.get("retried", ())), d.get("environment", ""))
 
     def _of(self, kind: str) -> tuple[str, ...]:
         return tuple(t for t, k in zip(self.failed, self.kinds, strict=False) if k == kind)
@@ -83,13 +89,15 @@ class TestRun:
 
 
 def describe(run: TestRun) -> str:
-    """What a run says, in words: it passed, some tests fail by behaviour, or it cannot run (why)."""
+    """What a run says, in words: it passed, some tests fail by behaviour, or it cannot run (why);
+    and the ranks that were killed at their timeout and started again."""
+    retried = f" [{'; '.join(run.retried)}]" if run.retried else ""
     if run.status == "passed":
-        return f"pass: {run.summary}"
+        return f"pass: {run.summary}{retried}"
     if run.cannot_run:
-        return f"cannot run: {run.first_error()}"
+        return f"cannot run: {run.first_error()}{retried}"
     harness = f"; {len(run.harness_failed)} cannot run ({run.first_error()})" if run.harness_failed else ""
-    return f"fail: {len(run.behaviour_failed)} by behaviour{harness} ({run.summary})"
+    return f"fail: {len(run.behaviour_failed)} by behaviour{harness} ({run.summary}){retried}"
 
 
 TestRunner = Callable[[Patch, Path], TestRun | None]
@@ -109,55 +117,112 @@ def test_files(tests_dir: Path, patch_name: str) -> list[Path]:
 
 
 Deps = Callable[[str], Path | None]
-"""``deps(release)``: the folder of what that release needs beyond this environment
-(:func:`overlay.maintain.rebase.deps.release_deps`), or None."""
+"""``deps(release)``: the folder of that release's whole dependency set
+(:func:`overlay.maintain.rebase.deps.release_deps`), or None (the run then has this environment)."""
+
+RETRIES_ENV = "OVERLAY_RANK_RETRIES"  # a file tests/patches/ranks.py adds a JSON line to per retry
+LIBRARIES_ENV = "OVERLAY_TEST_LIBRARIES"  # the run's dependency folders: library code for failkind
 
 
-def pytest_runner(tests_dir: Path, *, cwd: Path | None = None, timeout: float = 900,
-                  deps: Deps | None = None) -> TestRunner:
+class PytestRunner:
     """Run a patch's :func:`test_files` in a subprocess with ``OVERLAY_VLLM_TREE=<tree>``.
 
     Like ``tests/test_patches_against_base.py``: the repository's ``conftest.py`` puts the
     tree first on ``sys.path``; ``PYTHONPATH`` does the same for test folders without it, then
-    the dependencies the tree's release needs beyond this environment (``deps``, by the release
-    ``vllm/_version.py`` names), and this tool's folder so that :mod:`overlay.maintain.rebase.failkind` loads.
+    the release's whole dependency set (``deps``, by the release ``vllm/_version.py`` names) and this
+    environment's torch, with nothing else of this environment (``python -S``), and this tool's folder
+    so that :mod:`overlay.maintain.rebase.failkind` loads.
     """
-    from overlay.maintain.rebase.deps import tree_version
 
-    def run(patch: Patch, tree: Path) -> TestRun | None:
-        files = test_files(tests_dir, patch.name)
+    def __init__(self, tests_dir: Path, *, cwd: Path | None = None, timeout: float = 1800,
+                 deps: Deps | None = None) -> None:
+        self.tests_dir, self.cwd, self.timeout, self.deps = tests_dir, cwd, timeout, deps
+
+    def _deps_of(self, tree: Path) -> Path | None:
+        from overlay.maintain.rebase.deps import tree_version
+
+        release = tree_version(tree) if self.deps is not None else None
+        return self.deps(release) if self.deps is not None and release else None
+
+    def environment(self, tree: Path) -> str | None:
+        """The digest of what a run on ``tree`` imports beside the tree, or None for this environment."""
+        from overlay.maintain.rebase.deps import environment_of
+
+        deps = self._deps_of(tree)
+        return environment_of(deps) if deps is not None else None
+
+    def __call__(self, patch: Patch, tree: Path) -> TestRun | None:
+        files = test_files(self.tests_dir, patch.name)
         if not files[0].is_file():
             return None
-        release = tree_version(tree) if deps is not None else None
-        extra = deps(release) if deps is not None and release else None
-        return run_files(files, tree, cwd=cwd or tests_dir, timeout=timeout, deps=extra)
+        return run_files(files, tree, cwd=self.cwd or self.tests_dir, timeout=self.timeout, deps=self._deps_of(tree))
 
-    return run
+
+def pytest_runner(tests_dir: Path, *, cwd: Path | None = None, timeout: float = 1800,
+                  deps: Deps | None = None) -> TestRunner:
+    """A :class:`PytestRunner`."""
+    return PytestRunner(tests_dir, cwd=cwd, timeout=timeout, deps=deps)
 
 
 def run_files(files: list[Path], tree: Path, *, cwd: Path, timeout: float = 900, deps: Path | None = None) -> TestRun:
-    """pytest on ``files`` with ``import vllm`` resolving to ``tree`` (and ``deps`` next on the
-    path); what each test did."""
+    """pytest on ``files`` with ``import vllm`` resolving to ``tree``; what each test did.
+
+    With ``deps`` (a release's dependency folder) the run's Python starts with ``-S``: its path is the
+    tree, ``deps``, this environment's torch and this tool, whatever else this environment holds.
+    """
     import subprocess
 
     env = dict(os.environ)
     env["OVERLAY_VLLM_TREE"] = str(tree)
-    first = [str(tree), *([str(deps)] if deps else []), str(_TOOL_ROOT)]
-    env["PYTHONPATH"] = os.pathsep.join([*first, *filter(None, [env.get("PYTHONPATH")])])
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # never leave __pycache__ in a tree under test
     with tempfile.TemporaryDirectory(prefix="overlay-tests-") as tmp:
         junit = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", *map(str, files), "-m", "not gpu", "-q", "-p", "no:cacheprovider",
+        retries = Path(tmp) / "retries.jsonl"
+        env[RETRIES_ENV] = str(retries)
+        python = [sys.executable]
+        if deps is not None:
+            from overlay.maintain.rebase.deps import run_path
+
+            libraries = run_path(deps, Path(tmp))
+            first = [str(tree), *map(str, libraries), str(_TOOL_ROOT)]
+            env["PYTHONPATH"] = os.pathsep.join(first)
+            env[LIBRARIES_ENV] = os.pathsep.join(str(p.resolve()) for p in libraries)
+            env.pop("PYTHONHOME", None)
+            python.append("-S")  # none of this environment's site-packages: the release's set alone
+        else:
+            first = [str(tree), str(_TOOL_ROOT)]
+            env["PYTHONPATH"] = os.pathsep.join([*first, *filter(None, [env.get("PYTHONPATH")])])
+        cmd = [*python, "-m", "pytest", *map(str, files), "-m", "not gpu", "-q", "-p", "no:cacheprovider",
                "-p", "overlay.maintain.rebase.failkind", "-o", "addopts=", f"--junitxml={junit}"]
         try:
             proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False,
                                   timeout=timeout)
         except subprocess.TimeoutExpired:
-            return TestRun("error", summary=f"timed out after {timeout:.0f} s")
+            return TestRun("error", summary=f"timed out after {timeout:.0f} s", retried=_retries(retries),
+                           environment=str(deps or ""))
         cases = _junit(junit, tree)
+        retried = _retries(retries)
     tail = [ln for ln in (proc.stdout + proc.stderr).strip().splitlines() if ln.strip()]
     summary = tail[-1] if tail else f"pytest exited {proc.returncode}"
-    return _run_of(proc.returncode, summary, tail, cases)
+    run = _run_of(proc.returncode, summary, tail, cases)
+    return dataclasses.replace(run, retried=retried, environment=str(deps or ""))
+
+
+def _retries(path: Path) -> tuple[str, ...]:
+    """The lines tests/patches/ranks.py wrote for ranks it started again, in words."""
+    out: list[str] = []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return ()
+    for line in text.splitlines():
+        try:
+            r = json.loads(line)
+            out.append(f"{r['test']}: rank(s) {', '.join(map(str, r['ranks']))} killed at their {r['timeout']:.0f} s "
+                       f"timeout, run again with {r['retry_timeout']:.0f} s: {r['then']}")
+        except (ValueError, KeyError, TypeError):
+            continue
+    return tuple(out)
 
 
 _TOOL_ROOT = Path(__file__).resolve().parents[3]  # the folder holding the overlay package

@@ -4,7 +4,31 @@ error judges nothing, :mod:`overlay.maintain.rebase.failkind`)."""
 
 from __future__ import annotations
 
+import re
+
 from overlay.maintain.rebase.testrun import TestRun, describe
+
+_MISSING = re.compile(r"No module named '([^']+)'")
+
+
+def old_base_failure(old: TestRun) -> str | None:
+    """Why a run on the old base is this tool's own failure, in one line naming the missing module or
+    the setup step; None when the run judged (passed, failed by behaviour, or every test skipped).
+
+    The old base is the release the series is built and tested on: a patch's tests that cannot run
+    there (a harness error, pytest did not finish) show a test environment that is not whole, or a
+    harness that does not fit that release, never something about the patch or the target.
+    """
+    if old.status == "error":
+        return f"pytest did not finish ({old.summary})"
+    if not old.harness_failed:
+        return None
+    first = old.first_error()
+    missing = _MISSING.search(first)
+    if missing:
+        where = old.environment or "this environment"
+        return f"module {missing[1]!r} is missing from the release's test environment ({where}): {first}"
+    return f"a harness error in the tests' setup: {first}"
 
 
 def behaviour_verdict(runs: dict[str, dict], tests: str) -> tuple[str, list[str], list[str], str]:
@@ -13,17 +37,21 @@ def behaviour_verdict(runs: dict[str, dict], tests: str) -> tuple[str, list[str]
     base passes on the target without the patch (``Result.absorbed`` is another thing: the hunks or tests
     of a patch that are already upstream).
 
-    Only behaviour failures judge: a test that failed on the old base by a harness error showed
-    no bug; one that cannot run on the target (:attr:`TestRun.cannot_run`, or a harness error of
-    its own) says nothing of the target, and the note names the test file to fix first. A test that
+    Only behaviour failures judge: a harness error on the old base is this tool's failure
+    (:func:`old_base_failure`; the rebase stops on it before it asks here); a test that cannot run on
+    the target (:attr:`TestRun.cannot_run`, or a harness error of its own) says nothing of the target,
+    and the note names the test file to fix first. A test that
     passes on the old base and fails on the target without the patch by behaviour means the target
     behaves otherwise than the tests expect: "contradicted", for a person to decide.
     """
     if not runs:
         return "unknown", [], [], "no tests of its own"
     old, new = TestRun.from_dict(runs["old-base"]), TestRun.from_dict(runs["target"])
+    tool = old_base_failure(old)
+    if tool is not None:  # the rebase stops on it first (classify); never the patch's or its tests' fault
+        return "unknown", [], [], f"its tests cannot run on the old base: {tool}"
     if old.cannot_run:
-        return "unknown", [], [], f"its tests cannot run on the old base ({old.first_error()}): fix {tests} first"
+        return "unknown", [], [], f"its tests cannot run on the old base ({old.first_error()}): they cannot tell"
     judged = set(old.behaviour_failed)
     if not judged:
         return "unknown", [], [], (f"its tests do not fail on the old base ({describe(old)}); "

@@ -151,7 +151,53 @@ def report_markdown(state: State, results: list[Result], *, work: Path | None = 
         if r.behaviour or r.conflicts or r.candidates or r.source_sha256:
             lines.append("")
     lines += _other_pins(state)
+    lines += proven_in_an_engine(state.to_version, engine_runs(Path(state.patches_root).parent / "docs" / "engine",
+                                                               state.to_version))
     return "\n".join(lines).rstrip() + "\n"
+
+
+def engine_runs(root: Path, version: str) -> list[dict[str, object]]:
+    """The engine-check runs kept under ``root`` (``docs/engine/``, a folder per run with its
+    ``results.json``) whose build was vLLM ``version`` (the report's ``meta.vllm``), oldest first:
+    where (the folder, relative to ``root``), when, on which GPUs, each case's verdict, the run's."""
+    runs: list[dict[str, object]] = []
+    for path in sorted(root.glob("**/results.json")) if root.is_dir() else []:
+        try:
+            doc = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        meta = (doc.get("meta") if isinstance(doc, dict) else None) or {}
+        if str(meta.get("vllm", "")).split("+")[0] != version:
+            continue
+        cases = [(str(c.get("name") or (c.get("case") or {}).get("name")), str(c.get("verdict") or c.get("status")))
+                 for c in doc.get("cases") or [] if isinstance(c, dict)]
+        runs.append({"where": path.parent.relative_to(root).as_posix(), "when": str(meta.get("started", "?")),
+                     "gpus": str(meta.get("gpus", "")), "verdict": str((doc.get("summary") or {}).get("verdict", "?")),
+                     "cases": cases})
+    return sorted(runs, key=lambda r: str(r["when"]))
+
+
+def proven_in_an_engine(version: str, runs: list[dict[str, object]]) -> list[str]:
+    """``REBASE.md``'s "Proven in an engine": whether this release's build has run in a real engine
+    (where, when, which cases), so that "rebased" (the patches apply and their CPU tests judge them)
+    is not read as "serves and decodes right"."""
+    lines = ["## Proven in an engine", ""]
+    if not runs:
+        lines.append(f"Never: no engine has started the vLLM {version} build (no engine-check run under "
+                     f"`docs/engine/` records it: `meta.vllm` {version} in its `results.json`). What judged it is "
+                     "the CPU tests above (the release's own Python code, GPU kernels replaced at their call "
+                     "boundary): it applies and those tests pass; that it starts, serves and decodes right is not "
+                     f"shown. To show it: `make build VLLM={version}`, then the engine check on GPUs "
+                     "(`docs/engine/`).")
+    else:
+        lines.append(f"{len(runs)} engine-check run(s) of the vLLM {version} build (`docs/engine/`):")
+    for run in runs:
+        named = run["cases"]
+        cases = ", ".join(f"`{n}` {v}" for n, v in named) if isinstance(named, list) and named else "no cases"
+        gpus = f", GPUs `{run['gpus']}`" if run["gpus"] else ""
+        lines.append(f"- `{run['where']}` (started {run['when']}{gpus}): {run['verdict']}; {cases}")
+    lines.append("")
+    return lines
 
 
 def _other_pins(state: State) -> list[str]:

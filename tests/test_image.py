@@ -517,7 +517,8 @@ def test_dockerfile_run_steps_call_tested_commands() -> None:
     stages = _stages()
     runs = [rest for steps in stages.values() for word, rest in steps if word == "RUN"]
     kernel_runs = [r for w, r in stages["kernel-build"] if w == "RUN"]
-    assert any("scripts/build-kernels.sh --vllm \"${VLLM_VERSION}\" --out /opt/kernels" in r for r in kernel_runs)
+    wanted = 'scripts/build-kernels.sh --vllm "${VLLM_VERSION}" --sources kernel-sources --out /opt/kernels'
+    assert any(wanted in r for r in kernel_runs)
     build = next(r for r in kernel_runs if "python3 -m overlay build" in r)
     argv = shlex.split(build.split("python3 -m overlay ", 1)[1].replace("${VLLM_VERSION}", "0.28.0"))
     ns = parser().parse_args(argv)

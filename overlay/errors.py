@@ -23,6 +23,20 @@ def shown(text: str, limit: int = SHOWN_MAX) -> str:
     return f"<{len(text)} {what}, not shown>"
 
 
+def shown_value(value: object) -> str:
+    """A value loaded from a file (YAML, TOML) for an error line: its ``repr`` cut by :mod:`reprlib` (a few
+    items of each list and mapping, two levels deep, long strings cut with ``...``), so the cost and the
+    length of the line are bounded whatever the value is (a nested list of a billion items included)."""
+    import reprlib
+
+    cut = reprlib.Repr()
+    cut.maxlevel = 2
+    cut.maxlist = cut.maxtuple = cut.maxdict = cut.maxset = cut.maxfrozenset = 4
+    cut.maxstring = cut.maxother = SHOWN_MAX // 2
+    text = cut.repr(value)
+    return text if text.isprintable() else repr(text)
+
+
 def one_line(name: str) -> str:
     """A file name for an error line: as it is when printable, else its ``repr`` (a newline or escape
     in a quoted git path cannot break the one line or write to the terminal)."""

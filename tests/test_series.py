@@ -90,7 +90,7 @@ def test_is_kernel_path(path: str, kernel: bool) -> None:
         pytest.param(b"hello\n", "not a git format-patch file", id="not-mbox"),
         pytest.param(b"From 0 Mon\nSubject: x\n\nno diff here\n", "contains no 'diff --git' section", id="no-diff"),
         pytest.param(b"From 0 Mon\nFrom: a\n\nbody\n", "no 'Subject:' header", id="no-subject"),
-        pytest.param(b"\xff\xfe", "not UTF-8", id="binary"),
+        pytest.param(b"\xff\xff", "not UTF-8", id="binary"),  # (FF FE is a UTF-16 byte-order mark, named as one)
     ],
 )
 def test_patch_parse_errors(tmp_path: Path, raw: bytes, message: str) -> None:

@@ -10,6 +10,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from overlay import textfile
 from overlay.errors import PinError, shown
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}\Z")
@@ -76,12 +77,7 @@ class Pin:
             raise PinError(f"{path}: no pin file (is this release in patches/?)") from None
         except OSError as exc:
             raise PinError(f"{path}: cannot read the pin file: {exc.strerror}") from None
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            line = raw[: exc.start].count(b"\n") + 1
-            raise PinError(f"{path}:{line}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
-                           "save it as UTF-8") from None
+        text = textfile.decode(raw, str(path), PinError)
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
@@ -118,7 +114,7 @@ def default_version(patches_root: Path) -> str:
     if not path.exists():
         path = REPO_PATCHES / DEFAULT_FILE
     try:
-        text = path.read_text(encoding="utf-8").strip()
+        text = textfile.decode(path.read_bytes(), str(path), PinError).strip()
     except OSError as exc:
         raise PinError(f"{path}: cannot read the default release ({exc.strerror or exc})") from None
     if not _VERSION.match(text):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from overlay import digest
+from overlay import digest, textfile
 from overlay.errors import SeriesError, one_line, shown
 
 TRAILER_KEYS = ("Origin", "Bug", "Applied-Upstream", "Last-Update", "Rebased-From")
@@ -35,6 +35,7 @@ _MODE = re.compile(r"^[ \t\n\v\f\r]*[+-]?(?P<octal>[0-7]+)")
 _INDEX_MODE = re.compile(r"^[0-9a-fA-F]*\.\.[0-9a-fA-F]* (?P<mode>.*)$")
 REGULAR_MODES = "mode 100644 or 100755"
 _HUNK = re.compile(r"^@@ -(?P<os>\d+)(?:,(?P<ol>\d+))? \+(?P<ns>\d+)(?:,(?P<nl>\d+))? @@")
+_OWN_LINES = ("From ", "diff --git ", "@@ ")  # lines of the patch itself, never a hunk's content
 _TRAILER = re.compile(r"^(?P<key>[A-Za-z][A-Za-z0-9-]*): (?P<value>.+)$")
 
 
@@ -44,13 +45,9 @@ PACKAGE_RULE = ("a patch may change files under vllm/ and, in kernel patches, co
 
 
 def decode_utf8(raw: bytes, source: str) -> str:
-    """``raw`` as text; a non-UTF-8 file is a :class:`SeriesError` naming its line and byte."""
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise SeriesError(f"{source}:{line}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
-                          "save it as UTF-8") from None
+    """``raw`` as text (:func:`overlay.textfile.decode`): a byte-order mark or bytes that are not UTF-8 are a
+    :class:`SeriesError` naming the file (and the line and byte)."""
+    return textfile.decode(raw, source, SeriesError)
 
 
 def read_file(path: Path, what: str, fix: str) -> bytes:
@@ -398,6 +395,8 @@ class Patch:
         """Parse a format-patch file; every problem names the file."""
         source = str(path)
         text = decode_utf8(raw, source)
+        # git format-patch writes LF; a converted file's own lines end in CR LF (not a hunk's content)
+        textfile.refuse_crlf(text, source, SeriesError, _OWN_LINES)
         if not text.startswith("From "):
             raise SeriesError(f"{source}: not a git format-patch file (no 'From ' line)")
         head, sep, rest = text.partition("\n\n")

@@ -13,6 +13,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from overlay import textfile
 from overlay.build.wheel import dist_info_name
 from overlay.device.settings import DEVICE_ENV, TORCH_FAMILY, DeviceStageError
 from overlay.errors import shown
@@ -21,7 +22,8 @@ from overlay.errors import shown
 def read_device_packages(path: Path) -> dict[str, str]:
     """``pip freeze`` lines (``name==version``) -> canonical name -> version."""
     packages: dict[str, str] = {}
-    for lineno, raw in enumerate(path.read_text().splitlines(), 1):
+    text = textfile.decode(path.read_bytes(), str(path), DeviceStageError)  # PowerShell's `>` writes UTF-16
+    for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue

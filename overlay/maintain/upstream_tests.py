@@ -28,6 +28,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from overlay import textfile
 from overlay.build.series import Series
 from overlay.errors import OverlayError
 
@@ -131,8 +132,8 @@ class Expectations:
             raise UpstreamTestsError(f"{path}: missing: the release's expectations (excluded modules and tests, "
                                      "expected failures); write it, empty tables if none apply")
         try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            data = tomllib.loads(textfile.decode(path.read_bytes(), str(path), UpstreamTestsError))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
             raise UpstreamTestsError(f"{path}: cannot read: {exc}") from None
         return cls.from_dict(data, str(path), patch_names)
 

@@ -21,6 +21,7 @@ import yaml
 
 from overlay.atomic import write_file
 from overlay.outpaths import check_dir, check_file
+from overlay.regress import yamltext
 from overlay.regress.checks import CHECKS, RECORDED, function
 from overlay.regress.errors import ProfileError
 from overlay.regress.profiles import GSM8K_METRICS, load_profile, parse_profile
@@ -87,7 +88,7 @@ def write_recorded_profile(target: str, values: dict[str, Any], out: Path, sourc
         raise ProfileError(f"--record-baseline: the run measured nothing to record ({', '.join(RECORDED)})")
     src = Path(load_profile(target).path)
     path = src if src.is_file() else Path(__file__).resolve().parent / "profiles" / src.name
-    data = yaml.safe_load(path.read_text())
+    data = yamltext.loads(yamltext.read(path), str(path))
     base = dict(data.get("baseline") or {})
     base.update(values)
     when = datetime.now(UTC).isoformat(timespec="seconds")

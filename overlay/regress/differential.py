@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from overlay import digest
+from overlay import digest, textfile
 from overlay.atomic import write_file
 from overlay.engine.compare import compare, derive_tolerance
 from overlay.regress.checks import StepContext
@@ -109,9 +109,10 @@ def reference(spec: DifferentialSpec, ids: list[list[int]], ref_url: str | None,
                            "(outputs recorded with --record-differential)")
     path = Path(ref_file)
     try:
-        text = path.read_text()
-    except (OSError, ValueError) as exc:
+        raw = path.read_bytes()
+    except OSError as exc:
         raise RegressError(f"differential: {path}: cannot read recorded outputs: {exc}") from None
+    text = textfile.decode(raw, f"differential: {path}", RegressError)
     runs = load_recording(text, f"differential: {path}", ids, prompts_digest(ids), spec.max_tokens)
     return runs[0], runs[1:], str(path)
 

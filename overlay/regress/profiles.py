@@ -17,9 +17,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from overlay import numbers
+from overlay.errors import shown_value
+from overlay.regress import yamltext
 from overlay.regress.checks import DEFAULTS, NAMES, THRESHOLDS
 from overlay.regress.errors import ProfileError
 
@@ -84,7 +84,7 @@ class ServerSpec:
             return None
         spec = json.loads(raw)
         if not isinstance(spec, dict):
-            raise ValueError(f"got {raw!r}")
+            raise ValueError(f"got {shown_value(raw)}")
         return spec
 
     @property
@@ -210,7 +210,7 @@ def load_profile(name_or_path: str) -> Profile:
     if path.suffix in (".yaml", ".yml") or path.exists():
         if not path.is_file():
             raise ProfileError(f"{path}: no such profile file")
-        return parse_profile(path.read_text(encoding="utf-8"), str(path))
+        return parse_profile(yamltext.read(path), str(path))
     shipped = resources.files("overlay.regress") / "profiles" / f"{name_or_path}.yaml"
     if not shipped.is_file():
         raise ProfileError(f"no profile {name_or_path!r} (shipped: {', '.join(shipped_profiles())})")
@@ -256,10 +256,10 @@ class _Fields:
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-            self.problems.append(f"{_at(where, key)}: expected {_kind_name(kind)}, got {value!r}")
+            self.problems.append(f"{_at(where, key)}: expected {_kind_name(kind)}, got {shown_value(value)}")
             return None
         if not isinstance(value, kind):
-            self.problems.append(f"{_at(where, key)}: expected {_kind_name(kind)}, got {value!r}")
+            self.problems.append(f"{_at(where, key)}: expected {_kind_name(kind)}, got {shown_value(value)}")
             return None
         if isinstance(value, int | float):
             wrong = numbers.problem(value, 0 if positive else low, strict=positive, high=high)
@@ -293,12 +293,7 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 
 def parse_profile(text: str, source: str) -> Profile:
     """Parse and validate a profile's YAML text; ``source`` names it in every error."""
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ProfileError(f"{source}:{where} not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    data = yamltext.loads(text, source)
     if not isinstance(data, dict):
         raise ProfileError(f"{source}: expected a mapping at the top level")
     problems: list[str] = []
@@ -329,7 +324,7 @@ def _top_level(f: _Fields, data: dict[str, Any]) -> tuple[str, str, list[str] | 
     checks = f.get(data, "", "checks", list, default=list(DEFAULTS))
     for c in checks or []:
         if c not in NAMES:
-            problems.append(f"checks: unknown check {c!r} (known: {', '.join(NAMES)})")
+            problems.append(f"checks: unknown check {shown_value(c)} (known: {', '.join(NAMES)})")
     checks_off = f.get(data, "", "checks_off", dict, default={}) or {}
     for c, why in checks_off.items():
         if c not in NAMES:
@@ -390,7 +385,7 @@ def _long_context(f: _Fields, data: dict[str, Any]) -> LongContextSpec:
     lc = f.section(data, "long_context")
     prompt_tokens = f.get(lc, "long_context", "prompt_tokens", list) or []
     if any(not isinstance(n, int) or n <= 0 for n in prompt_tokens):
-        problems.append(f"long_context.prompt_tokens: expected positive integers, got {prompt_tokens!r}")
+        problems.append(f"long_context.prompt_tokens: expected positive integers, got {shown_value(prompt_tokens)}")
         prompt_tokens = []
     long_context = LongContextSpec(
         index_topk=f.get(lc, "long_context", "index_topk", int, positive=True) or 0,
@@ -420,12 +415,13 @@ def _differential(f: _Fields, data: dict[str, Any], checks: list[str] | None) ->
     dflt = DifferentialSpec()
     d_prompts = f.get(dd, "differential", "prompt_tokens", list, default=list(dflt.prompt_tokens)) or []
     if not d_prompts or any(isinstance(n, bool) or not isinstance(n, int) or n <= 1 for n in d_prompts):
-        problems.append(f"differential.prompt_tokens: expected integers > 1, got {d_prompts!r}")
+        problems.append(f"differential.prompt_tokens: expected integers > 1, got {shown_value(d_prompts)}")
         d_prompts = list(dflt.prompt_tokens)
     d_range = f.get(dd, "differential", "token_range", list, default=list(dflt.token_range)) or []
     if (len(d_range) != 2 or any(isinstance(n, bool) or not isinstance(n, int) for n in d_range)
             or not 0 <= d_range[0] < d_range[1]):
-        problems.append(f"differential.token_range: expected [low, high) token ids, 0 <= low < high, got {d_range!r}")
+        problems.append("differential.token_range: expected [low, high) token ids, 0 <= low < high, "
+                        f"got {shown_value(d_range)}")
         d_range = list(dflt.token_range)
     differential = DifferentialSpec(
         prompt_tokens=tuple(d_prompts), token_range=(d_range[0], d_range[1]),
@@ -455,7 +451,7 @@ def _latency(f: _Fields, data: dict[str, Any]) -> LatencySpec:
         timeout_s=f.get(la, "latency", "timeout_s", float, default=1800.0, positive=True),
     )
     if latency.tool not in LATENCY_TOOLS:
-        problems.append(f"latency.tool: {latency.tool!r} is not one of {', '.join(LATENCY_TOOLS)}")
+        problems.append(f"latency.tool: {shown_value(latency.tool)} is not one of {', '.join(LATENCY_TOOLS)}")
     return latency
 
 
@@ -474,7 +470,7 @@ def _baseline(f: _Fields, data: dict[str, Any], checks: list[str] | None, spec_t
     acc = f.get(b, "baseline", "acceptance_per_position", list, default=None)
     if acc is not None and any(isinstance(x, bool) or not isinstance(x, int | float) or not 0 <= x <= 1
                                for x in acc):
-        problems.append(f"baseline.acceptance_per_position: expected rates in [0, 1], got {acc!r}")
+        problems.append(f"baseline.acceptance_per_position: expected rates in [0, 1], got {shown_value(acc)}")
         acc = None
     if "acceptance" in (checks or []) and spec_tokens:
         if acc is None:
@@ -492,7 +488,8 @@ def _baseline(f: _Fields, data: dict[str, Any], checks: list[str] | None, spec_t
         latency_tool=f.get(bl, "baseline.latency", "tool", str) or "",
     )
     if baseline.latency_tool and baseline.latency_tool not in LATENCY_TOOLS:
-        problems.append(f"baseline.latency.tool: {baseline.latency_tool!r} is not one of {', '.join(LATENCY_TOOLS)}")
+        problems.append(f"baseline.latency.tool: {shown_value(baseline.latency_tool)} is not one of "
+                        f"{', '.join(LATENCY_TOOLS)}")
     elif baseline.latency_tool and "latency" in (checks or []) and latency.tool != baseline.latency_tool:
         problems.append(f"latency.tool: {latency.tool}, but baseline.latency.tool is {baseline.latency_tool}; "
                         "the two tools do not measure the same thing: measure a baseline with the tool you run")

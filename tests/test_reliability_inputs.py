@@ -1,0 +1,231 @@
+"""Issue 35 item 4, *inputs silently accepted or blamed on the wrong thing*: text files an editor saved
+with a byte-order mark, as UTF-16 or with CRLF endings; a rebase onto the series' own or an older
+release; an empty series; empty option values; YAML aliases; a patch whose change an earlier patch
+already made.
+
+Each test's docstring says what the code did before.
+"""
+
+from __future__ import annotations
+
+import codecs
+from pathlib import Path
+
+import pytest
+
+from overlay.cli import main
+from overlay.errors import OverlayError
+from tests.wheelkit import BASE_FILES, good_patch, make_release, make_wheel
+
+BOM = codecs.BOM_UTF8
+
+
+def _one_line(capsys: pytest.CaptureFixture[str], argv: list[str], rc: int = 1) -> str:
+    """Run the CLI; assert exit ``rc`` with one ``error:`` line and no traceback; return the line."""
+    got = main(argv)
+    err = capsys.readouterr().err
+    assert got == rc and "Traceback" not in err, err
+    (line,) = err.splitlines()
+    assert line.startswith("error: ")
+    return line
+
+
+@pytest.fixture
+def release(tmp_path: Path) -> tuple[Path, Path]:
+    """(patches root, base wheel): release 0.28.0 with the one good patch ``fix-a.patch``."""
+    (tmp_path / "base").mkdir()
+    wheel = make_wheel(tmp_path / "base", BASE_FILES)
+    return make_release(tmp_path, wheel, patches={"fix-a.patch": good_patch(tmp_path)}), wheel
+
+
+def _build(root: Path, wheel: Path, dist: Path) -> list[str]:
+    return ["--patches", str(root), "build", "--dist", str(dist), "--base-wheel", str(wheel)]
+
+
+# --- encodings -------------------------------------------------------------------------------------------
+
+def _prefix(path: Path, head: bytes) -> None:
+    path.write_bytes(head + path.read_bytes())
+
+
+@pytest.mark.parametrize(("file", "head", "said"), [
+    pytest.param("pin.toml", BOM, "starts with a UTF-8 byte-order mark (EF BB BF)", id="pin-utf8-bom"),
+    pytest.param("series", BOM, "starts with a UTF-8 byte-order mark (EF BB BF)", id="series-utf8-bom"),
+    pytest.param("fix-a.patch", BOM, "starts with a UTF-8 byte-order mark (EF BB BF)", id="patch-utf8-bom"),
+    pytest.param("pin.toml", codecs.BOM_UTF16_LE, "starts with a UTF-16 byte-order mark (FF FE): the file is "
+                 "UTF-16 text", id="pin-utf16"),
+])
+def test_a_byte_order_mark_is_named(capsys: pytest.CaptureFixture[str], release: tuple[Path, Path],
+                                    tmp_path: Path, file: str, head: bytes, said: str) -> None:
+    """Before: a BOM in ``pin.toml`` was ``not valid TOML: Invalid statement (at line 1, column 1)``; in the
+    ``series``, its first name was ``not a patch file name ...: <14 characters with control characters, not
+    shown>``; before a patch, ``not a git format-patch file (no 'From ' line)``; UTF-16 was ``not UTF-8 text
+    (invalid start byte at byte 0)``. None said what the bytes were."""
+    root, wheel = release
+    path = root / "0.28.0" / file
+    _prefix(path, head)
+    line = _one_line(capsys, _build(root, wheel, tmp_path / "dist"))
+    assert line == f"error: {path}: {said}; save it as UTF-8 without a byte-order mark"
+    assert not (tmp_path / "dist").exists()
+
+
+def test_a_bom_in_patches_default_is_named(capsys: pytest.CaptureFixture[str], release: tuple[Path, Path]) -> None:
+    """Before: ``patches/DEFAULT: expected one release like 0.28.0, got <7 characters with control characters,
+    not shown>``."""
+    root, _ = release
+    (root / "DEFAULT").write_bytes(BOM + b"0.28.0\n")
+    line = _one_line(capsys, ["--patches", str(root), "status"])
+    assert line == f"error: {root / 'DEFAULT'}: starts with a UTF-8 byte-order mark (EF BB BF); save it as UTF-8 " \
+                   "without a byte-order mark"
+
+
+def test_a_crlf_patch_is_named(capsys: pytest.CaptureFixture[str], release: tuple[Path, Path],
+                               tmp_path: Path) -> None:
+    """Before: ``fix-a.patch: no blank line after the mail headers`` (the blank line is ``\\r``), which sent
+    a person looking at the headers, not the line endings."""
+    root, wheel = release
+    patch = root / "0.28.0" / "fix-a.patch"
+    patch.write_bytes(patch.read_bytes().replace(b"\n", b"\r\n"))
+    line = _one_line(capsys, _build(root, wheel, tmp_path / "dist"))
+    assert line == (f"error: {patch}:1: CRLF line endings (an editor or git's core.autocrlf converted the file); "
+                    "save it with LF line endings")
+
+
+def test_a_patch_of_a_crlf_file_still_builds(tmp_path: Path) -> None:
+    """The CRLF check reads the patch's own lines (``From``, ``diff --git``, ``@@``): a hunk of a file whose
+    lines end in CR LF is content, and builds as before."""
+    from overlay.build.pipeline import build
+    from tests.wheelkit import format_patch
+
+    dos = b"".join(f"x_{i} = {i}\r\n".encode() for i in range(10))
+    (tmp_path / "base").mkdir()
+    wheel = make_wheel(tmp_path / "base", {**BASE_FILES, "vllm/dos.py": dos})
+    patch = format_patch({"vllm/dos.py": dos}, {"vllm/dos.py": dos.replace(b"x_4 = 4\r\n", b"x_4 = 40\r\n")},
+                         "Change a CRLF file", work=tmp_path)
+    root = make_release(tmp_path, wheel, patches={"dos.patch": patch})
+    result = build(root, "0.28.0", tmp_path / "dist", base_wheel=wheel)
+    assert result.patches == 1
+
+
+@pytest.mark.parametrize(("head", "said"), [
+    pytest.param(codecs.BOM_UTF16_LE, "starts with a UTF-16 byte-order mark (FF FE)", id="utf16"),
+    pytest.param(b"\xff\xfe\x00\x00", "starts with a UTF-32 byte-order mark (FF FE 00 00)", id="utf32"),
+])
+def test_other_text_inputs_name_their_encoding(tmp_path: Path, head: bytes, said: str) -> None:
+    """The other files a person writes or copies: a regress profile (before: a ``UnicodeDecodeError``
+    traceback), ``upstream_expected/<version>.toml`` (``cannot read: 'utf-8' codec can't decode ...``),
+    and device-stage's ``--device-packages`` (PowerShell's ``>`` writes UTF-16; before: a
+    ``UnicodeDecodeError`` traceback)."""
+    from overlay.device.requirements import read_device_packages
+    from overlay.maintain.upstream_tests import Expectations
+    from overlay.regress.profiles import load_profile
+
+    for name, load in (
+        ("p.yaml", load_profile),
+        ("e.toml", Expectations.load),
+        ("packages.txt", read_device_packages),
+    ):
+        path = tmp_path / name
+        path.write_bytes(head + "x = 1\n".encode("utf-16-le"))
+        with pytest.raises(OverlayError) as exc:
+            load(path if name != "p.yaml" else str(path))
+        assert str(exc.value).startswith(f"{path}: {said}"), exc.value
+
+
+def test_a_ref_file_names_its_encoding(tmp_path: Path) -> None:
+    """Before: ``differential: R: cannot read recorded outputs: 'utf-8' codec can't decode byte 0xff in
+    position 0``; a UTF-8 BOM went on to the JSON parser."""
+    pytest.importorskip("pydantic")
+    from overlay.regress.differential import reference
+    from overlay.regress.profiles import DifferentialSpec
+
+    ref = tmp_path / "ref.json"
+    ref.write_bytes(codecs.BOM_UTF16_LE + b"{}")
+    with pytest.raises(OverlayError) as exc:
+        reference(DifferentialSpec(), [[1, 2]], None, str(ref), print)
+    assert str(exc.value).startswith(f"differential: {ref}: starts with a UTF-16 byte-order mark"), exc.value
+
+
+def test_a_profile_may_start_with_yamls_own_byte_order_mark(tmp_path: Path) -> None:
+    """YAML allows a UTF-8 BOM (PyYAML drops it): a profile saved with one loads as before."""
+    from overlay.regress.profiles import load_profile
+
+    shipped = Path(__file__).resolve().parent.parent / "overlay" / "regress" / "profiles" / "glm5.2-fp8-tp8-dcp8.yaml"
+    path = tmp_path / "p.yaml"
+    path.write_bytes(BOM + shipped.read_bytes())
+    assert load_profile(str(path)).name == load_profile("glm5.2-fp8-tp8-dcp8").name
+
+
+# --- YAML ------------------------------------------------------------------------------------------------
+
+def _alias_bomb(levels: int = 9) -> str:
+    """A profile whose ``description`` is 9**10 strings in 12 lines of nested aliases."""
+    lines = ["name: bomb", 'a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels + 1)]
+    return "\n".join([*lines, f"description: *a{levels}"]) + "\n"
+
+
+def test_a_yaml_alias_bomb_is_refused_at_its_line(tmp_path: Path) -> None:
+    """Before: ``yaml.safe_load`` built the shared nodes cheaply, then the error line's ``got {value!r}``
+    (``description: expected a string``) expanded 3.5 billion strings: memory ran out (``MemoryError``
+    under a 3 GB limit, the machine swapping without one). Run in a child with a 2 GB address-space limit,
+    so the code before fails here by ``MemoryError`` rather than take the machine down."""
+    import subprocess
+    import sys
+
+    profile = tmp_path / "bomb.yaml"
+    profile.write_text(_alias_bomb())
+    code = ("import resource, sys\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+            "from overlay.regress.profiles import load_profile\n"
+            "from overlay.errors import OverlayError\n"
+            "try:\n    load_profile(sys.argv[1])\n"
+            "except OverlayError as exc:\n    print(exc)\n")
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", code, str(profile)], cwd=root, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == (f"{profile}: line 3 not valid YAML: an alias (*a0): aliases are not allowed in a profile "
+                           "(a few lines of them can stand for gigabytes); write the value out\n")
+
+
+def test_an_error_line_shows_a_large_value_cut(tmp_path: Path) -> None:
+    """Without aliases a value is as large as the file: ``name: [0, 1, ..., 99999]`` was printed whole into
+    the error line (600 kB). Now its first items, then ``...``."""
+    from overlay.regress.errors import ProfileError
+    from overlay.regress.profiles import load_profile
+
+    profile = tmp_path / "big.yaml"
+    profile.write_text("name: [" + ", ".join(str(i) for i in range(100_000)) + "]\n")
+    with pytest.raises(ProfileError) as exc:
+        load_profile(str(profile))
+    first = str(exc.value).split("; ")[0]
+    assert first == f"{profile}: name: expected a string, got [0, 1, 2, 3, ...]"
+    assert len(str(exc.value)) < 2000
+
+
+def test_a_profile_larger_than_a_mebibyte_is_refused_unread(tmp_path: Path) -> None:
+    """Before: read whole, whatever its size (a profile path naming a 2 GB file was read into memory)."""
+    from overlay.regress.errors import ProfileError
+    from overlay.regress.profiles import load_profile
+
+    profile = tmp_path / "huge.yaml"
+    with profile.open("wb") as f:
+        f.truncate((1 << 20) + 1)  # sparse
+    with pytest.raises(ProfileError, match=r"larger than a profile may be \(1048576 bytes\)$"):
+        load_profile(str(profile))
+
+
+def test_a_character_yaml_refuses_is_one_line(tmp_path: Path) -> None:
+    """Before: PyYAML's ``ReaderError`` has no ``problem``: its whole text went into the error, two lines
+    (``unacceptable character #x0001: special characters are not allowed\\n  in "<unicode string>",
+    position 23``)."""
+    from overlay.regress.errors import ProfileError
+    from overlay.regress.profiles import load_profile
+
+    profile = tmp_path / "ctl.yaml"
+    profile.write_bytes(b'name: x\ndescription: "a\x01b"\n')
+    with pytest.raises(ProfileError) as exc:
+        load_profile(str(profile))
+    assert str(exc.value) == (f"{profile}: line 2 not valid YAML: the character U+0001 (YAML allows printable "
+                              "characters, tab and newlines only)")

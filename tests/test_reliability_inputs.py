@@ -229,3 +229,43 @@ def test_a_character_yaml_refuses_is_one_line(tmp_path: Path) -> None:
         load_profile(str(profile))
     assert str(exc.value) == (f"{profile}: line 2 not valid YAML: the character U+0001 (YAML allows printable "
                               "characters, tab and newlines only)")
+
+
+# --- the rebase's target ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("to", "said"), [
+    pytest.param("0.28.0", "is the series' own release ({d}/, VLLM=0.28.0): a rebase carries that series onto a "
+                 "later release; name one after 0.28.0", id="own-release"),
+    pytest.param("0.27.0", "is older than the series' release ({d}/, VLLM=0.28.0): a rebase carries a series "
+                 "forward only; name a release after 0.28.0", id="older"),
+    pytest.param("0.28.0rc1", "is older than the series' release ({d}/, VLLM=0.28.0): a rebase carries a series "
+                 "forward only; name a release after 0.28.0", id="its-release-candidate"),
+])
+def test_a_rebase_onto_its_own_or_an_older_release_is_refused_before_any_download(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, release: tuple[Path, Path],
+    tmp_path: Path, to: str, said: str,
+) -> None:
+    """Before: ``TO=0.28.0`` (the pinned release) fetched the base wheel, then said ``patches/0.28.0: already
+    exists (holds ...); remove it to rebase onto 0.28.0 again``: advice to delete the live series;
+    ``TO=0.27.0`` downloaded 0.27.0's wheel, resolved and installed both releases' dependency sets (5
+    minutes), then ran the patches "onto" the older release."""
+    import overlay.build.fetch
+
+    root, _ = release
+    fetched: list[str] = []
+    monkeypatch.setattr(overlay.build.fetch, "fetch_wheel", lambda pin, *a, **k: fetched.append(pin.version))
+    monkeypatch.setattr(overlay.build.fetch, "fetch_release", lambda v, *a, **k: fetched.append(v))
+    monkeypatch.chdir(tmp_path)
+    line = _one_line(capsys, ["--patches", str(root), "rebase", "--to", to])
+    assert line == f"error: TO (--to) {to} " + said.format(d=root / "0.28.0")
+    assert fetched == []
+    assert sorted(p.name for p in (root / "0.28.0").iterdir()) == ["fix-a.patch", "pin.toml", "series"]
+    assert not (tmp_path / ".work").exists()
+
+
+def test_release_order() -> None:
+    """The order the refusal above reads: release candidates before the release, post releases after."""
+    from overlay.build.pins import release_order
+
+    got = sorted(["0.29.0.post1", "0.29.0", "0.29.0rc1", "0.28.0", "0.10.0", "0.9.9"], key=release_order)
+    assert got == ["0.9.9", "0.10.0", "0.28.0", "0.29.0rc1", "0.29.0", "0.29.0.post1"]

@@ -15,6 +15,7 @@ from overlay.errors import PinError, shown
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}\Z")
 _VERSION = re.compile(r"^\d+\.\d+\.\d+(?:\.post\d+|rc\d+)?\Z")  # \Z: "$" lets a trailing newline through
+_PARTS = re.compile(r"^(?P<major>\d+)\.(?P<minor>\d+)\.(?P<patch>\d+)(?:\.post(?P<post>\d+)|rc(?P<rc>\d+))?\Z")
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,15 @@ def check_version(text: str, what: str) -> str:
     if not _VERSION.match(text):
         raise PinError(f"{what}: {text!r} is not a release version like 0.30.0")
     return text
+
+
+def release_order(version: str) -> tuple[int, ...]:
+    """A sort key of a release version (:func:`check_version`'s form): ``0.29.0rc1 < 0.29.0 < 0.29.0.post1``."""
+    m = _PARTS.match(version)
+    if m is None:
+        raise PinError(f"{version!r} is not a release version like 0.30.0")
+    rc, post = m["rc"], m["post"]
+    return (int(m["major"]), int(m["minor"]), int(m["patch"]), 0 if rc else 1, int(rc or 0), int(post or 0))
 
 
 def pin_dir(patches_root: Path, version: str) -> Path:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from overlay.build.pins import Pin, check_version, load_pin
+from overlay.build.pins import Pin, check_version, load_pin, pin_dir, release_order
 from overlay.maintain.rebase.classify import resume, start
 from overlay.maintain.rebase.deps import deps_for
 from overlay.maintain.rebase.runcache import maybe_cached
@@ -21,6 +21,7 @@ def rebase_release(patches_root: Path, from_version: str, to_version: str, *,
     from overlay.build.fetch import fetch_release, fetch_wheel
 
     check_version(to_version, "TO (--to)")  # before it names a folder, a download or a report
+    check_forward(patches_root, check_version(from_version, "VLLM (--vllm)"), to_version)
     base_pin = load_pin(patches_root, from_version)
     base_wheel = fetch_wheel(base_pin)
     prepared = prepared_pin(patches_root, to_version)
@@ -34,6 +35,18 @@ def rebase_release(patches_root: Path, from_version: str, to_version: str, *,
     return start(patches_root, from_version, target_pin,
                  lambda d: _extract(base_wheel, d), lambda d: _extract(target_wheel, d),
                  work=work_dir(to_version, work_root), tests_dir=tests_dir, runner=runner)
+
+
+def check_forward(patches_root: Path, from_version: str, to_version: str) -> None:
+    """A rebase carries ``patches/<from>/`` onto a later release: the series' own release (whose folder is the
+    live series, not an earlier rebase's result to remove) or an older one is refused before any download."""
+    series = f"{pin_dir(patches_root, from_version)}/, VLLM={from_version}"
+    if to_version == from_version:
+        raise RebaseError(f"TO (--to) {to_version} is the series' own release ({series}): a rebase carries that "
+                          f"series onto a later release; name one after {from_version}")
+    if release_order(to_version) < release_order(from_version):
+        raise RebaseError(f"TO (--to) {to_version} is older than the series' release ({series}): a rebase carries "
+                          f"a series forward only; name a release after {from_version}")
 
 
 def continue_release(to_version: str | None = None, *, work_root: Path = Path(".work"),

@@ -94,12 +94,6 @@ def test_two_builds_are_byte_identical_and_tag_is_deterministic(tmp_path: Path, 
     assert c.tag != a.tag
 
 
-def test_empty_series_builds(tmp_path: Path, wheel: Path) -> None:
-    root = make_release(tmp_path, wheel)
-    res = build(root, "0.28.0", tmp_path / "dist", base_wheel=wheel)
-    assert res.patches == 0 and verify_record(res.wheel) == 8
-
-
 def _assert_nothing_written(dist: Path, before: dict[str, bytes]) -> None:
     now = {p.name: p.read_bytes() for p in dist.iterdir()} if dist.exists() else {}
     assert now == before

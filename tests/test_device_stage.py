@@ -23,7 +23,7 @@ from overlay.build.archive import TAR_MTIME
 from overlay.cli import main
 from overlay.device import staging
 from overlay.errors import OverlayError
-from tests.wheelkit import make_release, make_wheel
+from tests.wheelkit import good_patch, make_release, make_wheel
 
 REPO = Path(__file__).resolve().parent.parent
 DEVICE_RUN = REPO / "scripts" / "device-run.sh"
@@ -902,7 +902,7 @@ def test_cli_device_stage_names_a_missing_wheel(tmp_path: Path, capsys: pytest.C
 
 def test_built_wheel_asks_for_make_build(tmp_path: Path) -> None:
     base = make_wheel(tmp_path, {"vllm/__init__.py": b""})
-    patches = make_release(tmp_path, base)
+    patches = make_release(tmp_path, base, patches={"fix-a.patch": good_patch(tmp_path)})  # an empty one is refused
     with pytest.raises(ds.DeviceStageError, match=r"run `make build VLLM=0.28.0` first"):
         ds.built_wheel(patches, "0.28.0", tmp_path / "dist")
 

@@ -269,3 +269,46 @@ def test_release_order() -> None:
 
     got = sorted(["0.29.0.post1", "0.29.0", "0.29.0rc1", "0.28.0", "0.10.0", "0.9.9"], key=release_order)
     assert got == ["0.9.9", "0.10.0", "0.28.0", "0.29.0rc1", "0.29.0", "0.29.0.post1"]
+
+
+# --- an empty series -------------------------------------------------------------------------------------
+
+EMPTY_SERIES = "# Patch series for vLLM 0.28.0, applied in this order by `make build`.\n\n# (none)\n"
+
+
+def test_an_empty_series_is_refused_not_built(capsys: pytest.CaptureFixture[str], release: tuple[Path, Path],
+                                              tmp_path: Path) -> None:
+    """Before: a ``series`` of only comments built ``vllm-0.28.0+ovl04fd1c0a17`` (``0 patch(es)``), the
+    unpatched wheel under an overlay version, installed it with ``--install``, exit 0
+    (``test_build.py::test_empty_series_builds`` held that). For a pinned release an empty series is a lost
+    file or a bad merge: refused, naming the file; the image and device-stage name their wheel through the
+    same ``series_wheel`` and refuse it too."""
+    root, wheel = release
+    series = root / "0.28.0" / "series"
+    series.write_text(EMPTY_SERIES)
+    venv = tmp_path / "venv"
+    line = _one_line(capsys, [*_build(root, wheel, tmp_path / "dist"), "--install", str(venv)])
+    assert line == (f"error: {series}: lists no patch (only blank lines and comments): its wheel would be vLLM "
+                    "0.28.0 unpatched under an overlay version (for that, install vllm==0.28.0); list the patches "
+                    "there, one file name a line")
+    assert not (tmp_path / "dist").exists() and not venv.exists()
+
+
+def test_a_rebase_of_an_empty_series_is_refused_before_any_download(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, release: tuple[Path, Path],
+    tmp_path: Path,
+) -> None:
+    """Before: both wheels fetched and both dependency sets installed, then ``patches/0.29.0/`` written with an
+    empty series and a report of nothing, exit 0."""
+    import overlay.build.fetch
+
+    root, _ = release
+    (root / "0.28.0" / "series").write_text(EMPTY_SERIES)
+    fetched: list[str] = []
+    monkeypatch.setattr(overlay.build.fetch, "fetch_wheel", lambda pin, *a, **k: fetched.append(pin.version))
+    monkeypatch.setattr(overlay.build.fetch, "fetch_release", lambda v, *a, **k: fetched.append(v))
+    monkeypatch.chdir(tmp_path)
+    line = _one_line(capsys, ["--patches", str(root), "rebase", "--to", "0.29.0"])
+    assert line.endswith("series: lists no patch (only blank lines and comments): there is nothing to carry onto "
+                         "0.29.0; list the patches there, one file name a line")
+    assert fetched == [] and not (root / "0.29.0").exists()

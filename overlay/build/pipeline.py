@@ -118,9 +118,10 @@ class SeriesWheel:
 
 def series_wheel(patches_root: Path, version: str) -> SeriesWheel:
     """The wheel ``make build`` writes for release ``version``'s series (the build, the image plan and
-    the device staging all name it through this)."""
+    the device staging all name it through this); a series without a patch is refused."""
     pin = load_pin(patches_root, version)
-    series = Series.load(pin_dir(patches_root, version))
+    series = Series.load(pin_dir(patches_root, version)).require_patches(
+        f"its wheel would be vLLM {version} unpatched under an overlay version (for that, install vllm=={version})")
     return SeriesWheel(pin, series, series_tag(series, pin))
 
 

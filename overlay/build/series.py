@@ -521,6 +521,14 @@ class Series:
             patches.append(patch)
         return cls(directory, tuple(patches))
 
+    def require_patches(self, why: str) -> Series:
+        """``self`` when it lists a patch; else a :class:`SeriesError` naming the series file and ``why`` an
+        empty one cannot be meant (for a pinned release it is a mistake: a lost file, a bad merge)."""
+        if not self.patches:
+            raise SeriesError(f"{self.series_file}: lists no patch (only blank lines and comments): {why}; list "
+                              "the patches there, one file name a line")
+        return self
+
     @property
     def kernel_patches(self) -> tuple[Patch, ...]:
         return tuple(p for p in self.patches if p.kind == "kernel")

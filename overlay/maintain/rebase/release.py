@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from overlay.build.pins import Pin, check_version, load_pin, pin_dir, release_order
+from overlay.build.series import Series
 from overlay.maintain.rebase.classify import resume, start
 from overlay.maintain.rebase.deps import deps_for
 from overlay.maintain.rebase.runcache import maybe_cached
@@ -22,6 +23,7 @@ def rebase_release(patches_root: Path, from_version: str, to_version: str, *,
 
     check_version(to_version, "TO (--to)")  # before it names a folder, a download or a report
     check_forward(patches_root, check_version(from_version, "VLLM (--vllm)"), to_version)
+    Series.load(pin_dir(patches_root, from_version)).require_patches(f"there is nothing to carry onto {to_version}")
     base_pin = load_pin(patches_root, from_version)
     base_wheel = fetch_wheel(base_pin)
     prepared = prepared_pin(patches_root, to_version)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from overlay.commands import MODULES
+from overlay.commands.common import refuse_empty_values
 from overlay.errors import OverlayError, os_error_line
 
 
@@ -24,6 +25,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="VERB")
     for name in MODULES:
         importlib.import_module(f"overlay.commands.{name}").configure_parser(sub)
+    refuse_empty_values(p)  # --dist '' is the current folder: no option takes an empty value
     return p
 
 

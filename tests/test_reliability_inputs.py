@@ -8,6 +8,7 @@ Each test's docstring says what the code did before.
 
 from __future__ import annotations
 
+import argparse
 import codecs
 from pathlib import Path
 
@@ -312,3 +313,99 @@ def test_a_rebase_of_an_empty_series_is_refused_before_any_download(
     assert line.endswith("series: lists no patch (only blank lines and comments): there is nothing to carry onto "
                          "0.29.0; list the patches there, one file name a line")
     assert fetched == [] and not (root / "0.29.0").exists()
+
+
+# --- empty values ----------------------------------------------------------------------------------------
+
+def _value_actions() -> list[tuple[str, argparse.Action]]:
+    """(verb flag, action) for every option and positional of every verb that takes a value."""
+    from overlay import cli
+
+    found: list[tuple[str, argparse.Action]] = []
+
+    def walk(parser: argparse.ArgumentParser, verb: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, f"{verb} {name}".strip())
+            elif action.nargs != 0:
+                found.append((f"{verb} {'/'.join(action.option_strings) or action.dest}".strip(), action))
+
+    walk(cli.parser(), "")
+    return found
+
+
+@pytest.mark.parametrize("text", ["", " ", "\t"], ids=["empty", "space", "tab"])
+def test_no_option_takes_an_empty_value(text: str) -> None:
+    """Before: every option without a checking type took ``''`` (and ``' '``): ``--dist ''`` is ``Path('')``,
+    the current folder, so ``make``-style ``--dist "$DIST"`` with DIST unset wrote the wheel and its lock
+    into the repository root; ``--patches ''``, ``--install ''``, ``--out ''``, ``--dest ''``,
+    ``regress-verdicts ''`` the same, ``--vllm ''`` looked for ``patches/pin.toml``. Now every option and
+    positional of every verb refuses it at parse time, except where ``''`` is the option's own default
+    (``image --max-jobs``, ``--negative``, ``kernel-sources --mirror``, cherry-pick's REF: "needs REF")."""
+    took = []
+    for where, action in _value_actions():
+        if action.default == "":
+            continue
+        try:
+            (action.type or str)(text)
+        except (argparse.ArgumentTypeError, TypeError, ValueError):  # what argparse takes as a refusal
+            continue
+        took.append(where)
+    assert took == [], f"these take {text!r}: {', '.join(took)}"
+
+
+def test_dist_empty_writes_nothing_in_the_current_folder(capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          release: tuple[Path, Path], tmp_path: Path) -> None:
+    """Before: ``overlay build --dist ''`` wrote ``vllm-0.28.0+ovl...whl`` and ``.overlay-build.lock`` into the
+    current folder (the repository root under make), exit 0."""
+    root, wheel = release
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    with pytest.raises(SystemExit) as exc:
+        main(["--patches", str(root), "build", "--dist", "", "--base-wheel", str(wheel)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.splitlines()[-1] == (
+        "overlay build: error: argument --dist: expected a value, got '': empty (an unset variable?); leave the "
+        "option out for its default")
+    assert list(here.iterdir()) == []
+
+
+def test_an_empty_ref_still_says_cherry_pick_needs_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """``make cherry-pick`` passes ``-- "$REF"``: unset, it is ``''``, which keeps its own line (exit 1; 2 is
+    "stopped at a conflict")."""
+    assert main(["cherry-pick", ""]) == 1
+    assert capsys.readouterr().err == "error: cherry-pick needs REF (a PR number, a commit or a patch file)\n"
+
+
+PROFILE = Path(__file__).resolve().parent.parent / "overlay" / "regress" / "profiles" / "glm5.2-fp8-tp8-dcp8.yaml"
+
+
+@pytest.mark.parametrize(("path", "value", "said"), [
+    pytest.param(("server", "model"), "", "server.model: empty", id="model"),
+    pytest.param(("server", "host"), " ", "server.host: only whitespace (leave it out for '127.0.0.1')", id="host"),
+    pytest.param(("server", "vllm_bin"), "", "server.vllm_bin: empty (leave it out for 'vllm')", id="vllm-bin"),
+    pytest.param(("gsm8k", "data"), "", "gsm8k.data: empty", id="gsm8k-data"),
+    pytest.param(("thresholds", "gsm8k_max_stderrs", "why"), "  ", "thresholds.gsm8k_max_stderrs.why: only "
+                 "whitespace", id="threshold-why"),
+    pytest.param(("baseline", "source"), "", "baseline.source: empty", id="baseline-source"),
+])
+def test_a_profile_string_that_is_empty_is_refused(path: tuple[str, ...], value: str, said: str) -> None:
+    """Before: taken. ``server.model: ""`` made the command ``vllm serve ''``;
+    ``gsm8k.data: ""`` is the current folder; a threshold's ``why: " "`` passed the rule that every
+    threshold says why; ``baseline.source: ""`` named no source."""
+    import yaml
+
+    from overlay.regress.errors import ProfileError
+    from overlay.regress.profiles import parse_profile
+
+    data = yaml.safe_load(PROFILE.read_text())
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(ProfileError) as exc:
+        parse_profile(yaml.safe_dump(data), "p.yaml")
+    assert str(exc.value) == f"p.yaml: {said}"

@@ -18,6 +18,37 @@ def root(ns: argparse.Namespace) -> Path:
     return Path(ns.patches)
 
 
+def refuse_empty_values(parser: argparse.ArgumentParser) -> None:
+    """Every option and positional of ``parser`` and its verbs that takes a value refuses an empty or blank
+    one, unless ``""`` is its own default (there it means "none", as the default does).
+
+    An empty value is an unset variable (``--dist "$DIST"``), never a choice: a path made of it is the
+    current folder (``--dist ''`` wrote the wheel into the repository root), a name or release made of it is
+    looked up as the folder above. The parser refuses it with usage and one line, exit 2.
+    """
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                refuse_empty_values(sub)
+        elif action.nargs != 0 and action.default != "":
+            action.type = _not_empty(action.type, "; leave the option out for its default" if action.option_strings
+                                     else "")
+
+
+def _not_empty(kind: Callable[[str], object] | str | None, fix: str) -> Callable[[str], object]:
+    assert not isinstance(kind, str), "a type given by name"
+
+    def parse(text: str) -> object:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(
+                f"expected a value, got {text!r}: {'empty' if not text else 'only whitespace'} (an unset "
+                f"variable?){fix}")
+        return text if kind is None else kind(text)
+
+    parse.__name__ = getattr(kind, "__name__", "value")  # argparse names the type in its messages
+    return parse
+
+
 def add_vllm(sp: argparse.ArgumentParser) -> None:
     """``--vllm``: the pinned release; ``None`` here is resolved from ``patches/DEFAULT`` by ``overlay.cli``."""
     sp.add_argument("--vllm", help="pinned vLLM release (default: patches/DEFAULT)")

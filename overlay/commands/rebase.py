@@ -26,7 +26,8 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     text = "add an upstream PR number, commit or patch file to the series; exit 2 at a conflict"
     sp = sub.add_parser("cherry-pick", help=text, description=text)
     add_vllm(sp)
-    sp.add_argument("ref", nargs="?", help="upstream PR number, commit, or patch file")
+    sp.add_argument("ref", nargs="?", default="",  # make cherry-pick passes REF, empty when unset: "needs REF"
+                    help="upstream PR number, commit, or patch file")
     sp.add_argument("--remote", help="vLLM git remote (default $VLLM_REMOTE or GitHub)")
     sp.add_argument("--name", help="patch file name (default: from the subject)")
     sp.add_argument("--after", help="place after this patch (default: at the end)")

@@ -261,6 +261,10 @@ class _Fields:
         if not isinstance(value, kind):
             self.problems.append(f"{_at(where, key)}: expected {_kind_name(kind)}, got {shown_value(value)}")
             return None
+        if isinstance(value, str) and not value.strip() and default != "":  # "" is no model, no why, no path
+            self.problems.append(f"{_at(where, key)}: {'empty' if not value else 'only whitespace'}"
+                                 + (f" (leave it out for {default!r})" if isinstance(default, str) else ""))
+            return None
         if isinstance(value, int | float):
             wrong = numbers.problem(value, 0 if positive else low, strict=positive, high=high)
             if wrong:

@@ -409,3 +409,47 @@ def test_a_profile_string_that_is_empty_is_refused(path: tuple[str, ...], value:
     with pytest.raises(ProfileError) as exc:
         parse_profile(yaml.safe_dump(data), "p.yaml")
     assert str(exc.value) == f"p.yaml: {said}"
+
+
+# --- a patch that does not apply: the base, or an earlier patch ------------------------------------------
+
+def _line5(tmp_path: Path, value: str, subject: str) -> bytes:
+    from tests.wheelkit import A_PY, changed, format_patch
+
+    after = changed(A_PY, b"line_5 = 5\n", f"line_5 = {value}\n".encode())
+    return format_patch({"vllm/a.py": A_PY}, {"vllm/a.py": after}, subject, work=tmp_path)
+
+
+@pytest.mark.parametrize(("second", "said"), [
+    pytest.param("50", "the earlier patch fix-a.patch already made this change (fix-b.patch applies to vllm 0.28.0 "
+                 "alone): take the change out of one of them", id="the-same-change"),
+    pytest.param("51", "the earlier patch fix-a.patch changes the same lines (fix-b.patch applies to vllm 0.28.0 "
+                 "alone): refresh fix-b.patch on top of it (make workspace)", id="another-change-of-those-lines"),
+])
+def test_a_patch_an_earlier_patch_got_in_the_way_of_names_that_patch(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, second: str, said: str,
+) -> None:
+    """Before: ``patch fix-b.patch: vllm/a.py: hunk #1 (@@ -3,7 at fix-b.patch:15) does not apply to vllm
+    0.28.0``, though it applies to vllm 0.28.0: the earlier ``fix-a.patch`` made the change first (or
+    changed those lines another way), and nothing said so."""
+    (tmp_path / "base").mkdir()
+    wheel = make_wheel(tmp_path / "base", BASE_FILES)
+    root = make_release(tmp_path, wheel, patches={"fix-a.patch": _line5(tmp_path, "50", "Line 5 is 50"),
+                                                  "fix-b.patch": _line5(tmp_path, second, "Line 5 again")})
+    line = _one_line(capsys, _build(root, wheel, tmp_path / "dist"))
+    assert line == ("error: patch fix-b.patch: vllm/a.py: hunk #1 (@@ -3,7 at fix-b.patch:15) does not apply to "
+                    f"vllm 0.28.0; {said}")
+    assert not (tmp_path / "dist").exists()
+
+
+def test_a_patch_the_base_already_has_says_so(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Before: ``... does not apply to vllm 0.28.0``, with nothing to tell a change upstream already has from
+    drifted context."""
+    from tests.wheelkit import A_PY, changed
+
+    (tmp_path / "base").mkdir()
+    wheel = make_wheel(tmp_path / "base", {**BASE_FILES, "vllm/a.py": changed(A_PY, b"line_5 = 5\n", b"line_5 = 50\n")})
+    root = make_release(tmp_path, wheel, patches={"fix-a.patch": _line5(tmp_path, "50", "Line 5 is 50")})
+    line = _one_line(capsys, _build(root, wheel, tmp_path / "dist"))
+    assert line.endswith("does not apply to vllm 0.28.0; vllm 0.28.0 already has this change (fix-a.patch reverses "
+                         "cleanly on it): take fix-a.patch out of the series"), line

@@ -4,7 +4,8 @@ The base is read through a callable (a wheel, a directory, a test's dict), the p
 are applied one by one with ``git apply`` (exact context, no fuzz) in a temporary
 directory, and the result is the set of changed files. Nothing outside the temporary
 directory is written, so a failure leaves every previous output as it was. Errors name
-the patch, the file and the hunk.
+the patch, the file and the hunk, and the earlier patch that changed those lines first
+when the base is not at fault (:mod:`overlay.build.blame`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from overlay.build.blame import why_not
 from overlay.build.series import PACKAGE_RULE, Patch, is_kernel_path
 from overlay.errors import ApplyError, GitError, one_line
 from overlay.git import git
@@ -96,7 +98,7 @@ def apply_series(
             dest = root / path
             dest.parent.mkdir(parents=True, exist_ok=True)
             dest.write_bytes(data)
-        for patch in patches:
+        for index, patch in enumerate(patches):
             # Files a patch modifies must exist by now (in the base or from an earlier patch).
             excluded = [p for p in patch.touched if skip_kernel_files and is_kernel_path(p)]
             for f in patch.files:
@@ -107,8 +109,10 @@ def apply_series(
             try:
                 git(["apply", "--whitespace=nowarn", *(f"--exclude={p}" for p in excluded), "-"], root,
                     input=patch.raw)
-            except GitError as exc:
-                raise ApplyError(_explain(patch, exc.stderr, label)) from None
+            except GitError as exc:  # the base, or an earlier patch that changed those lines first
+                raise ApplyError(_explain(patch, exc.stderr, label) + why_not(
+                    patch, patches[:index], base, root / ".overlay-blame", label,
+                    skip_kernel_files=skip_kernel_files)) from None
         changed: dict[str, bytes] = {}
         deleted: list[str] = []
         for path in touched:

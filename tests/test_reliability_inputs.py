@@ -453,3 +453,20 @@ def test_a_patch_the_base_already_has_says_so(capsys: pytest.CaptureFixture[str]
     line = _one_line(capsys, _build(root, wheel, tmp_path / "dist"))
     assert line.endswith("does not apply to vllm 0.28.0; vllm 0.28.0 already has this change (fix-a.patch reverses "
                          "cleanly on it): take fix-a.patch out of the series"), line
+
+
+def test_a_key_given_twice_in_a_profile_is_refused(tmp_path: Path) -> None:
+    """Before: PyYAML kept the last of two keys without a word: a second ``thresholds:`` block (a paste
+    at the end of the file) replaced the whole first one."""
+    from overlay.regress.errors import ProfileError
+    from overlay.regress.profiles import load_profile
+
+    text = PROFILE.read_text()
+    profile = tmp_path / "twice.yaml"
+    profile.write_text(text + "\nthresholds: {}\n")
+    first = text[:text.index("\nthresholds:")].count("\n") + 2
+    last = text.count("\n") + 2
+    with pytest.raises(ProfileError) as exc:
+        load_profile(str(profile))
+    assert str(exc.value) == (f"{profile}: line {last} not valid YAML: 'thresholds' is given twice (first on line "
+                              f"{first}); keep one")

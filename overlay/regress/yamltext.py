@@ -4,7 +4,9 @@ A YAML alias (``*name``) repeats a node without copying it: ten lines of nested 
 a billion strings, which loading keeps small but anything that walks the value (formatting it into
 an error line, checking every item) expands until memory runs out. Profiles need none, so an alias
 is refused at its line; the file itself is bounded too (:data:`MAX_BYTES`, shipped profiles are a few
-KiB). Both are a :class:`overlay.regress.errors.ProfileError` naming the file.
+KiB). A key given twice in one mapping (PyYAML keeps the last without a word: a second
+``thresholds:`` replaced the first) is refused too. Each is a
+:class:`overlay.regress.errors.ProfileError` naming the file and the line.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 import yaml
 
 from overlay import textfile
+from overlay.errors import shown_value
 from overlay.regress.errors import ProfileError
 
 MAX_BYTES = 1 << 20  # 1 MiB
@@ -30,6 +33,21 @@ class _NoAliases(yaml.SafeLoader):
                 None, None, f"an alias (*{event.anchor}): aliases are not allowed in a profile (a few lines "
                             "of them can stand for gigabytes); write the value out", event.start_mark)
         return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        """A mapping whose keys are all different: PyYAML keeps the last of two, silently."""
+        first: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                line = first.setdefault(key, key_node.start_mark.line)
+            except TypeError:  # an unhashable key: the base class says so
+                break
+            if line != key_node.start_mark.line:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{shown_value(key)} is given twice (first on line {line + 1}); keep one",
+                    key_node.start_mark)
+        return super().construct_mapping(node, deep)
 
 
 def loads(text: str, source: str) -> Any:

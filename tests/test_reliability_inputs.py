@@ -470,3 +470,30 @@ def test_a_key_given_twice_in_a_profile_is_refused(tmp_path: Path) -> None:
         load_profile(str(profile))
     assert str(exc.value) == (f"{profile}: line {last} not valid YAML: 'thresholds' is given twice (first on line "
                               f"{first}); keep one")
+
+
+@pytest.mark.parametrize(("releases", "series", "said"), [
+    pytest.param(["0.29.0", "0.30.0", "0.29.0"], None, "--releases: 0.29.0 given twice (each would be fetched and "
+                 "run twice)", id="a-release-twice"),
+    pytest.param(["0.29.0"], EMPTY_SERIES, "series: lists no patch (only blank lines and comments): the matrix would "
+                 "have no row; list the patches there, one file name a line", id="empty-series"),
+])
+def test_a_patch_tests_matrix_that_cannot_mean_it_is_refused_before_any_download(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, release: tuple[Path, Path],
+    tmp_path: Path, releases: list[str], series: str | None, said: str,
+) -> None:
+    """Before: each release's tree fetched and its dependency set installed, then a release given twice run
+    twice (two columns of one name), an empty series run as a table of no row, exit 0."""
+    import overlay.maintain.trees
+
+    root, _ = release
+    if series is not None:
+        (root / "0.28.0" / "series").write_text(series)
+    (tmp_path / "tests" / "patches").mkdir(parents=True)
+    fetched: list[str] = []
+    monkeypatch.setattr(overlay.maintain.trees, "release_tree", lambda v, *a, **k: fetched.append(v))
+    monkeypatch.chdir(tmp_path)
+    line = _one_line(capsys, ["--patches", str(root), "patch-tests-matrix", "--releases", *releases,
+                              "--tests", "tests/patches"])
+    assert line.endswith(said), line
+    assert fetched == [] and not (tmp_path / "patch-tests-matrix").exists()

@@ -16,9 +16,9 @@ import yaml
 from overlay import numbers
 from overlay.cli import main
 from overlay.commands.common import at_least, fraction, int_list, non_negative, port, positive
-from overlay.regress.checks import THRESHOLDS
+from overlay.regress.checks import CHECKS, HIGH, Bound
 from overlay.regress.errors import ProfileError
-from overlay.regress.profiles import FRACTION_THRESHOLDS, load_profile, parse_profile
+from overlay.regress.profiles import load_profile, parse_profile
 
 REPO = Path(__file__).resolve().parent.parent
 NON_FINITE = ["nan", "NaN", "inf", "-inf", "Infinity", "1e999"]
@@ -113,17 +113,39 @@ def test_a_profile_refuses_non_finite_numbers(mutate, words: str) -> None:
     assert _refused(mutate).startswith(f"p.yaml: {words}")
 
 
-@pytest.mark.parametrize("name", FRACTION_THRESHOLDS)
-def test_a_fraction_threshold_above_one_is_refused(name: str) -> None:
+def _threshold(name: str, value: float):
+    def mutate(data: dict) -> None:
+        data["thresholds"][name] = {"value": value, "why": "the test's value"}
+    return mutate
+
+
+@pytest.mark.parametrize("name", [n for n, high in HIGH.items() if high is not None])
+def test_a_threshold_above_its_declared_range_is_refused(name: str) -> None:
     """Before: ``acceptance_near_one: 7`` (a rate) was taken, and no position can be accepted at >= 7, so
-    the collapse rules were off without a word; the same for the cliff, the drop and the repetition share."""
-    assert _refused(_set(f"thresholds.{name}", "value", 7)).startswith(
-        f"p.yaml: thresholds.{name}.value: must be > 0 and <= 1, got 7.0")
+    the collapse rules were off without a word; the same for the cliff, the drop and the repetition share.
+    The rates were a list in ``profiles.py`` kept by hand beside the checks: a new rate left out of it took
+    any value. Now each threshold's range is declared where its check declares it (``checks.rate``)."""
+    high = HIGH[name]
+    assert high is not None
+    value = 7.0 * high
+    assert f"p.yaml: thresholds.{name}.value: must be > 0 and <= {high}, got {value!r}" in _refused(
+        _threshold(name, value))
 
 
-def test_the_fraction_thresholds_are_thresholds() -> None:
-    known = {n for names in THRESHOLDS.values() for n in names}
-    assert set(FRACTION_THRESHOLDS) <= known
+@pytest.mark.parametrize("name", [n for n, high in HIGH.items() if high is None])
+def test_a_threshold_without_an_upper_bound_takes_any_positive_value(name: str) -> None:
+    data = yaml.safe_load(PROFILE.read_text())
+    _threshold(name, 7.5)(data)
+    assert parse_profile(yaml.safe_dump(data), "p.yaml").thresholds[name].value == 7.5
+
+
+def test_every_threshold_declares_its_range() -> None:
+    """A threshold is a :class:`Bound` (no default range) and belongs to one check."""
+    declared = [b for c in CHECKS for b in c.thresholds]
+    assert all(isinstance(b, Bound) and (b.high is None or b.high > 0) for b in declared)
+    assert sorted(HIGH) == sorted(b.name for b in declared)
+    with pytest.raises(TypeError):
+        Bound("new_threshold")  # type: ignore[call-arg]
 
 
 @pytest.mark.parametrize("value", [70000, 65536, 0, -1])

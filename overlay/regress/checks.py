@@ -54,11 +54,31 @@ StepFn = Callable[[StepContext], "tuple[dict[str, Any], list[Finding]]"]
 
 
 @dataclass(frozen=True)
+class Bound:
+    """A threshold a check reads, with the range a profile's value must fall in: above 0, and at most
+    ``high`` where it is set. No default: a threshold says its range where it is declared."""
+
+    name: str
+    high: float | None
+
+
+def rate(name: str) -> Bound:
+    """A share or a rate, in (0, 1]: above 1 it could never fire (``acceptance_near_one: 7`` turned the
+    collapse rules off without a word)."""
+    return Bound(name, 1)
+
+
+def above_zero(name: str) -> Bound:
+    """A count, a factor, a ratio to a baseline or an amount: any value > 0."""
+    return Bound(name, None)
+
+
+@dataclass(frozen=True)
 class Check:
     name: str
     step: str  # "module:function", (StepContext) -> (data, findings)
     summary: str  # "module:function", (data) -> one line
-    thresholds: tuple[str, ...]
+    thresholds: tuple[Bound, ...]  # each with its range: rate(...) or above_zero(...)
     default: bool = True  # run by a profile that names no checks
     prepare: str | None = None  # "module:function", (StepContext) -> None, before the first check runs
     also_when: str | None = None  # a StepContext option that turns the check on although the profile has it off
@@ -87,24 +107,26 @@ _P = "overlay.regress.plots"
 _B = "overlay.regress.baseline_record"
 CHECKS: tuple[Check, ...] = (
     Check("differential", "overlay.regress.differential:step", "overlay.regress.differential:summary",
-          ("differential_safety", "differential_floor_nats"), default=False,  # needs a reference: opt in
+          (above_zero("differential_safety"), above_zero("differential_floor_nats")),
+          default=False,  # needs a reference: opt in
           also_when="record_differential", options="differential", section=f"{_R}:differential_section"),
     Check("long_context", "overlay.regress.longctx:step", "overlay.regress.longctx:summary",
-          ("count_min_consecutive", "repetition_ngram", "repetition_max_ratio"), title="long context",
-          options="long_context", section=f"{_R}:long_context_section"),
-    Check("gsm8k", "overlay.regress.gsm8k:step", "overlay.regress.gsm8k:summary", ("gsm8k_max_stderrs",),
+          (above_zero("count_min_consecutive"), above_zero("repetition_ngram"), rate("repetition_max_ratio")),
+          title="long context", options="long_context", section=f"{_R}:long_context_section"),
+    Check("gsm8k", "overlay.regress.gsm8k:step", "overlay.regress.gsm8k:summary", (above_zero("gsm8k_max_stderrs"),),
           title="GSM8K", options="gsm8k", section=f"{_R}:gsm8k_section", plot=f"{_P}:gsm8k_plot",
           record=f"{_B}:gsm8k_values"),
     Check("latency", "overlay.regress.latency:step", "overlay.regress.latency:summary",
-          ("ttft_max_ratio", "tpot_max_ratio"), options="latency", section=f"{_R}:latency_section",
-          plot=f"{_P}:latency_plot", record=f"{_B}:latency_values"),
+          (above_zero("ttft_max_ratio"), above_zero("tpot_max_ratio")), options="latency",
+          section=f"{_R}:latency_section", plot=f"{_P}:latency_plot", record=f"{_B}:latency_values"),
     Check("acceptance", "overlay.regress.acceptance:step", "overlay.regress.acceptance:summary",
-          ("acceptance_near_one", "acceptance_cliff", "acceptance_max_drop"),
+          (rate("acceptance_near_one"), rate("acceptance_cliff"), rate("acceptance_max_drop")),
           prepare="overlay.regress.acceptance:prepare", section=f"{_R}:acceptance_section",
           plot=f"{_P}:acceptance_plot", record=f"{_B}:acceptance_values"),
 )
 NAMES: tuple[str, ...] = tuple(c.name for c in CHECKS)
 DEFAULTS: tuple[str, ...] = tuple(c.name for c in CHECKS if c.default)
-THRESHOLDS: dict[str, tuple[str, ...]] = {c.name: c.thresholds for c in CHECKS}
+THRESHOLDS: dict[str, tuple[str, ...]] = {c.name: tuple(b.name for b in c.thresholds) for c in CHECKS}
+HIGH: dict[str, float | None] = {b.name: b.high for c in CHECKS for b in c.thresholds}  # threshold -> its upper bound
 TITLES: tuple[str, ...] = tuple(c.words for c in CHECKS)
 RECORDED: tuple[str, ...] = tuple(c.name for c in CHECKS if c.record)

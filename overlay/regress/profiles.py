@@ -20,15 +20,13 @@ from typing import Any
 from overlay import numbers
 from overlay.errors import shown_value
 from overlay.regress import yamltext
-from overlay.regress.checks import DEFAULTS, NAMES, THRESHOLDS
+from overlay.regress.checks import DEFAULTS, HIGH, NAMES, THRESHOLDS
 from overlay.regress.errors import ProfileError
 
 LATENCY_TOOLS = ("vllm-bench", "builtin")
 GSM8K_METRICS = ("strict-match", "flexible-extract")  # lm-eval's two GSM8K filters, each with a baseline
-# The checks, their order and the thresholds each reads: overlay.regress.checks (NAMES, DEFAULTS, THRESHOLDS).
-# Thresholds that are shares or rates, in (0, 1]: above 1 they can never fire (acceptance_near_one: 7 turned
-# the collapse rules off without a word).
-FRACTION_THRESHOLDS = ("acceptance_near_one", "acceptance_cliff", "acceptance_max_drop", "repetition_max_ratio")
+# The checks, their order, the thresholds each reads and each threshold's range: overlay.regress.checks
+# (NAMES, DEFAULTS, THRESHOLDS, HIGH).
 MAX_PORT = 65535
 
 
@@ -515,7 +513,7 @@ def _thresholds(f: _Fields, data: dict[str, Any], checks: list[str] | None) -> d
             problems.append(f"thresholds.{key}: expected a mapping with value and why")
             continue
         value = f.get(raw, f"thresholds.{key}", "value", float, positive=True,
-                      high=1 if key in FRACTION_THRESHOLDS else None)
+                      high=HIGH[key])  # the range its check declares (checks.rate / above_zero)
         why = f.get(raw, f"thresholds.{key}", "why", str)
         if isinstance(why, str) and not why.strip():
             problems.append(f"thresholds.{key}.why: empty (every threshold says why)")

@@ -48,7 +48,7 @@ def test_every_registered_check_resolves_and_names_only_its_thresholds() -> None
         for ref in filter(None, (c.step, c.summary, c.prepare, c.section, c.plot, c.record)):
             assert callable(checks.function(ref)), ref
     assert checks.NAMES == tuple(c.name for c in CHECKS) and len(set(checks.NAMES)) == len(CHECKS)
-    owned = [t for c in CHECKS for t in c.thresholds]
+    owned = [t.name for c in CHECKS for t in c.thresholds]
     assert len(owned) == len(set(owned))  # a threshold belongs to one check
     # the run's order: the differential check first, acceptance (over everything the run sent) last
     assert checks.NAMES[0] == "differential" and checks.NAMES[-1] == "acceptance"

@@ -230,6 +230,10 @@ def main(patches_root: Path, from_version: str, releases: list[str], out: Path, 
 
     for release in releases:
         check_version(release, "--releases")
+    twice = sorted({r for r in releases if releases.count(r) > 1}, key=releases.index)
+    if twice:
+        raise OverlayError(f"--releases: {', '.join(twice)} given twice (each would be fetched and run twice)")
+    Series.load(pin_dir(patches_root, from_version)).require_patches("the matrix would have no row")
     if not test_file(tests_dir, "x").parent.is_dir():
         raise OverlayError(f"{tests_dir}: no such folder of patch tests")
     roots = [patches_root, *pins_roots]

@@ -4,9 +4,9 @@ Before the registry, a check had to be named in three places that had to agree (
 the runner's step table and a fixed order tuple in ``runner.run``); one left out ran nothing and
 said nothing. Here a check added only to ``CHECKS`` runs, in the place its line gives it, with its
 own summary, and every shipped check's code resolves. The places that still name the checks (the
-report's sections and plots, the recorded baseline, the profile's option sections, the help, the
-README, the guide, the Makefile's help line, the architecture's module map) are derived from it or
-held to it here.
+report's sections and plots, the recorded baseline, the profile's option sections, each shipped
+profile's ``checks`` and ``checks_off``, the help, the README, the guide, the Makefile's help line, the
+architecture's module map) are derived from it or held to it here.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from regress_helpers import make_profile
 
 from overlay import cli
 from overlay.regress import baseline_record, checks, runner
 from overlay.regress.checks import CHECKS, TITLES, Check, StepContext
-from overlay.regress.profiles import Profile, load_profile
+from overlay.regress.profiles import Profile, load_profile, shipped_profiles
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,6 +78,16 @@ def test_every_shipped_check_has_its_report_section() -> None:
 def test_the_recorded_baseline_comes_from_the_checks_that_record() -> None:
     assert baseline_record.RECORDED == tuple(c.name for c in CHECKS if c.record)
     assert set(baseline_record.RECORDED) <= set(checks.NAMES)
+
+
+@pytest.mark.parametrize("name", shipped_profiles())
+def test_every_shipped_profile_runs_each_check_or_says_why_not(name: str) -> None:
+    """Every shipped profile lists its ``checks``, so a check added to ``CHECKS`` (``default`` or not) ran in
+    none of them and nothing said so. Now each names every registered check: in ``checks``, or in
+    ``checks_off`` with why it is off there (the report shows that line)."""
+    p = load_profile(name)
+    named = set(p.checks) | set(p.checks_off)
+    assert [c for c in checks.NAMES if c not in named] == [], f"{p.path}: add it to checks, or to checks_off with why"
 
 
 def test_the_profile_option_sections_are_the_checks() -> None:

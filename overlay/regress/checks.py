@@ -14,12 +14,28 @@ The order of :data:`CHECKS` is the run's order: the differential check first (it
 as it came up), then long context (a crash on a long prefill ends the run in minutes, not after
 GSM8K), then GSM8K (corruption left behind by long prompts shows up there too), then latency, and
 acceptance last: it reads the speculative-decoding counters over everything the run sent. The
-report's sections and plots, the recorded baseline, ``overlay regress --help`` and the profile
-check lists are derived from it; ``tests/regress/test_checks_registry.py`` holds the README, the
-guide (``docs/regress/README.md``), the Makefile's help line and the profile's option sections to it.
+report's sections and plots, the recorded baseline, ``overlay regress --help``, the check list of a
+profile that names none and each threshold's range are derived from it;
+``tests/regress/test_checks_registry.py`` holds the README, the guide (``docs/regress/README.md``), the
+Makefile's help line, the architecture's module map, the profile's option sections and each shipped
+profile's ``checks`` and ``checks_off`` to it.
 
-Adding a check: its module with ``step`` and ``summary``, its report section (``report.py``), its
-thresholds' ``why`` in the shipped profiles, one line here.
+Adding a check touches, besides its one line here:
+
+- its module, with ``step`` and ``summary`` (and ``prepare``, ``plot``, ``record`` where it has them);
+- its report section, a function in ``report.py`` named by ``section``;
+- its thresholds, each declared in its line here with its range (:func:`rate`: in (0, 1], a share or
+  a rate; :func:`above_zero`: any value > 0): a :class:`Bound` has no default range;
+- its profile fields in ``profiles.py``: a ``*Spec`` dataclass, its :class:`Profile` field and its
+  parser (named by ``options``), and the numbers it compares with in ``Baseline``;
+- every shipped profile (``profiles/*.yaml``): the check in ``checks:`` (with each threshold's ``why``)
+  or in ``checks_off:`` with why it is off there;
+- the words that name the checks in order: the README's "regress a server (...)" row, the guide's
+  numbered list, the Makefile's ``regress`` help line and the ``overlay/regress/`` row of
+  ``docs/ARCHITECTURE.md``'s module map.
+
+``tests/regress/test_checks_registry.py`` fails while one of these is missing, the ``Baseline``
+numbers aside (the check's own tests read those).
 """
 
 from __future__ import annotations

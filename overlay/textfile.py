@@ -41,6 +41,13 @@ def decode(raw: bytes, source: str, error: type[OverlayError] = OverlayError, *,
                     "save it as UTF-8") from None
 
 
+def refuse_empty(text: str, source: str, error: type[OverlayError], what: str) -> None:
+    """Raise ``error`` naming ``source`` when it holds nothing but whitespace: say it is empty, rather than
+    what a parser makes of no text (no 'From ' line, missing fields, not a mapping)."""
+    if not text.strip():
+        raise error(f"{source}: is empty{'' if not text else ' (only whitespace)'}, not {what}")
+
+
 def refuse_crlf(text: str, source: str, error: type[OverlayError], lines: tuple[str, ...] = ()) -> None:
     """Raise ``error`` naming ``source`` and the line when a line ends in CR LF; with ``lines`` only lines
     that start with one of them count (a patch's own lines: a hunk may carry a CRLF file's content)."""

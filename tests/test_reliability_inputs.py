@@ -497,3 +497,28 @@ def test_a_patch_tests_matrix_that_cannot_mean_it_is_refused_before_any_download
                               "--tests", "tests/patches"])
     assert line.endswith(said), line
     assert fetched == [] and not (tmp_path / "patch-tests-matrix").exists()
+
+
+@pytest.mark.parametrize(("file", "text", "said"), [
+    pytest.param("fix-a.patch", "", "is empty, not a git format-patch file", id="patch"),
+    pytest.param("pin.toml", "\n\n", "is empty (only whitespace), not a pin (version, wheel, sha256)", id="pin"),
+])
+def test_an_empty_patch_or_pin_says_it_is_empty(capsys: pytest.CaptureFixture[str], release: tuple[Path, Path],
+                                                tmp_path: Path, file: str, text: str, said: str) -> None:
+    """Before: an empty patch (a failed export) was ``not a git format-patch file (no 'From ' line)``; an
+    empty ``pin.toml`` ``missing field 'version'; missing field 'wheel'; missing field 'sha256'``."""
+    root, wheel = release
+    path = root / "0.28.0" / file
+    path.write_text(text)
+    assert _one_line(capsys, _build(root, wheel, tmp_path / "dist")) == f"error: {path}: {said}"
+
+
+def test_an_empty_profile_says_it_is_empty(tmp_path: Path) -> None:
+    """Before: ``P: expected a mapping at the top level``."""
+    from overlay.regress.errors import ProfileError
+    from overlay.regress.profiles import load_profile
+
+    profile = tmp_path / "empty.yaml"
+    profile.write_text("")
+    with pytest.raises(ProfileError, match=r": is empty, not a profile \(name, server, checks, \.\.\.\)$"):
+        load_profile(str(profile))

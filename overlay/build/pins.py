@@ -79,6 +79,7 @@ class Pin:
         except OSError as exc:
             raise PinError(f"{path}: cannot read the pin file: {exc.strerror}") from None
         text = textfile.decode(raw, str(path), PinError)
+        textfile.refuse_empty(text, str(path), PinError, "a pin (version, wheel, sha256)")
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:

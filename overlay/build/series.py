@@ -396,6 +396,7 @@ class Patch:
         source = str(path)
         text = decode_utf8(raw, source)
         # git format-patch writes LF; a converted file's own lines end in CR LF (not a hunk's content)
+        textfile.refuse_empty(text, source, SeriesError, "a git format-patch file")
         textfile.refuse_crlf(text, source, SeriesError, _OWN_LINES)
         if not text.startswith("From "):
             raise SeriesError(f"{source}: not a git format-patch file (no 'From ' line)")

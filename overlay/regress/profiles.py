@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from overlay import numbers
+from overlay import numbers, textfile
 from overlay.errors import shown_value
 from overlay.regress import yamltext
 from overlay.regress.checks import DEFAULTS, HIGH, NAMES, THRESHOLDS
@@ -295,6 +295,7 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 
 def parse_profile(text: str, source: str) -> Profile:
     """Parse and validate a profile's YAML text; ``source`` names it in every error."""
+    textfile.refuse_empty(text, source, ProfileError, "a profile (name, server, checks, ...)")
     data = yamltext.loads(text, source)
     if not isinstance(data, dict):
         raise ProfileError(f"{source}: expected a mapping at the top level")

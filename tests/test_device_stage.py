@@ -75,6 +75,32 @@ def test_not_needed_requirements_are_left_out_with_their_reason() -> None:
     assert "flashinfer-python" not in ds.NOT_NEEDED and "nvidia-cutlass-dsl" not in ds.NOT_NEEDED
 
 
+def test_the_harness_requirements_are_pinned_as_in_pyproject() -> None:
+    """``HARNESS_REQUIREMENTS`` (what device-stage adds for the overlay's own modules on the device) is the
+    pin ``pyproject.toml`` gives each package: the pin (``httpx-sse==0.4.3``) was typed in settings, in
+    pyproject.toml and in this file, and nothing said when they parted."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    listed = [*project["dependencies"], *(r for reqs in project["optional-dependencies"].values() for r in reqs)]
+    pins = {(r := Requirement(text)).name: str(r.specifier) for text in listed}
+    assert ds.HARNESS_REQUIREMENTS
+    for text in ds.HARNESS_REQUIREMENTS:
+        req = Requirement(text)
+        assert pins.get(req.name) == str(req.specifier), f"{text}: pyproject.toml pins {req.name}{pins.get(req.name)}"
+
+
+def test_the_device_guide_points_at_the_settings() -> None:
+    """The guide's lists of what stays home (kernels, wheel members, packages) were prose copies of
+    settings.py, untested; it names the settings instead, and each must be there."""
+    guide = (REPO / "docs" / "device" / "README.md").read_text()
+    assert "`overlay/device/settings.py`" in guide
+    for name in ("KEEP_KERNELS", "LEFT_OUT", "TORCH_FAMILY", "NOT_NEEDED"):
+        assert f"`{name}`" in guide and getattr(ds.settings, name), name
+
+
 def test_device_requirements_follow_the_target_not_this_interpreter() -> None:
     kept, _ = ds.device_requirements(['six; python_version > "3.11"'],
                                      env={**ds.DEVICE_ENV, "python_version": "3.11"})
@@ -622,7 +648,7 @@ def test_no_resolution_cache_forces_a_resolve(rig: StageRig, capsys: pytest.Capt
     assert "resolution cache not used (--no-resolution-cache)" in capsys.readouterr().err
     manifest = json.loads((rig.tmp / "cli" / "engine" / "manifest.json").read_text())
     assert manifest["resolution"]["cached"] is False
-    assert manifest["resolution"]["extra_requirements"] == ["httpx-sse==0.4.3"]
+    assert manifest["resolution"]["extra_requirements"] == list(ds.HARNESS_REQUIREMENTS)
 
 
 # --- extra requirements (--extra / EXTRA) ----------------------------------------------------------

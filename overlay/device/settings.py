@@ -17,8 +17,9 @@ XZ_PRESET = 6
 STUB_LABEL = "device"
 TORCH_FAMILY = frozenset({"torch", "torchvision", "torchaudio"})
 # What the overlay's own modules that run on the device import beyond vLLM's requirements
-# (overlay.bench.engine, overlay.regress), pinned as in pyproject.toml: `overlay device-stage` adds
-# them to its --extra requirements.
+# (overlay.bench.engine, overlay.regress), pinned as in pyproject.toml (its pin is the source;
+# tests/test_device_stage.py fails when the two part): `overlay device-stage` adds them to its --extra
+# requirements.
 HARNESS_REQUIREMENTS: tuple[str, ...] = ("httpx-sse==0.4.3",)
 
 # vLLM requirements (or their dependencies) that no engine run of a text-only sparse-MLA model on

@@ -20,8 +20,10 @@ OVERLAY = $(call q,PY) -m overlay
 # dependencies. $(call q,PYTHON) -m overlay, a bare python3 with no venv and no stamp, only for the
 # verbs that run on the GPU device machine, which has neither a venv nor a network (engine-check,
 # engine-checkpoint, bench-engine); overlay/commands/ imports only the standard library so they can.
-# A new target is named as its verb: `<verb>: $(TOOL_STAMP) ## help [VARS]`, then `$(OVERLAY) <verb>`.
-# tests/test_commands.py holds this rule.
+# A new target is named as its verb: `<verb>: $(TOOL_STAMP) ## help [VARS]`, then `$(OVERLAY) <verb>`,
+# and the verb goes on a .PHONY line: every target `make help` lists is a command, never a file, and one
+# named like a path that exists (dist, docs, kernel-sources) would otherwise be "up to date" and do nothing.
+# tests/test_commands.py holds these rules.
 
 # Release versions are checked as x.y.z before any recipe (or the stamp file named after VLLM) uses them.
 is_version = $(shell printf '%s' $(call q,$(1)) | grep -Ex '[0-9]+\.[0-9]+\.[0-9]+((\.post|rc)[0-9]+)?')

@@ -80,6 +80,17 @@ def recipes() -> dict[str, tuple[str, str]]:
     return out
 
 
+def test_every_target_make_help_lists_is_phony() -> None:
+    """.PHONY was declared by hand on scattered lines, untested: a target named like a path that exists
+    (``dist``, ``docs``, ``kernel-sources``) and left off them is "up to date" for make, which then runs
+    nothing and exits 0."""
+    phony = {name for line in re.findall(r"(?m)^\.PHONY:(.*)$", MAKEFILE) for name in line.split()}
+    listed = re.findall(r"(?m)^([A-Za-z0-9_.-]+):(?!=)[^\n]*## ", MAKEFILE)
+    assert len(listed) >= len(cli.verbs())
+    assert [t for t in listed if t not in phony] == [], "add them to a .PHONY line"
+    assert ".PHONY line" in MAKEFILE.split("\n.PHONY", 1)[0], "the Makefile's header says it"
+
+
 def test_the_makefile_header_says_which_python_runs_each_verb() -> None:
     header = MAKEFILE.split("\n.PHONY", 1)[0]
     named = re.search(r"\(engine-check,\s*#?\s*engine-checkpoint, bench-engine\)", header)

@@ -149,3 +149,50 @@ def test_every_digest_check_is_the_one_verify(
     pipeline.build(root, "0.28.0", tmp_path / "dist", base_wheel=given)
     assert seen[:3] == [seen[0], "wheels", "src"] and seen[0].startswith(".download-")
     assert seen[3:] == ["given"]
+
+
+REPO = Path(__file__).resolve().parent.parent
+PINS = sorted([*REPO.glob("patches/*/pin.toml"), *REPO.glob("tests/pins/*/pin.toml")])
+
+
+def pip_targets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
+    """(platform, implementation, Python version) of each pip command ``fetch`` runs: the download and
+    the index's digest of an unpinned release."""
+    import subprocess
+
+    import overlay.build.fetch as fetch
+
+    seen: list[list[str]] = []
+
+    def run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[bytes]:
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, b"", b"")
+
+    monkeypatch.setattr(fetch.subprocess, "run", run)
+    with pytest.raises(FetchError):
+        fetch.pip_download_wheel("vllm==0.28.0", tmp_path)
+    with pytest.raises(FetchError):
+        fetch.pip_index_digest("vllm==0.28.0")
+    assert len(seen) == 2
+    return [tuple(cmd[cmd.index(flag) + 1] for flag in ("--platform", "--implementation", "--python-version"))
+            for cmd in seen]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("pin_toml", PINS, ids=lambda p: str(p.relative_to(REPO).parent))
+def test_every_pinned_wheel_is_one_pip_fetches_for_its_target(
+    pin_toml: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The platform and Python pip is told to fetch for (``fetch._PIP_TARGET``) and each pin's wheel file name
+    had nothing linking them: a pin for another platform tag, or the target changed alone, and pip found
+    no such wheel (``pip did not produce ...``) or another one."""
+    from packaging.tags import cpython_tags
+    from packaging.utils import parse_wheel_filename
+
+    pin = Pin.load(pin_toml)
+    name, version, _, tags = parse_wheel_filename(pin.wheel)
+    assert (name, str(version)) == ("vllm", pin.version)
+    assert PINS and any(p.parent.parent.name == "patches" for p in PINS)
+    for platform, implementation, python in pip_targets(tmp_path, monkeypatch):
+        major, minor = (int(n) for n in python.split("."))
+        picks = set(cpython_tags((major, minor), platforms=[platform])) if implementation == "cp" else set()
+        assert tags & picks, f"{pin_toml}: pip fetches for {implementation} {python} on {platform}, not {pin.wheel}"

@@ -27,7 +27,9 @@ from overlay.errors import FetchError
 Downloader = Callable[[str, Path], None]
 """``downloader(requirement, dest_dir)`` puts the release file into ``dest_dir``."""
 
-# The pinned wheel is manylinux x86_64 whatever machine builds the overlay.
+# The pinned wheel is manylinux x86_64 whatever machine builds the overlay. Each pin.toml's wheel must be
+# one pip picks for this target (its platform tag, a CPython 3.11 tag): tests/test_fetch.py holds every pin
+# under patches/ and tests/pins/ to the command pip is given.
 _PIP_TARGET = ["--platform", "manylinux_2_28_x86_64", "--implementation", "cp", "--python-version", "3.11"]
 
 

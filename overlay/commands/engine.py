@@ -32,7 +32,11 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     ap.add_argument("--reuse", type=Path, help="take the reference and spread results of an earlier --out here")
     ap.add_argument("--variant", type=Path, help="a variant tarball (engine-variants): lay it over vllm, use as --tree")
     ap.add_argument("--variants", type=Path, help="engine-variants' folder: add one job per seed-bug variant")
-    ap.add_argument("--expect", help="crash:REGEX or mismatch: the checked cases must fail so (seed-bug variants)")
+    ap.add_argument("--expect", help="crash:REGEX, mismatch or pass: what the checked cases must show (seed-bug "
+                                     "variants)")
+    ap.add_argument("--vllm", dest="release", metavar="RELEASE",
+                    help="the release whose build the engines must import (e.g. 0.33.0): refused in one line when "
+                         "the installed vllm (or --tree's) is another (default: whichever is installed)")
     ap.set_defaults(handler=cmd_engine_check)
 
     text = "the seed-bug variant trees (the series minus each fix, stock) that engine-check must catch"
@@ -80,7 +84,9 @@ def cmd_engine_variants(ns: argparse.Namespace) -> int:
 
     m = build_variants(root(ns), ns.vllm, ns.out)
     for name, v in m["variants"].items():
-        print(f"{name}: {v['what']}; expect {v['expect']} on {v['case'] or '(not on this machine)'}")
+        shows = "; ".join(f"expect {j['expect']} on {j['case'] or '(not on this machine)'}"
+                          for j in v.get("jobs") or [v])
+        print(f"{name}: {v['what']}; {shows}")
     return 0
 
 

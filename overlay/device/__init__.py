@@ -8,7 +8,10 @@ module stages, from the patched wheel that ``make build`` wrote:
 - vLLM's Python tree with its dist-info (one deterministic ``.tar.xz``, without the ``vllm-rs``
   binary, ``third_party/fmha_sm100`` and every compiled library),
 - the compiled kernels the device can use, one ``.xz`` each (:data:`KEEP_KERNELS`; the others
-  are listed in the manifest with the reason they were left out),
+  are listed in the manifest with the reason they were left out), each first judged against the
+  device's torch (``torch_abi``: the release's torch pin, the kernels' shim symbols against the
+  device torch's export list; a required kernel that cannot load there stops the staging with one
+  line naming it, an optional one stays home),
 - the Python wheels vLLM needs that the device lacks: vLLM's ``Requires-Dist`` (markers
   evaluated for CPython 3.12 on Linux x86_64, vLLM's extras not requested, torch,
   torchvision and torchaudio left out: the device's torch 2.11 is used on purpose), resolved
@@ -31,7 +34,8 @@ is not on PyPI).
 
 The package's rooms, in the order a run uses them: ``settings`` (the device's facts and what a
 person may change), ``requirements``, ``resolve`` (pip through stub wheels), ``resolution_cache``,
-``files`` (downloads, vLLM's tree and kernels), ``carries`` and ``staging`` (the whole run).
+``files`` (downloads, vLLM's tree and kernels), ``torch_abi`` (the kernels against the device's torch),
+``carries`` and ``staging`` (the whole run).
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from overlay.device.settings import (
     LEFT_OUT,
     MIB,
     NOT_NEEDED,
+    OPTIONAL_KERNELS,
     PLATFORMS,
     DeviceStageError,
     with_harness,
@@ -87,6 +92,7 @@ __all__ = [
     "LEFT_OUT",
     "MIB",
     "NOT_NEEDED",
+    "OPTIONAL_KERNELS",
     "OTHER_LIBRARY",
     "PIP_ENV_KEYS",
     "PLATFORMS",

@@ -11,7 +11,7 @@ import subprocess
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +21,7 @@ from overlay.build.fetch import sha256_file
 from overlay.build.wheel import dist_info_name
 from overlay.device.requirements import pip_error_tail
 from overlay.device.resolve import ResolvedWheel, Resolver, target_args
-from overlay.device.settings import KEEP_KERNELS, LEFT_OUT, MIB, XZ_PRESET, DeviceStageError, log
+from overlay.device.settings import KEEP_KERNELS, LEFT_OUT, MIB, OPTIONAL_KERNELS, XZ_PRESET, DeviceStageError, log
 
 
 @dataclass(frozen=True)
@@ -82,21 +82,25 @@ def _download_one(wheel: ResolvedWheel, target: Path, resolver: Resolver) -> Non
 OTHER_LIBRARY = "a compiled library not in KEEP_KERNELS"
 
 
-def left_out_rule(member: str) -> tuple[str, str] | None:
-    """Which rule keeps a wheel member home: ``(path or prefix, why)``; None: it travels."""
+def left_out_rule(member: str, home: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """Which rule keeps a wheel member home: ``(path or prefix, why)``; None: it travels. ``home``:
+    kept kernels that stay home this time (the device's torch cannot load them), with why."""
     for prefix, why in LEFT_OUT:
         if member == prefix or member.startswith(prefix):
             return prefix, why
+    if home and member in home:
+        return member, home[member]
     if member.endswith(".so") and member not in KEEP_KERNELS:
         return member, OTHER_LIBRARY
     return None
 
 
-def summarize_left_out(zf: zipfile.ZipFile, members: Iterable[str]) -> list[dict]:
+def summarize_left_out(zf: zipfile.ZipFile, members: Iterable[str],
+                       home: Mapping[str, str] | None = None) -> list[dict]:
     """One entry per rule that matched: the path or prefix, how many files and bytes, and why."""
     groups: dict[tuple[str, str], list[int]] = {}
     for name in members:
-        rule = left_out_rule(name)
+        rule = left_out_rule(name, home)
         if rule:
             groups.setdefault(rule, []).append(zf.getinfo(name).file_size)
     return [{"path": path, "files": len(sizes), "bytes": sum(sizes), "why": why}
@@ -120,15 +124,17 @@ def tree_tar(zf: zipfile.ZipFile, members: Sequence[str]) -> bytes:
                      for name in members)
 
 
-def stage_vllm(wheel: Path, xz_cache: Path, jobs: int = 2) -> tuple[list[StagedFile], list[dict]]:
-    """vLLM's tree (one .tar.xz) and kept kernels (one .xz each) from ``wheel``; what was left out, why."""
+def stage_vllm(wheel: Path, xz_cache: Path, jobs: int = 2,
+               home: Mapping[str, str] | None = None) -> tuple[list[StagedFile], list[dict]]:
+    """vLLM's tree (one .tar.xz) and kept kernels (one .xz each) from ``wheel``; what was left out, why.
+    ``home``: optional kernels that stay home (their reason); a required one missing stops it."""
     with zipfile.ZipFile(wheel) as zf:
         dist_info = dist_info_name(zf.infolist(), wheel)
         names = sorted(n for n in zf.namelist() if not n.endswith("/"))
-        left_out = summarize_left_out(zf, names)
-        skipped = {n for n in names if left_out_rule(n)}
-        kernels = [n for n in names if n in KEEP_KERNELS]
-        missing = sorted(set(KEEP_KERNELS) - set(kernels))
+        left_out = summarize_left_out(zf, names, home)
+        skipped = {n for n in names if left_out_rule(n, home)}
+        kernels = [n for n in names if n in KEEP_KERNELS and n not in skipped]
+        missing = sorted(set(KEEP_KERNELS) - set(OPTIONAL_KERNELS) - set(kernels))
         if missing:
             raise DeviceStageError(f"{wheel.name} lacks kernel(s) {', '.join(missing)}")
         tree = [n for n in names if n not in skipped and n not in kernels

@@ -77,19 +77,36 @@ KEEP_KERNELS: tuple[str, ...] = (
     "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so",
     "vllm/_flashkda_C.abi3.so",
     "vllm/_qutlass_C.abi3.so",
+    "vllm/_deepselect_C.abi3.so",
     "vllm/_rust_tool_parser.abi3.so",
     "vllm/cumem_allocator.abi3.so",
     "vllm/fs_io_C.abi3.so",
     "vllm/spinloop.abi3.so",
 )
+# Kept kernels that a release's wheel may lack, or that may stay home when they do not load on the
+# device's torch (overlay.device.torch_abi), each with why an engine run of a text-only sparse-MLA
+# model on Hopper goes without it. The others of KEEP_KERNELS are required: a wheel without one, or
+# one that does not resolve against the device's torch, stops the staging.
+OPTIONAL_KERNELS: dict[str, str] = {
+    "vllm/_flashkda_C.abi3.so": "FlashKDA (Kimi/GLM-5-next linear attention); imported by those models only",
+    "vllm/_qutlass_C.abi3.so": "QuTLASS FP4 GEMMs; vLLM imports it under contextlib.suppress(ImportError)",
+    "vllm/_deepselect_C.abi3.so": "DeepSelect top-k (0.33.0; SM100 only); vLLM imports it in a try",
+    "vllm/_rust_tool_parser.abi3.so": "tool-call parsing (0.28.0; gone in 0.33.0); not used by the engine check",
+    "vllm/fs_io_C.abi3.so": "file-system KV offload tiering; imported by that connector only",
+    "vllm/spinloop.abi3.so": "shared-memory broadcast spin loop; vLLM falls back to Python without it",
+}
 LEFT_OUT: tuple[tuple[str, str], ...] = (
     ("vllm/vllm-rs", "the Rust front-end binary (54 MB); the engine runs from Python"),
     ("vllm/third_party/fmha_sm100/", "Blackwell (sm100) attention kernels; the device is Hopper"),
     ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so",
      "FlashAttention 2 (308 MB, 2+ carries as .xz); Hopper uses FA3, and vLLM imports FA2 in a try"),
-    ("vllm/third_party/deep_gemm/_C.",
+    ("vllm/third_party/deep_gemm/_C.cpython-",
      "vendored DeepGEMM extension: built against torch's C++ ABI, it does not load on the device's "
      "torch 2.11 (docs/ARCHITECTURE.md); a deep_gemm stand-in on PYTHONPATH takes its place"),
+    ("vllm/third_party/deep_gemm/_C_extension.",
+     "vendored DeepGEMM extension (0.33.0): on torch's stable ABI and resolving against the device's "
+     "torch 2.11, but its kernels are JIT-compiled at run time; the engine check's deep_gemm stand-in "
+     "takes its place, as on 0.28.0"),
 )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+import zipfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,14 +31,18 @@ from overlay.device.resolve import (
 from overlay.device.settings import (
     CARRY_LIMIT,
     DEVICE_ENV,
+    KEEP_KERNELS,
     MIB,
     NOT_NEEDED,
+    OPTIONAL_KERNELS,
     PLATFORMS,
     TORCH_FAMILY,
     DeviceStageError,
     log,
     start_clock,
 )
+from overlay.device.torch_abi import EXPORTS_DIR, TorchCheck
+from overlay.device.torch_abi import check as torch_check
 from overlay.outpaths import check_dir
 
 
@@ -107,6 +112,35 @@ def check_no_downgrade(resolution: Resolution, base: Resolution, device: Mapping
                                    f"{pin.device_version} ({pin.reason}); it is not staged over the device's")
 
 
+def pinned_torch(requires: Iterable[str]) -> str | None:
+    """The torch version vLLM's ``Requires-Dist`` pins exactly (``torch==X``), else None."""
+    for line in requires:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if canonicalize_name(req.name) == "torch" and req.marker is None:
+            exact = [s.version for s in req.specifier if s.operator in ("==", "===")]
+            if exact:
+                return exact[0]
+    return None
+
+
+def torch_preflight(wheel: Path, version: str, requires: Iterable[str], device: Mapping[str, str],
+                    exports_root: Path = EXPORTS_DIR) -> tuple[TorchCheck, dict[str, str]]:
+    """The kept kernels of ``wheel`` judged against the device's torch (``overlay.device.torch_abi``):
+    a required kernel that cannot load there stops the staging with one line naming it; an optional
+    one stays home. Returns the check and the kernels that stay home, with why."""
+    with zipfile.ZipFile(wheel) as zf:
+        kernels = {n: zf.read(n) for n in zf.namelist() if n in KEEP_KERNELS}
+    result = torch_check(version.split("+")[0], pinned_torch(requires), device.get("torch"), kernels, exports_root)
+    failing = result.failing()
+    if any(k.path not in OPTIONAL_KERNELS for k in failing):
+        raise DeviceStageError(result.line())
+    home = {k.path: f"{result.why(k)}; {OPTIONAL_KERNELS[k.path]}" for k in failing}
+    return result, home
+
+
 def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: int = CARRY_LIMIT,
           cache: Path | None = None, resolver_python: str | None = None, jobs: int = 2,
           full: bool = False, resolution_cache: bool = True, extras: Sequence[str] = ()) -> StageResult:
@@ -125,11 +159,13 @@ def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: i
     cache = cache or cache_dir()
     _check_paths(wheel, dest, cache)
     version, requires = wheel_requires_dist(wheel)
+    device = read_device_packages(device_packages)
+    torch, home = torch_preflight(wheel, version, requires, device)
+    log(torch.line(home))
     not_needed = {} if full else NOT_NEEDED
     requirements, skipped = device_requirements(requires, not_needed=not_needed)
     extra_reqs, extra_skipped = extra_device_requirements(extras)
     skipped += extra_skipped
-    device = read_device_packages(device_packages)
     resolver = find_resolver(resolver_python)
     log(f"{wheel.name}: {len(requirements)} requirement(s) for the device, {len(skipped)} left out; "
         f"{len(device)} device package(s); resolver {resolver.description}")
@@ -140,12 +176,13 @@ def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: i
     resolution, cached, key = _resolution(cache, requirements, extra_reqs, device, resolver, resolution_cache)
     skipped += _leave_out_not_needed(resolution, not_needed, extra_reqs)
     staged_wheels = download_wheels(resolution.wheels, cache / "device-wheels", resolver)
-    vllm_files, left_out = stage_vllm(wheel, cache / "device-xz", jobs)
+    vllm_files, left_out = stage_vllm(wheel, cache / "device-xz", jobs, home)
     files = [*vllm_files, *staged_wheels]
     sizes = {f.path: f.size for f in staged_wheels}
     extra = {
         "vllm": {"wheel": wheel.name, "version": version, "sha256": sha256_file(wheel)},
         "left_out": left_out,
+        "torch": torch.to_dict(home),
         "resolution": {
             "target": {"python": "3.12", "implementation": "cp", "platforms": list(PLATFORMS)},
             "resolver": resolver.description,
@@ -234,6 +271,8 @@ def _leave_out_not_needed(resolution: Resolution, not_needed: Mapping[str, str],
 def format_summary(manifest: Mapping) -> str:
     """Carries with sizes, the staged wheels, dropped pins: what a person checks before the device."""
     lines = [f"{len(manifest['carries'])} carries, {sum(c['size'] for c in manifest['carries']) / MIB:.1f} MiB"]
+    if manifest.get("torch", {}).get("line"):
+        lines.insert(0, manifest["torch"]["line"])
     for carry in manifest["carries"]:
         lines.append(f"  {carry['name']}  {carry['size'] / MIB:6.1f} MiB  {len(carry['pieces'])} file(s)")
     wheels = manifest.get("wheels", [])

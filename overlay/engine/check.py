@@ -80,7 +80,8 @@ def child_env(case: Case, tree: Path | None, slot: int = 0, cache: Path | None =
     # (the check's engines reserve a fixed KV cache; memory accounting is not what it checks).
     env.setdefault("VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS", "0")
     # Engines running side by side: their own ports and torch.compile cache per slot.
-    env["VLLM_PORT"] = str(PORT_BASE + slot * PORT_STRIDE)
+    # OVERLAY_ENGINE_PORT_BASE: another check beside this one on the same machine (another release's)
+    env["VLLM_PORT"] = str(int(os.environ.get("OVERLAY_ENGINE_PORT_BASE") or PORT_BASE) + slot * PORT_STRIDE)
     if cache is not None:
         env["VLLM_CACHE_ROOT"] = str(cache / f"slot-{slot}")
     return env
@@ -222,23 +223,26 @@ def run_jobs(jobs: list[Job], model: Path, out: Path, *, timeout: float, paralle
     return [done[j.name] for j in jobs]
 
 
-def variant_jobs(variants: Path, tp: int, out: Path) -> list[Job]:
-    """One job per seed-bug variant of ``variants/variants.json`` that this machine can show."""
+def variant_jobs(variants: Path, tp: int, out: Path, release: str | None = None) -> list[Job]:
+    """One job per seed-bug variant of ``variants/variants.json`` and case it names (``jobs``: several)
+    that this machine can show, among the cases of ``release``'s build."""
     manifest = load_variants(variants)
-    by_name = {c.name: c for c in cases(tp)}
+    by_name = {c.name: c for c in cases(tp, release)}
     jobs: list[Job] = []
     for variant, v in manifest["variants"].items():
-        if not v.get("case"):
-            print(f"[engine-check] {variant}: not shown here ({v['symptom']})", flush=True)
-            continue
-        if v["case"] not in by_name and tp < 2 and v["case"] in {c.name for c in cases(2)}:
-            print(f"[engine-check] {variant}: not shown at --tp {tp} ({v['case']} needs DCP 2)", flush=True)
-            continue
-        if v["case"] not in by_name:
-            raise EngineCheckError(f"{variants / 'variants.json'}: {variant}: no case {v['case']!r} for --tp {tp}")
-        tree = lay_variant(variants / f"{variant}.tar.gz", out / "trees" / variant)
-        jobs.append(Job(by_name[v["case"]], f"{variant}--{v['case']}", tree=tree, expect=v["expect"],
-                        variant=variant))
+        for shown in v.get("jobs") or [v]:
+            if not shown.get("case"):
+                print(f"[engine-check] {variant}: not shown here ({shown['symptom']})", flush=True)
+                continue
+            if shown["case"] not in by_name and tp < 2 and shown["case"] in {c.name for c in cases(2, release)}:
+                print(f"[engine-check] {variant}: not shown at --tp {tp} ({shown['case']} needs DCP 2)", flush=True)
+                continue
+            if shown["case"] not in by_name:
+                raise EngineCheckError(f"{variants / 'variants.json'}: {variant}: no case {shown['case']!r} "
+                                       f"for --tp {tp}")
+            tree = lay_variant(variants / f"{variant}.tar.gz", out / "trees" / variant)
+            jobs.append(Job(by_name[shown["case"]], f"{variant}--{shown['case']}", tree=tree,
+                            expect=shown["expect"], variant=variant))
     return jobs
 
 
@@ -255,7 +259,8 @@ def _name(record: dict[str, Any]) -> str:
 
 
 def judge(records: list[dict[str, Any]], out: Path, expect: str | None) -> dict[str, Any]:
-    """Tolerance from the spread runs, then a verdict per case (``pass`` / ``fail`` / ``expected-fail``).
+    """Tolerance from the spread runs, then a verdict per case (``pass`` / ``fail`` / ``expected-fail`` /
+    ``expected-pass``: a variant whose fix does nothing on this build).
 
     A record with its own ``expect`` (a variant job) must fail that way; ``expect`` here applies
     to every other checked case (a run on one variant tree).
@@ -315,7 +320,8 @@ def judge(records: list[dict[str, Any]], out: Path, expect: str | None) -> dict[
             # request's prompt logprobs at DCP 1 before spec-decode-prompt-logprobs-graph-pool
             r["verdict"] = "reference" if r["status"] == "ok" and not problems else "fail"
         elif r.get("variant") or (wanted and role == "check"):
-            r["verdict"] = "expected-fail" if wanted and _matches(wanted, r) else "fail"
+            label = "expected-pass" if wanted == "pass" else "expected-fail"
+            r["verdict"] = label if wanted and _matches(wanted, r) else "fail"
         elif role == "spread":
             r["verdict"] = "spread" if r["status"] == "ok" else "fail"
         else:
@@ -354,13 +360,37 @@ def release_under_test(tree: Path | None = None) -> str:
         return ""
 
 
+def torch_under_test(version: Callable[[str], str] | None = None,
+                     requires: Callable[[str], list[str] | None] | None = None) -> str:
+    """The torch the engines import and, when it differs, the one the installed vLLM pins:
+    ``2.11.0 (vllm pins 2.14.0)``; "" when torch is not installed. Read from the distributions'
+    metadata (no torch import)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import requires as dist_requires
+    from importlib.metadata import version as dist_version
+
+    version, requires = version or dist_version, requires or dist_requires
+    try:
+        have = version("torch").split("+")[0]
+    except PackageNotFoundError:
+        return ""
+    try:
+        lines = requires("vllm") or []
+    except PackageNotFoundError:
+        lines = []
+    pins = [m[1] for ln in lines if (m := re.match(r"torch\s*==\s*([\w.]+)\s*$", ln))]
+    return f"{have} (vllm pins {pins[0]})" if pins and pins[0] != have else have
+
+
 def _matches(expect: str, record: dict[str, Any]) -> bool:
     kind, _, pattern = expect.partition(":")
+    if kind == "pass":  # the fix does nothing on this build: without it the case still passes
+        return record["status"] == "ok" and not record["problems"]
     if kind == "crash":
         return record["status"] == "crashed" and bool(re.search(pattern, record["error"] or ""))
     if kind == "mismatch":
         return record["status"] == "ok" and bool(record["problems"])
-    raise ValueError(f"--expect: unknown kind {kind!r} (crash:REGEX or mismatch)")
+    raise ValueError(f"--expect: unknown kind {kind!r} (crash:REGEX, mismatch or pass)")
 
 
 def report(out: Path, summary: dict[str, Any], records: list[dict[str, Any]], meta: dict[str, Any]) -> None:
@@ -368,7 +398,7 @@ def report(out: Path, summary: dict[str, Any], records: list[dict[str, Any]], me
     doc = {"meta": meta, "summary": summary, "cases": records}
     (out / "results.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     lines = [f"# Engine check: {summary.get('verdict', '?')}", ""]
-    for k in ("model", "tree", "vllm", "gpus", "parallel", "started", "wall_s"):
+    for k in ("model", "tree", "vllm", "torch", "gpus", "parallel", "started", "wall_s"):
         if meta.get(k):
             lines.append(f"- {k}: `{meta[k]}`")
     if "tolerance" in summary:
@@ -412,6 +442,7 @@ class CheckOptions:
     variant: Path | None = None
     variants: Path | None = None
     expect: str | None = None
+    release: str | None = None  # the release the engines must import (--vllm); None: whichever is installed
 
 
 def run_check(ns: CheckOptions) -> int:
@@ -424,12 +455,17 @@ def run_check(ns: CheckOptions) -> int:
     if ns.variant:
         ns.tree = lay_variant(ns.variant, ns.out / "tree")
 
+    release = release_under_test(ns.tree)
+    if ns.release and release != ns.release:
+        where = f"--tree {ns.tree}" if ns.tree else "installed"
+        raise EngineCheckError(f"engine-check --vllm {ns.release}: the engines would import vllm {release or '(none)'} "
+                               f"({where}); install or stage the {ns.release} build first")
+
     from overlay.engine.checkpoint import TinyGlm5Spec, checkpoint_id, default_cache, generate
 
     spec = TinyGlm5Spec()
     model = ns.model or default_cache() / checkpoint_id(spec, 0)
     generate(model, spec, 0)
-    release = release_under_test(ns.tree)
     todo = cases(ns.tp, release or None)
     if ns.cases:
         wanted = ns.cases.split(",")
@@ -441,8 +477,8 @@ def run_check(ns: CheckOptions) -> int:
     jobs = [Job(c, c.name, tree=ns.tree if c.role == "check" else None) for c in todo]
     if ns.variants:
         # after the references, the production shape and the first spread run: the variants
-        jobs[4:4] = variant_jobs(ns.variants, ns.tp, ns.out)
-    meta = {"model": str(model), "tree": str(ns.tree or ""), "vllm": release,
+        jobs[4:4] = variant_jobs(ns.variants, ns.tp, ns.out, release or None)
+    meta = {"model": str(model), "tree": str(ns.tree or ""), "vllm": release, "torch": torch_under_test(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "parallel": ns.parallel}
     t0 = time.monotonic()

@@ -6,7 +6,8 @@ lines, the series *up to* that fix: the tree as it was before the fix), plus ``s
 unpatched base. For each, this writes ``<variant>.tar.gz`` holding every file the whole series
 touches, with that variant's contents (the base's where the variant leaves a file alone), and
 ``variants.json`` naming what each variant is and what the check must see (the bug report's
-symptom). On the device, ``scripts/device-variants.sh`` lays each variant over the staged tree
+symptom; for a later release, ``RELEASE_EXPECT``: its own, one or more cases each, ``pass`` where the
+fix does nothing there). On the device, ``scripts/device-variants.sh`` lays each variant over the staged tree
 as a symlink farm (``/tmp/variants/<variant>/vllm``), and ``overlay engine-check --tree`` runs it
 (``overlay engine-variants`` writes them).
 """
@@ -57,6 +58,36 @@ EXPECT: dict[str, tuple[str, str, str | None]] = {
         "(the first request, 92 of 100 positions, up to 11.3 nats at DCP 1 on two H200s, 2026-11-30)",
         "ref-dcp1-mtp"),
 }
+
+
+# A later release's own expectations, where its code makes a variant show something else than on the
+# default pin (``stock`` is that release unpatched): one or more (expect, symptom, case) per variant,
+# ``pass`` where the fix does nothing there. The rest follow EXPECT.
+RELEASE_EXPECT: dict[str, dict[str, tuple[tuple[str, str, str | None], ...]]] = {
+    "0.33.0": {
+        # 0.33.0 has FlashMLA-sparse DCP of its own: unpatched, it serves; what it still lacks at DCP 1
+        # is the prompt-logprobs fix, under the V1 model runner
+        "stock": (("mismatch", "the unpatched 0.33.0 under VLLM_USE_V2_MODEL_RUNNER=0: MTP moves prompt "
+                               "logprobs (upstream #53488, as on 0.28.0)", "ref-dcp1-mtp-v1"),),
+        "spec-decode-prompt-logprobs-graph-pool.patch": (
+            ("pass", "Model Runner V2 (0.33.0's default) computes prompt logprobs from the target's own "
+                     "hidden states: without the patch nothing changes", "ref-dcp1-mtp"),
+            ("mismatch", "under VLLM_USE_V2_MODEL_RUNNER=0 MTP moves prompt logprobs: computed from drafter "
+                         "output in the CUDA-graph pool, as on 0.28.0", "ref-dcp1-mtp-v1"),
+        ),
+        # 0.29.0+ falls back to NCCL above the direct workspace itself; the patch is the opt-in sizing
+        "dcp-direct-a2a-fallback.patch": (
+            ("pass", "0.33.0 falls back to the NCCL collectives above the direct A2A workspace itself: "
+                     "without the opt-in all-tokens sizing, the same numbers", "dcp-defaults-sizing-mnbt-graph-mtp"),
+        ),
+    },
+}
+
+
+def expectations(version: str, key: str) -> tuple[tuple[str, str, str | None], ...]:
+    """What the variant of ``key`` (``stock`` or a patch file name) must show on ``version``'s build."""
+    own = RELEASE_EXPECT.get(version, {}).get(key)
+    return own if own is not None else (EXPECT[key],)
 
 
 # The patches of the series without a variant of their own, and why.
@@ -111,11 +142,14 @@ def build_variants(patches_root: Path, version: str, out: Path, *, base_wheel: P
             files = tree(patches)
             (out / f"{variant}.tar.gz").write_bytes(tar_bytes(((n, d, 0o644) for n, d in files.items()), gz=True))
             if variant in BENCH_VARIANTS:
-                expect, symptom, case = "", "not a bug: " + what, None
+                shows: tuple[tuple[str, str, str | None], ...] = (("", "not a bug: " + what, None),)
             else:
                 key = "stock" if variant == "stock" else f"{variant.removeprefix('minus-')}.patch"
-                expect, symptom, case = EXPECT[key]
+                shows = expectations(version, key)
+            expect, symptom, case = shows[0]
             manifest["variants"][variant] = {"what": what, "patches": [p.name for p in patches],
-                                             "expect": expect, "symptom": symptom, "case": case}
+                                             "expect": expect, "symptom": symptom, "case": case,
+                                             **({"jobs": [{"expect": e, "symptom": w, "case": c}
+                                                          for e, w, c in shows]} if len(shows) > 1 else {})}
     (out / "variants.json").write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest

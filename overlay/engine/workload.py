@@ -47,6 +47,11 @@ MAX_CUDAGRAPH_CAPTURE_SIZE = 128
 GLM5_DCP_DEFAULTS: dict[str, dict[str, Any]] = {
     "0.33.0": {"dcp_comm_backend": "a2a", "dcp_q_replicate": True},
 }
+# Releases whose engine defaults to Model Runner V2 on CUDA (upstream #53183, since 0.29.0; vLLM
+# 0.28.0 runs V1): their builds run the DCP 1 references under V2 and again under V1
+# (VLLM_USE_V2_MODEL_RUNNER=0), where spec-decode-prompt-logprobs-graph-pool still applies.
+V2_RUNNER_DEFAULT = frozenset({"0.33.0"})
+V1_RUNNER_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 # The explicit settings of our two-GPU regress profiles (overlay/regress/profiles/): their
 # server arguments name the comm backend, never query replication; their env names the rest.
 PROFILE_SETTINGS: dict[str, dict[str, Any]] = {
@@ -177,9 +182,18 @@ def cases(tp: int = 2, release: str | None = None) -> list[Case]:
     With ``tp == 1`` only the DCP 1 cases remain (a one-GPU machine cannot run DCP).
     """
     generic = _cases(tp)
+    runners = runner_cases(release, tp)
+    if runners:
+        # the release's default runner is what the references run: say so (``Case.resolves``)
+        generic = [replace(c, release=str(release), resolves={**c.resolves, "use_v2_model_runner": True})
+                   if c.name == "ref-dcp1-mtp" else c for c in generic]
     own = release_cases(release, tp)
-    if not own:
+    if not own and not runners:
         return generic
+    if not own:
+        # one GPU: the references, then the V1-runner cases, then the rest
+        return [*generic[:1], *(c for c in generic if c.name == "ref-dcp1-mtp"), *runners,
+                *(c for c in generic[1:] if c.name != "ref-dcp1-mtp")]
     defaults = GLM5_DCP_DEFAULTS[str(release)]
     # the generic cases on this build: the comm backend each names, query replication as the release
     # resolves it for GLM-5 (none of them names it)
@@ -190,8 +204,27 @@ def cases(tp: int = 2, release: str | None = None) -> list[Case]:
     first = [by_name[n] for n in ("ref-dcp1", "ref-dcp1-mtp")]
     spread, profile = by_name["ref-dcp1-reordered"], by_name["dcp-a2a-direct-proj1-graph-mtp"]
     rest = [c for c in generic if c.name not in {*(f.name for f in first), spread.name, profile.name}]
-    # the references, the release's defaults, a spread run, our profile's production shape, then the rest
-    return [*first, own[0], spread, profile, *own[1:], *rest]
+    # the references, the release's defaults, a spread run, our profile's production shape, the V1-runner
+    # cases, then the rest
+    return [*first, own[0], spread, profile, *runners, *own[1:], *rest]
+
+
+def runner_cases(release: str | None, tp: int = 2) -> list[Case]:
+    """DCP 1 under the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``) on a build of ``release`` whose
+    default is Model Runner V2 (``V2_RUNNER_DEFAULT``; none otherwise): without MTP and with MTP-5 in
+    FULL decode graphs, each judged against the plain reference ``ref-dcp1`` (V2), which the MTP one's
+    prompt logprobs must match (they come from the target alone: spec-decode-prompt-logprobs-graph-pool
+    patches the V1 runner) and on having run V1."""
+    if release not in V2_RUNNER_DEFAULT:
+        return []
+    v1 = {"use_v2_model_runner": False}
+    return [
+        Case("ref-dcp1-mtp-v1", tp=tp, mtp=True, graphs="FULL", env=dict(V1_RUNNER_ENV), resolves=v1,
+             release=str(release), note="MTP-5 at DCP 1 under the V1 model runner, FULL decode graphs: "
+                                        "prompt logprobs judged against ref-dcp1"),
+        Case("ref-dcp1-v1", tp=tp, env=dict(V1_RUNNER_ENV), resolves=v1, release=str(release),
+             note="DCP 1 under the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0) against Model Runner V2's"),
+    ]
 
 
 def release_cases(release: str | None, tp: int = 2) -> list[Case]:

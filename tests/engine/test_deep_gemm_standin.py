@@ -23,6 +23,7 @@ import pytest
 import torch
 
 STANDIN = Path(__file__).resolve().parent / "standin"
+REPO_PATCHES = Path(__file__).resolve().parents[2] / "patches"
 FP8 = torch.float8_e4m3fn
 NEG_INF = float("-inf")
 LOGITS_FUNCS = {"fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits", "get_paged_mqa_logits_metadata"}
@@ -136,6 +137,54 @@ def test_mqa_logits_accept_n_by_1_scales_and_clean_flag() -> None:
     b = dg.fp8_fp4_mqa_logits((c.q, None), (c.k, c.k_scale[:, None]), c.weights, c.ks, c.ke, clean_logits=False)
     assert torch.equal(a, b)
     assert_logits_match(b, c.ref())
+
+
+def compressed(full: torch.Tensor, ks: list[int], ke: list[int], width: int) -> torch.Tensor:
+    """vLLM 0.33.0's form of ``full``: row m, column j is key ks[m] + j, -inf from ke[m] - ks[m] on."""
+    out = torch.full((full.shape[0], width), NEG_INF, dtype=full.dtype)
+    for m in range(full.shape[0]):
+        n = max(0, min(width, ke[m] - ks[m]))
+        out[m, :n] = full[m, ks[m]:ks[m] + n]
+    return out
+
+
+@pytest.mark.parametrize("budget", [None, 1], ids=["one-chunk", "row-per-chunk"])
+def test_mqa_logits_compressed_form_of_0_33_0(budget: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM 0.33.0 passes max_seqlen_k as the sixth argument and reads [M, max_seqlen_k] logits whose
+    column j of row m is key ks[m] + j (sparse_attn_indexer gives top-k the row lengths ke - ks)."""
+    if budget is not None:
+        monkeypatch.setattr(dg, "_ELEMENT_BUDGET", budget)
+    c = make_mqa_case(seed=3)
+    width = max(e - s for s, e in zip(KS, KE, strict=True))
+    ref = compressed(c.ref(), KS, KE, width)
+    positional = dg.fp8_fp4_mqa_logits((c.q, None), (c.k, c.k_scale), c.weights, c.ks, c.ke, width)
+    assert_logits_match(positional, ref)
+    keyword = dg.fp8_fp4_mqa_logits((c.q, None), (c.k, c.k_scale), c.weights, c.ks, c.ke, max_seqlen_k=width)
+    assert torch.equal(positional, keyword)
+    # the full form (0.28.0's bool) is not this: a stand-in that ignored the int would fail here
+    full = dg.fp8_fp4_mqa_logits((c.q, None), (c.k, c.k_scale), c.weights, c.ks, c.ke, True)
+    assert full.shape == (len(KS), c.k.shape[0]) and not logits_match(full, ref)
+    wider = dg.fp8_fp4_mqa_logits((c.q, None), (c.k, c.k_scale), c.weights, c.ks, c.ke, width + 3)
+    assert_logits_match(wider, compressed(c.ref(), KS, KE, width + 3))
+
+
+@pytest.mark.slow
+def test_standin_takes_the_call_form_of_0_33_0s_wrapper() -> None:
+    """0.33.0's vllm.utils.deep_gemm calls the prefill kernel with max_seqlen_k sixth and the paged one
+    without clean_logits; the stand-in's signature takes both (its wheel's text)."""
+    from overlay.maintain.trees import base_tree
+
+    text = (base_tree(REPO_PATCHES, "0.33.0") / "vllm" / "utils" / "deep_gemm.py").read_text()
+    prefill = text[text.index("def fp8_fp4_mqa_logits("):]
+    prefill = prefill[:prefill.index("\ndef ")]
+    assert re.search(r"_fp8_fp4_mqa_logits_impl\(\s*q,\s*kv,\s*weights,\s*cu_seqlen_ks,\s*cu_seqlen_ke,\s*"
+                     r"max_seqlen_k,\s*\)", prefill), "0.33.0's prefill call changed"
+    paged = text[text.index("def fp8_fp4_paged_mqa_logits("):]
+    paged = paged[:paged.index("\ndef ")]
+    call = re.search(r"_fp8_fp4_paged_mqa_logits_impl\(([^)]*)\)", paged)
+    assert call is not None and "clean_logits" not in call.group(1) and "**kwargs" in call.group(1)
+    params = inspect.signature(dg.fp8_fp4_paged_mqa_logits).parameters
+    assert params["clean_logits"].default is True and params["indices"].default is None
 
 
 def test_mqa_check_catches_wrong_scale_and_mask() -> None:

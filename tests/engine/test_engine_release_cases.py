@@ -12,17 +12,19 @@ release's, and that the check's machinery (jobs, judge, report) runs and judges 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from overlay.engine import check
-from overlay.engine.workload import GLM5_DCP_DEFAULTS, PROFILE_SETTINGS, cases, release_cases
+from overlay.engine.workload import GLM5_DCP_DEFAULTS, PROFILE_SETTINGS, cases, release_cases, runner_cases
 
 REPO = Path(__file__).resolve().parents[2]
 OWN = ["dcp-defaults-graph-mtp", "dcp-a2a-direct-proj1-qgather-graph-mtp", "dcp-defaults-graph",
        "dcp-defaults-proj0-graph-mtp", "dcp-agrs-proj1-qgather-graph-mtp", "dcp-defaults-sizing-mnbt-graph-mtp"]
+RUNNERS = ["ref-dcp1-mtp-v1", "ref-dcp1-v1"]
 
 
 def test_the_0_33_0_build_runs_its_own_cases_first_after_the_references() -> None:
@@ -32,8 +34,27 @@ def test_the_0_33_0_build_runs_its_own_cases_first_after_the_references() -> Non
     assert [c.name for c in release_cases("0.33.0")] == OWN and set(OWN) <= set(names)
     assert len(names) == len(set(names))
     assert [c.name for c in cases(2)] == [c.name for c in cases(2, "0.28.0")]  # 0.28.0's list as it was
-    assert {c.name for c in cases(2, "0.33.0")} - set(OWN) == {c.name for c in cases(2)}
-    assert release_cases("0.33.0", tp=1) == [] and [c.name for c in cases(1, "0.33.0")] == [c.name for c in cases(1)]
+    assert {c.name for c in cases(2, "0.33.0")} - set(OWN) - set(RUNNERS) == {c.name for c in cases(2)}
+    assert release_cases("0.33.0", tp=1) == []
+    assert [c.name for c in cases(1, "0.33.0")] == ["ref-dcp1", "ref-dcp1-mtp", *RUNNERS, "ref-dcp1-rerun",
+                                                    "ref-dcp1-reordered", "ref-dcp1-mtp-eager"]
+
+
+def test_a_v2_runner_release_runs_dcp1_under_v1_too() -> None:
+    """0.33.0 defaults to Model Runner V2; the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0), where
+    spec-decode-prompt-logprobs-graph-pool applies, runs the plain and the MTP reference again, each
+    judged against ref-dcp1 and on the runner it resolved; 0.28.0 (V1 only) has no such cases."""
+    assert runner_cases("0.28.0") == [] and runner_cases(None) == []
+    for tp in (1, 2):
+        by = {c.name: c for c in cases(tp, "0.33.0")}
+        for name in RUNNERS:
+            c = by[name]
+            assert c.env == {"VLLM_USE_V2_MODEL_RUNNER": "0"} and c.resolves == {"use_v2_model_runner": False}
+            assert c.role == "check" and c.compare_to == "" and c.dcp == 1 and c.tp == tp and c.release == "0.33.0"
+        assert by["ref-dcp1-mtp-v1"].mtp and by["ref-dcp1-mtp-v1"].graphs == "FULL" and not by["ref-dcp1-v1"].mtp
+        assert by["ref-dcp1-mtp"].resolves == {"use_v2_model_runner": True} and by["ref-dcp1-mtp"].env == {}
+        assert by["ref-dcp1"].resolves == {} and by["ref-dcp1"].env == {}
+    assert all(not c.resolves for c in cases(1))  # 0.28.0: nothing to resolve at DCP 1
 
 
 def test_what_each_case_hands_the_engine() -> None:
@@ -56,8 +77,8 @@ def test_every_dcp_case_of_the_build_is_judged_on_what_it_resolved_and_against_d
     qrep = GLM5_DCP_DEFAULTS["0.33.0"]["dcp_q_replicate"]
     names = {c.name for c in cases(2, "0.33.0")}
     for c in cases(2, "0.33.0"):
-        if c.dcp == 1:
-            assert not c.resolves
+        if c.dcp == 1:  # judged on the model runner only (test_a_v2_runner_release_runs_dcp1_under_v1_too)
+            assert set(c.resolves) <= {"use_v2_model_runner"}, c.name
             continue
         assert c.release == "0.33.0"
         assert c.resolves["dcp_comm_backend"] == (c.backend or GLM5_DCP_DEFAULTS["0.33.0"]["dcp_comm_backend"])
@@ -124,15 +145,25 @@ def _run(tmp_path: Path, names: list[str], **env: str) -> tuple[list[dict], dict
 
 
 def test_the_build_cases_run_and_pass_with_the_stand_in(tmp_path: Path, fake_engine: None) -> None:
-    names = ["ref-dcp1", "ref-dcp1-mtp", *OWN, "dcp-a2a-direct-proj1-graph-mtp", "dcp-agrs-proj1-graph-mtp"]
+    names = ["ref-dcp1", "ref-dcp1-mtp", *OWN, *RUNNERS, "dcp-a2a-direct-proj1-graph-mtp", "dcp-agrs-proj1-graph-mtp"]
     records, summary = _run(tmp_path, names)
     assert summary["verdict"] == "pass", [(r["name"], r.get("problems")) for r in records]
     by = {r["name"]: r for r in records}
-    assert by["dcp-defaults-graph-mtp"]["resolved"] == {"dcp_comm_backend": "a2a", "dcp_q_replicate": True}
+    assert by["dcp-defaults-graph-mtp"]["resolved"] == {"dcp_comm_backend": "a2a", "dcp_q_replicate": True,
+                                                        "use_v2_model_runner": True}
+    assert by["ref-dcp1-mtp-v1"]["resolved"]["use_v2_model_runner"] is False
+    assert by["ref-dcp1-mtp"]["verdict"] == "reference" and by["ref-dcp1-mtp-v1"]["verdict"] == "pass"
     assert by["dcp-a2a-direct-proj1-qgather-graph-mtp"]["resolved"]["dcp_q_replicate"] is False
     assert by["dcp-defaults-graph-mtp"]["graphs"]["mode"] == "FULL"
     report = (tmp_path / "run" / "REPORT.md").read_text()
     assert "- vllm: `0.33.0`" in report and "| dcp-defaults-graph-mtp | check | ok | pass |" in report
+
+
+def test_a_case_that_ran_the_other_runner_fails(tmp_path: Path, fake_engine: None) -> None:
+    """An engine that ignored VLLM_USE_V2_MODEL_RUNNER=0 (or fell back from V2) did not run the case."""
+    records, summary = _run(tmp_path, ["ref-dcp1", "ref-dcp1-v1"], FAKE_RESOLVED='{"use_v2_model_runner": true}')
+    assert summary["verdict"] == "fail"
+    assert records[1]["problems"] == ["resolved: use_v2_model_runner=True, the case runs False"]
 
 
 def test_an_engine_resolving_otherwise_fails_the_case(tmp_path: Path, fake_engine: None) -> None:
@@ -150,3 +181,45 @@ def test_the_release_under_test_is_read_from_the_tree(tmp_path: Path) -> None:
     (tree / "vllm" / "_version.py").write_text("__version__ = version = '0.33.0+ovl1a2b3c'\n")
     assert check.release_under_test(tree) == "0.33.0"
     assert [c.name for c in cases(2, check.release_under_test(tree))][2] == "dcp-defaults-graph-mtp"
+
+
+def test_the_torch_under_test_and_the_releases_pin() -> None:
+    """The report names the device's torch and, where it differs, the one the installed vLLM pins."""
+    from importlib.metadata import PackageNotFoundError
+
+    def version(name: str) -> str:
+        return {"torch": "2.11.0+cu130"}[name]
+
+    def requires(pins: list[str]) -> Callable[[str], list[str]]:
+        return lambda name: pins
+
+    assert check.torch_under_test(version, requires(["numpy", "torch==2.14.0"])) == "2.11.0 (vllm pins 2.14.0)"
+    assert check.torch_under_test(version, requires(["torch==2.11.0"])) == "2.11.0"
+    assert check.torch_under_test(version, requires(["torch>=2.10"])) == "2.11.0"
+
+    def no_vllm(name: str) -> list[str]:
+        raise PackageNotFoundError(name)
+
+    def no_torch(name: str) -> str:
+        raise PackageNotFoundError(name)
+
+    assert check.torch_under_test(version, no_vllm) == "2.11.0"
+    assert check.torch_under_test(no_torch, no_vllm) == ""
+
+
+def test_engine_check_vllm_refuses_another_build_in_one_line(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """``make engine-check VLLM=0.33.0`` on a machine whose engines would import another release stops
+    before anything runs (no checkpoint written), naming both."""
+    from overlay.cli import main
+
+    tree = tmp_path / "tree"
+    (tree / "vllm").mkdir(parents=True)
+    (tree / "vllm" / "_version.py").write_text("__version__ = version = '0.28.0+ovl1a2b3c'\n")
+    rc = main(["engine-check", "--out", str(tmp_path / "out"), "--tree", str(tree), "--vllm", "0.33.0",
+               "--model", str(tmp_path / "model")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert err[0].endswith(f"engine-check --vllm 0.33.0: the engines would import vllm 0.28.0 (--tree {tree}); "
+                           "install or stage the 0.33.0 build first")
+    assert not (tmp_path / "model").exists()

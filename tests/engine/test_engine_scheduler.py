@@ -5,6 +5,7 @@ Each job runs ``tests/engine/fake_run_case.py`` (the run_case protocol without a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import tarfile
 import time
@@ -136,3 +137,57 @@ def test_a_dead_engine_that_does_not_exit_is_stopped_early(tmp_path: Path, monke
     assert time.monotonic() - t0 < 60
     assert recs[0]["status"] == "crashed"
     assert recs[0]["error"].startswith("AcceleratorError: CUDA error: operation failed due to a previous error")
+
+
+def _variants(tmp_path: Path, table: dict) -> Path:
+    variants = tmp_path / "variants"
+    variants.mkdir()
+    for name in table:
+        with tarfile.open(variants / f"{name}.tar.gz", "w:gz") as tf:
+            src = tmp_path / "envs.py"
+            src.write_text(f"# {name}\n")
+            tf.add(src, "vllm/envs.py")
+    (variants / "variants.json").write_text(json.dumps({"variants": table}))
+    return variants
+
+
+def test_a_variant_with_several_cases_and_one_that_must_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later release's variant names several cases (``jobs``): the prompt-logprobs fix without it
+    must pass under 0.33.0's Model Runner V2 (the fix does nothing there) and mismatch under V1."""
+    if importlib.util.find_spec("vllm") is None:  # lay_variant links into the importable vllm: a tiny one
+        (tmp_path / "site" / "vllm").mkdir(parents=True)
+        (tmp_path / "site" / "vllm" / "__init__.py").write_text("")
+        monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    variants = _variants(tmp_path, {"minus-p": {
+        "expect": "pass", "symptom": "dead under MRV2", "case": "ref-dcp1-mtp",
+        "jobs": [{"expect": "pass", "symptom": "dead under MRV2", "case": "ref-dcp1-mtp"},
+                 {"expect": "mismatch", "symptom": "moved under V1", "case": "ref-dcp1-mtp-v1"}]}})
+    out = tmp_path / "run"
+    out.mkdir()
+    with pytest.raises(check.EngineCheckError, match="no case 'ref-dcp1-mtp-v1' for --tp 1"):
+        check.variant_jobs(variants, 1, out)  # 0.28.0's case list has no V1-runner case
+    jobs = check.variant_jobs(variants, 1, out, "0.33.0")
+    assert [(j.name, j.expect) for j in jobs] == [("minus-p--ref-dcp1-mtp", "pass"),
+                                                   ("minus-p--ref-dcp1-mtp-v1", "mismatch")]
+    # the first passes as expected; the second passes too, where a mismatch was expected: it fails
+    recs = check.run_jobs([_job("ref", "reference"), *jobs], tmp_path / "model", out, timeout=60, parallel=3,
+                          poll_s=0.05)
+    summary = check.judge(recs, out, None)
+    assert [r["verdict"] for r in recs] == ["reference", "expected-pass", "fail"] and summary["verdict"] == "fail"
+    # a variant that must pass and does not: it fails
+    crashed = check.Job(Case("ref-dcp1-mtp", env={"FAKE_CRASH": "ValueError: x"}), jobs[0].name, tree=jobs[0].tree,
+                        expect="pass", variant="minus-p")
+    again = tmp_path / "again"
+    again.mkdir()
+    recs = check.run_jobs([_job("ref", "reference"), crashed], tmp_path / "model", again, timeout=60, parallel=2,
+                          poll_s=0.05)
+    check.judge(recs, again, None)
+    assert [r["verdict"] for r in recs] == ["reference", "fail"]
+
+
+def test_a_second_check_beside_the_first_takes_other_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two checks on one machine at once (0.28.0's and 0.33.0's): OVERLAY_ENGINE_PORT_BASE moves one's ports."""
+    case = Case("ref", role="reference")
+    assert check.child_env(case, None, slot=1)["VLLM_PORT"] == str(check.PORT_BASE + check.PORT_STRIDE)
+    monkeypatch.setenv("OVERLAY_ENGINE_PORT_BASE", "31000")
+    assert check.child_env(case, None, slot=1)["VLLM_PORT"] == str(31000 + check.PORT_STRIDE)

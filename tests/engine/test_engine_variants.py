@@ -79,3 +79,33 @@ def test_mtp_as_prefills_brings_the_old_graph_mode_back(variants: tuple[Path, di
     assert b"if parallel_config.decode_context_parallel_size > 1:" in old
     assert manifest["variants"]["mtp-as-prefills"]["case"] is None
     assert manifest["variants"]["mtp-as-prefills"]["patches"][:-1] == manifest["series"]
+
+
+@pytest.mark.slow
+def test_the_0_33_0_variants_show_what_that_release_does(tmp_path: Path) -> None:
+    """On 0.33.0 (FlashMLA-sparse DCP of its own, Model Runner V2 by default) the variants follow
+    RELEASE_EXPECT: unpatched, it serves, and only the V1 runner's prompt logprobs under MTP move;
+    without the prompt-logprobs fix, V2 passes and V1 mismatches. Every case named exists on its build."""
+    from overlay.engine.variants import RELEASE_EXPECT
+    from overlay.engine.workload import cases
+
+    manifest = build_variants(REPO / "patches", "0.33.0", tmp_path)
+    table = manifest["variants"]
+    assert set(table) == {"stock", "minus-dcp-direct-a2a-fallback", "minus-flashmla-sparse-dcp-spec-cudagraphs",
+                          "minus-spec-decode-prompt-logprobs-graph-pool"}
+    shows = {name: [(j["expect"], j["case"]) for j in v.get("jobs") or [v]] for name, v in table.items()}
+    assert shows["stock"] == [("mismatch", "ref-dcp1-mtp-v1")]
+    assert shows["minus-spec-decode-prompt-logprobs-graph-pool"] == [("pass", "ref-dcp1-mtp"),
+                                                                     ("mismatch", "ref-dcp1-mtp-v1")]
+    assert shows["minus-flashmla-sparse-dcp-spec-cudagraphs"] == [
+        (EXPECT["flashmla-sparse-dcp-spec-cudagraphs.patch"][0], "dcp-a2a-direct-proj1-graph-mtp-il16")]
+    names = {c.name for c in cases(2, "0.33.0")} | {c.name for c in cases(1, "0.33.0")}
+    assert {case for s in shows.values() for _, case in s} <= names
+    assert set(RELEASE_EXPECT["0.33.0"]) <= {"stock", *EXPECT}
+    runner = "vllm/v1/worker/gpu_model_runner.py"
+    wheel = fetch_wheel(load_pin(REPO / "patches", "0.33.0"))
+    with zipfile.ZipFile(wheel) as zf:
+        base = zf.read(runner)
+    assert _files(tmp_path / "minus-spec-decode-prompt-logprobs-graph-pool.tar.gz").get(runner, base) == base
+    full = _files(tmp_path / "minus-flashmla-sparse-dcp-spec-cudagraphs.tar.gz")[runner]
+    assert full != base  # the other variants keep the fix

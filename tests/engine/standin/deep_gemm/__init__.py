@@ -14,7 +14,11 @@ What it implements (the FP8 path of the bf16 sparse indexer, nothing else):
   ``[N, D]``, ``k_scale`` float32 ``[N]`` (or ``[N, 1]``), ``weights`` float32 ``[M, H]``.
   Returns float32 ``[M, N]`` with
   ``logits[m, n] = sum_h relu((q[m, h] . k[n]) * k_scale[n]) * weights[m, h]`` for
-  ``cu_seqlen_ks[m] <= n < cu_seqlen_ke[m]`` and ``-inf`` elsewhere.
+  ``cu_seqlen_ks[m] <= n < cu_seqlen_ke[m]`` and ``-inf`` elsewhere. That is the form vLLM 0.28.0
+  calls. vLLM 0.33.0 (DeepGEMM >= 2.8) passes ``max_seqlen_k`` (an int) as the sixth argument
+  instead and reads *compressed* logits ``[M, max_seqlen_k]``: row ``m``, column ``j`` holds key
+  ``cu_seqlen_ks[m] + j`` (its ``sparse_attn_indexer`` gives the top-k ``cu_seqlen_ke - cu_seqlen_ks``
+  as each row's length and no start); here columns past a row's length are ``-inf``.
 * ``fp8_fp4_paged_mqa_logits((q, None), kv_cache, weights, context_lens, block_tables,
   schedule_metadata, max_model_len, clean_logits, indices=None)``: decode logits over the paged
   indexer K cache. ``q`` float8_e4m3fn ``[B, next_n, H, D]``, ``weights`` float32
@@ -114,10 +118,16 @@ def fp8_fp4_mqa_logits(
     weights: torch.Tensor,
     cu_seqlen_ks: torch.Tensor,
     cu_seqlen_ke: torch.Tensor,
-    clean_logits: bool = True,
+    clean_logits: bool | int = True,
+    *,
+    max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
-    """Non-paged (prefill) MQA logits ``[M, N]`` float32; ``-inf`` outside ``[ks[m], ke[m])``."""
-    del clean_logits  # always clean: out-of-range positions are -inf
+    """Non-paged (prefill) MQA logits ``[M, N]`` float32, ``-inf`` outside ``[ks[m], ke[m])``; with
+    ``max_seqlen_k`` (an int sixth argument, vLLM 0.33.0's form) compressed ``[M, max_seqlen_k]``:
+    column ``j`` of row ``m`` is key ``ks[m] + j``, ``-inf`` from ``ke[m] - ks[m]`` on."""
+    if max_seqlen_k is None and not isinstance(clean_logits, bool):
+        max_seqlen_k = int(clean_logits)  # the sixth positional argument of DeepGEMM >= 2.8
+    # the full form is always clean: out-of-range positions are -inf
     q_values = _fp8_values(q)
     k_values, k_scale = kv
     if k_values.dtype != torch.float8_e4m3fn or k_values.dim() != 2:
@@ -141,7 +151,9 @@ def fp8_fp4_mqa_logits(
     cols = torch.arange(num_k, device=device)
     ks = cu_seqlen_ks.reshape(num_q, 1)
     ke = cu_seqlen_ke.reshape(num_q, 1)
-    out = torch.empty((num_q, num_k), dtype=torch.float32, device=device)
+    width = num_k if max_seqlen_k is None else max(0, int(max_seqlen_k))
+    out = torch.empty((num_q, width), dtype=torch.float32, device=device)
+    offsets = torch.arange(width, device=device)
     rows = max(1, _ELEMENT_BUDGET // max(1, num_heads * num_k))
     for start in range(0, num_q, rows):
         end = min(num_q, start + rows)
@@ -151,8 +163,14 @@ def fp8_fp4_mqa_logits(
         scores = scores.view(n_rows, num_heads, num_k)
         scores.mul_(weights[start:end].float().unsqueeze(-1))
         logits = scores.sum(dim=1)
-        valid = (cols >= ks[start:end]) & (cols < ke[start:end])
-        out[start:end] = torch.where(valid, logits, float("-inf"))
+        if max_seqlen_k is None:
+            valid = (cols >= ks[start:end]) & (cols < ke[start:end])
+            out[start:end] = torch.where(valid, logits, float("-inf"))
+            continue
+        keys = ks[start:end].to(torch.int64) + offsets  # [rows, width]: the key of each column
+        valid = (offsets < (ke[start:end] - ks[start:end])) & (keys < num_k)
+        picked = logits.gather(1, keys.clamp(0, max(0, num_k - 1))) if num_k else logits.new_zeros(keys.shape)
+        out[start:end] = torch.where(valid, picked, float("-inf"))
     return out
 
 

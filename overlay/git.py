@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 from overlay.errors import GitError, UsageError
+from overlay.interrupt import bound_to_parent
 
 # Fixed identity and dates so commits made by the tool (scratch trees, workspaces) have
 # the same ids for the same inputs; users' global config must not leak in.
@@ -80,7 +81,11 @@ def git(
         full_env.update(_IDENTITY)
     if env:
         full_env.update(env)
-    proc = subprocess.run(cmd, input=input, capture_output=True, env=full_env, check=False)
+    # A fetch (network, minutes for the vLLM remote) dies with the run: it only ever writes into a scratch
+    # tree, which the next run removes. Every other step is short and runs to its end, so a repository a
+    # killed run leaves is never one with a step cut in half (an index.lock, a half-applied am).
+    bound = bound_to_parent() if args[:1] == ["fetch"] else None
+    proc = subprocess.run(cmd, input=input, capture_output=True, env=full_env, check=False, preexec_fn=bound)
     if check and proc.returncode != 0:
         raise GitError(args, proc.returncode, proc.stderr.decode(errors="replace"))
     return proc

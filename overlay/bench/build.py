@@ -21,11 +21,11 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import venv
 from pathlib import Path
 
+from overlay.atomic import scratch
 from overlay.build.fetch import fetch_wheel
 from overlay.build.pins import load_pin, pin_dir
 from overlay.build.pipeline import build
@@ -41,7 +41,7 @@ def run(patches_root: Path, version: str, *, repeat: int = 5, json_out: Path | N
     copies: list[float] = []
     durable: list[float] = []
     builds: list[float] = []
-    with tempfile.TemporaryDirectory(prefix="bench-build-") as tmp:
+    with scratch("bench-build-") as tmp:
         out = Path(tmp)
         build(patches_root, version, out / "warm", base_wheel=wheel)  # warm the page cache
         for i in range(repeat):
@@ -114,7 +114,7 @@ def _seconds(stderr: str, word: str) -> float:
 
 def edit_to_installed(patches_root: Path, version: str, wheel: Path, *, repeat: int) -> dict[str, object]:
     """Seconds from a one-patch edit to installed: now (incremental) and before (pip --force-reinstall)."""
-    with tempfile.TemporaryDirectory(prefix="bench-install-") as tmp:
+    with scratch("bench-install-") as tmp:
         root, env, dist = Path(tmp) / "patches", Path(tmp) / "env", Path(tmp) / "dist"
         shutil.copytree(pin_dir(patches_root, version), root / version)
         venv.EnvBuilder(with_pip=True).create(env)

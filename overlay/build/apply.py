@@ -11,12 +11,12 @@ when the base is not at fault (:mod:`overlay.build.blame`).
 from __future__ import annotations
 
 import re
-import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from overlay.atomic import scratch
 from overlay.build.blame import why_not
 from overlay.build.series import PACKAGE_RULE, Patch, is_kernel_path
 from overlay.errors import ApplyError, GitError, one_line
@@ -91,7 +91,7 @@ def apply_series(
         data = read_base(path)
         if data is not None:
             base[path] = data
-    with tempfile.TemporaryDirectory(prefix="overlay-apply-") as tmp:
+    with scratch("overlay-apply-") as tmp:
         root = Path(tmp)
         git(["init", "-q"], root)
         for path, data in base.items():

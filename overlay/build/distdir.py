@@ -37,7 +37,7 @@ def write_into(dist: Path, name: str, write: Callable[[Path], None]) -> Path:
     target = dist / name
     with _as_dist_error(dist, target), lock.held(dist / LOCK_NAME, f"another build into {dist}"):
         remove_stale(dist)
-        fd, tmp_name = tempfile.mkstemp(dir=dist, prefix=f"{TMP_PREFIX}{_host()}-{os.getpid()}-",
+        fd, tmp_name = tempfile.mkstemp(dir=dist, prefix=f"{TMP_PREFIX}{host()}-{os.getpid()}-",
                                         suffix=TMP_SUFFIX)
         os.close(fd)
         tmp = Path(tmp_name)
@@ -74,7 +74,7 @@ def _writer_gone(path: Path) -> bool:
             return time.time() - path.stat().st_mtime > _LEGACY_MAX_AGE_S
         except FileNotFoundError:
             return False
-    if m["host"] != _host():
+    if m["host"] != host():
         return False  # another machine's process (a shared folder): it cannot be checked from here
     return not pid_alive(int(m["pid"]))
 
@@ -92,7 +92,8 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _host() -> str:
+def host() -> str:
+    """This machine's name as a file name part (what owned temporary names record beside the pid)."""
     return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())
 
 

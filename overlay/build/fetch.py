@@ -16,13 +16,17 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from overlay import digest
+from overlay.atomic import scratch, sweep, temp_dir
 from overlay.build.pins import Pin
 from overlay.errors import FetchError
+from overlay.interrupt import bound_to_parent
+
+DOWNLOAD_PREFIX = ".download-"
+"""A cache folder's temporaries (:func:`overlay.atomic.temp_dir`): ``.download-<host>-<pid>-<random>``."""
 
 Downloader = Callable[[str, Path], None]
 """``downloader(requirement, dest_dir)`` puts the release file into ``dest_dir``."""
@@ -58,6 +62,7 @@ def pip_download_wheel(requirement: str, dest: Path) -> None:
     proc = subprocess.run(
         cmd, stdout=subprocess.PIPE if quiet else None,
         stderr=subprocess.PIPE if quiet else None, check=False,
+        preexec_fn=bound_to_parent(),  # a SIGKILLed build leaves no pip writing on into the cache
     )
     if proc.returncode != 0:
         err = (proc.stderr or b"").decode(errors="replace").strip().splitlines()
@@ -96,6 +101,7 @@ def fetch_verified(
     ``expected_from`` says where ``sha256`` comes from, for that message.
     """
     target = folder / filename
+    sweep(folder, DOWNLOAD_PREFIX)  # what a killed fetch left (its pip child died with it)
     if target.exists():
         verify(target, sha256, fix=f"the file is kept: if {expected_from} is wrong, fix it; if the file is "
                                    "damaged, delete it to download it again")
@@ -104,8 +110,7 @@ def fetch_verified(
         return target
     _refuse_quarantined(folder, filename, sha256, expected_from)
     folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
-        tmpdir = Path(tmp)
+    with temp_dir(folder, DOWNLOAD_PREFIX) as tmpdir:  # owned: a killed run's is removed by the next
         print(f"fetching {filename} ...", file=sys.stderr)
         download(tmpdir)
         got = tmpdir / filename
@@ -166,11 +171,10 @@ def fetch_wheel(pin: Pin, *, cache: Path | None = None, downloader: Downloader |
 def copy_into_cache(src: Path, folder: Path, sha256: str) -> Path:
     """Copy an already downloaded file into a cache folder after verifying it (offline use)."""
     verify(src, sha256, name=src.name)
-    folder.mkdir(parents=True, exist_ok=True)
     target = folder / src.name
-    tmp = target.with_name(f".{target.name}.tmp")
-    shutil.copyfile(src, tmp)
-    os.replace(tmp, target)
+    with temp_dir(folder, DOWNLOAD_PREFIX) as tmp:
+        shutil.copyfile(src, tmp / src.name)
+        os.replace(tmp / src.name, target)
     return target
 
 
@@ -186,7 +190,7 @@ def pip_index_digest(requirement: str) -> tuple[str, str]:
     with the digest from the index's own page (``download_info.archive_info.hashes``). That
     digest, not one computed here, is what a download is checked against.
     """
-    with tempfile.TemporaryDirectory(prefix="overlay-report-") as tmp:
+    with scratch("overlay-report-") as tmp:
         report = Path(tmp) / "report.json"
         cmd = [
             sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed",
@@ -194,7 +198,7 @@ def pip_index_digest(requirement: str) -> tuple[str, str]:
             "--target", str(Path(tmp) / "target"),  # required by --platform; nothing is installed
             "--report", str(report), requirement,
         ]
-        proc = subprocess.run(cmd, capture_output=True, check=False)
+        proc = subprocess.run(cmd, capture_output=True, check=False, preexec_fn=bound_to_parent())
         if proc.returncode != 0 or not report.exists():
             err = proc.stderr.decode(errors="replace").strip().splitlines()
             raise FetchError(

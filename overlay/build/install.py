@@ -27,7 +27,6 @@ import json
 import os
 import py_compile
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from overlay.build import swap
 from overlay.build.distdir import umask as current_umask
 from overlay.build.wheel import dist_info_name, read_record, record_hash
 from overlay.errors import OverlayError
+from overlay.interrupt import bound_to_parent
 
 # CUDA-only builds on PyPI that fail to import beside the CPU torch (docs/ARCHITECTURE.md, "Pins").
 CPU_SKIP = frozenset({"torchvision", "torchaudio", "torchcodec"})
@@ -108,17 +108,10 @@ def cpu_installable(wheel: Path) -> str | None:
     return None
 
 
-def _die_with_parent() -> None:
-    """In the child: be killed when the parent dies, so a killed build leaves no pip writing on."""
-    import ctypes
-
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def _pip(python: Path, args: list[str], *, bound: bool = False) -> None:
     quiet = [] if sys.stderr.isatty() else ["-q"]
     proc = subprocess.run([str(python), "-m", "pip", *args, *quiet], check=False,
-                          preexec_fn=_die_with_parent if bound else None)
+                          preexec_fn=bound_to_parent() if bound else None)
     if proc.returncode != 0:
         raise InstallError(f"pip {' '.join(args[:2])} ... failed ({proc.returncode}) in {python.parent.parent}")
 

@@ -22,15 +22,16 @@ import re
 import subprocess
 import sys
 import tarfile
-import tempfile
 import urllib.request
 import zlib
 from collections.abc import Callable
 from pathlib import Path
 
+from overlay.atomic import temp_dir
 from overlay.build.fetch import cache_dir, fetch_verified
 from overlay.build.pins import Pin
 from overlay.errors import FetchError, PinError
+from overlay.interrupt import bound_to_parent
 
 Downloader = Callable[[str, str, Path], None]
 """``downloader(version, filename, dest_dir)`` puts the sdist ``filename`` into ``dest_dir``."""
@@ -107,6 +108,7 @@ def pip_url_download_sdist(version: str, filename: str, dest: Path, *, python: s
         [py, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
          "-vv", "-d", str(dest), f"vllm=={version}"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False,
+        preexec_fn=bound_to_parent(),  # it may download the sdist itself: never on after a kill
     )
     if (dest / filename).is_file():
         return
@@ -175,7 +177,7 @@ def extract_subtree(sdist: Path, prefix: str, dest: Path) -> int:
             members = [m for m in tf.getmembers() if m.name.startswith(f"{top}/{prefix}")]
             if not any(m.isfile() for m in members):
                 raise FetchError(f"{sdist.name}: holds no {prefix} files")
-            with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".extract-") as tmp:
+            with temp_dir(dest.parent, ".extract-") as tmp:
                 tf.extractall(tmp, members=members, filter="data")
                 os.replace(Path(tmp) / top / prefix.rstrip("/"), dest)
     except (tarfile.TarError, EOFError, zlib.error) as exc:  # a cut-short .gz ends in EOFError
@@ -191,7 +193,7 @@ def extract(sdist: Path, dest: Path) -> Path:
     try:
         with tarfile.open(sdist, "r:*") as tf:
             top = _top(sdist, tf)
-            with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".extract-") as tmp:
+            with temp_dir(dest.parent, ".extract-") as tmp:
                 tf.extractall(tmp, filter="data")  # refuses absolute paths, links out, devices
                 for child in (Path(tmp) / top).iterdir():
                     os.replace(child, dest / child.name)

@@ -8,7 +8,6 @@ import lzma
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 import zipfile
 from collections.abc import Iterable, Mapping, Sequence
@@ -16,12 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from overlay import digest
+from overlay.atomic import temp_dir, temp_file
 from overlay.build.archive import tar_bytes
+from overlay.build.distdir import umask
 from overlay.build.fetch import sha256_file
 from overlay.build.wheel import dist_info_name
 from overlay.device.requirements import pip_error_tail
 from overlay.device.resolve import ResolvedWheel, Resolver, target_args
 from overlay.device.settings import KEEP_KERNELS, LEFT_OUT, MIB, OPTIONAL_KERNELS, XZ_PRESET, DeviceStageError, log
+from overlay.interrupt import bound_to_parent
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,8 @@ def download_wheels(wheels: Sequence[ResolvedWheel], cache: Path, resolver: Reso
 
 
 def _download_one(wheel: ResolvedWheel, target: Path, resolver: Resolver) -> None:
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
-        got = Path(tmp) / wheel.filename
+    with temp_dir(target.parent, ".download-") as tmp:  # owned: a killed run's is removed by the next
+        got = tmp / wheel.filename
         if wheel.url.startswith("file://"):
             source = Path(wheel.url.removeprefix("file://"))
             if not source.is_file():
@@ -65,7 +67,7 @@ def _download_one(wheel: ResolvedWheel, target: Path, resolver: Resolver) -> Non
         else:
             cmd = [resolver.python, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
                    "--progress-bar", "off", *target_args(), "-d", tmp, f"{wheel.name} @ {wheel.url}"]
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False, preexec_fn=bound_to_parent())
             if proc.returncode != 0 or not got.is_file():
                 raise DeviceStageError(f"pip download {wheel.filename} failed ({proc.returncode}): "
                                        f"{pip_error_tail(proc.stdout + proc.stderr)}")
@@ -112,9 +114,10 @@ def xz_cached(data: bytes, cache: Path) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     target = cache / f"{digest.of_bytes(data)}.p{XZ_PRESET}.xz"
     if not target.exists():
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(lzma.compress(data, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, preset=XZ_PRESET))
-        os.replace(tmp, target)
+        with temp_file(cache, ".xz-") as tmp:  # owned: a killed run's is removed by the next
+            tmp.write_bytes(lzma.compress(data, format=lzma.FORMAT_XZ, check=lzma.CHECK_CRC64, preset=XZ_PRESET))
+            os.chmod(tmp, 0o666 & ~umask())
+            os.replace(tmp, target)
     return target
 
 

@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,9 +17,11 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
+from overlay.atomic import temp_dir
 from overlay.build.wheel import record_hash
 from overlay.device.requirements import Conflict, parse_conflict, pip_error_tail
 from overlay.device.settings import DEVICE_ENV, PLATFORMS, STUB_LABEL, TORCH_FAMILY, DeviceStageError, log
+from overlay.interrupt import bound_to_parent
 
 
 @dataclass(frozen=True)
@@ -315,7 +316,7 @@ def pip_runner(resolver: Resolver, work: Path, platforms: Sequence[str] = PLATFO
     (and the wheels :func:`sdist_builder` built, in ``wheelhouse``, when given)."""
 
     def run(requirements: Sequence[str], pins: Mapping[str, str]) -> PipOutcome:
-        with tempfile.TemporaryDirectory(dir=work, prefix="resolve-") as tmp:
+        with temp_dir(work, "resolve-") as tmp:
             root = Path(tmp)
             stubs = root / "stubs"
             stubs.mkdir()
@@ -330,7 +331,8 @@ def pip_runner(resolver: Resolver, work: Path, platforms: Sequence[str] = PLATFO
                    *target_args(platforms), "--find-links", str(stubs),
                    *(["--find-links", str(wheelhouse)] if wheelhouse is not None else []),
                    "-c", str(root / "constraints.txt"), "-r", str(root / "requirements.txt")]
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False,
+                                  preexec_fn=bound_to_parent())
             if proc.returncode != 0:
                 return PipOutcome(False, proc.stdout)
             return PipOutcome(True, proc.stdout, json.loads((root / "report.json").read_text()))
@@ -360,10 +362,10 @@ def sdist_builder(resolver: Resolver, wheelhouse: Path) -> SdistBuild:
         name = requirement_name(requirement)
         wheelhouse.mkdir(parents=True, exist_ok=True)
         log(f"{name}: no wheel for the device; building one from its sdist ({requirement})")
-        with tempfile.TemporaryDirectory(dir=wheelhouse, prefix=".build-") as tmp:
+        with temp_dir(wheelhouse, ".build-") as tmp:
             cmd = [resolver.python, "-m", "pip", "wheel", "--no-deps", "--no-binary", name,
                    "--disable-pip-version-check", "--progress-bar", "off", "-w", tmp, requirement]
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False, preexec_fn=bound_to_parent(),
                                   env={**os.environ, "SOURCE_DATE_EPOCH": SDIST_EPOCH})
             out = proc.stdout + proc.stderr
             got = sorted(Path(tmp).glob("*.whl"))

@@ -3,7 +3,6 @@ tree and kernels, carries, and the summary printed."""
 
 from __future__ import annotations
 
-import tempfile
 import time
 import zipfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -14,6 +13,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from overlay.atomic import scratch
 from overlay.build.fetch import cache_dir, sha256_file
 from overlay.device.carries import write_carries
 from overlay.device.files import download_wheels, stage_vllm
@@ -226,7 +226,7 @@ def _resolution(cache: Path, requirements: list[str], extra_reqs: list[str], dev
 
     def resolve_with(extra: Sequence[str], pins: Mapping[str, str]) -> Callable[[], Resolution]:
         def run() -> Resolution:
-            with tempfile.TemporaryDirectory(prefix="device-stage-") as work:
+            with scratch("device-stage-") as work:
                 wheelhouse.mkdir(parents=True, exist_ok=True)
                 return resolve(requirements, pins, pip_runner(resolver, Path(work), wheelhouse=wheelhouse),
                                build=sdist_builder(resolver, wheelhouse), extra_requirements=extra)

@@ -24,13 +24,13 @@ import dataclasses
 import json
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from overlay.atomic import scratch
 from overlay.build.pins import pin_dir
 from overlay.build.series import Series, is_package_path
 from overlay.errors import OverlayError
@@ -118,7 +118,7 @@ def _without_last_patch(patches_root: Path, version: str) -> Iterator[tuple[Path
     if not series.patches:
         raise ImageSmokeError(f"{series.series_file}: no patch to leave out for the negative case")
     dropped = series.patches[-1].name
-    with tempfile.TemporaryDirectory(prefix="image-smoke-") as tmp:
+    with scratch("image-smoke-") as tmp:
         dest = Path(tmp) / src.name
         shutil.copytree(src, dest)
         names = [p.name for p in series.patches[:-1]]

@@ -28,11 +28,11 @@ import json
 import re
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from overlay.atomic import temp_dir
 from overlay.errors import OverlayError
 from overlay.kernels.targets import commands, eval_condition
 
@@ -324,8 +324,7 @@ def fetch_checkout(dest: Path, ext: External, remote: str, *, exclude: Sequence[
     git's sparse checkout, so :func:`verify_real` still sees a clean tree at the pin."""
     _check_remote(remote)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-    try:
+    with temp_dir(dest.parent, ".checkout-", legacy=(f".{dest.name}-",)) as work:  # a killed run's: swept
         local = Path(remote).is_dir()
         steps: list[list[str]] = []
         if local:  # a mirror on disk: share its objects, read only what the checkout needs
@@ -358,8 +357,6 @@ def fetch_checkout(dest: Path, ext: External, remote: str, *, exclude: Sequence[
             shutil.rmtree(dest)
         work.rename(dest)
         return commit
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _self_contained(work: Path, commit: str, tag: str) -> None:

@@ -23,11 +23,11 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from overlay.atomic import temp_dir
 from overlay.build.fetch import cache_dir
 from overlay.errors import OverlayError
 
@@ -239,8 +239,7 @@ def assemble(torch_version: str, *, nvcc_root: Path = Path("/usr/local/cuda"), c
     requirement = toolkit_requirement(torch_wheel)
     _pip_download([requirement], wheels, deps=True)
     root.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
-    try:
+    with temp_dir(root.parent, ".unpack-", legacy=(f".{root.name}-",)) as work:  # a killed run's: swept
         print(f"kernel-toolchain: unpacking {torch_wheel.name} (include, share, lib) ...", file=sys.stderr, flush=True)
         _unzip(torch_wheel, work, ("torch/include/", "torch/share/", "torch/lib/"))
         for w in sorted(wheels.glob("nvidia_*.whl")):
@@ -250,8 +249,5 @@ def assemble(torch_version: str, *, nvcc_root: Path = Path("/usr/local/cuda"), c
         if root.exists():
             shutil.rmtree(root)
         work.rename(root)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
     print(f"kernel-toolchain: {root}", file=sys.stderr)
     return tc

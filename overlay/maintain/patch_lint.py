@@ -20,16 +20,17 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from overlay.atomic import scratch, temp_dir
 from overlay.build.pins import load_pin, pin_dir
 from overlay.build.series import Series
 from overlay.errors import OverlayError
 from overlay.git import git, git_text
+from overlay.interrupt import bound_to_parent
 
 RUFF_HOOKS = "astral-sh/ruff-pre-commit"
 
@@ -71,23 +72,18 @@ def ensure_ruff(version: str, cache: Path) -> Path:
     exe = dest / "bin" / "ruff"
     if exe.is_file():
         return exe
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent))
-    try:
+    with temp_dir(dest.parent, ".install-", legacy=(f".{dest.name}-",)) as tmp:  # a killed run's: removed by the next
         print(f"patch-lint: installing ruff {version} (the release's pre-commit version) ...", file=sys.stderr,
               flush=True)
         done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
                                "--no-deps", "--target", str(tmp), f"ruff=={version}"],
-                              capture_output=True, text=True)
+                              capture_output=True, text=True, preexec_fn=bound_to_parent())
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise PatchLintError(f"pip install ruff=={version}: {last}")
         if not (tmp / "bin" / "ruff").is_file():
             raise PatchLintError(f"pip install ruff=={version}: no bin/ruff in what it installed")
         os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return exe
 
 
@@ -239,7 +235,7 @@ def run(patches_root: Path, version: str, *, cache: Path | None = None) -> list[
     ruff = ensure_ruff(ruff_version(sources[".pre-commit-config.yaml"], f"{sdist.name}/.pre-commit-config.yaml"),
                        cache)
     base = base_tree(patches_root, version, cache=cache)
-    with tempfile.TemporaryDirectory(prefix="overlay-patch-lint-") as tmp:
+    with scratch("overlay-patch-lint-") as tmp:
         repo = Path(tmp)
         owners = _commit_series(repo, series, base)
         (repo / "pyproject.toml").write_text(sources["pyproject.toml"])

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
+from overlay.atomic import temp_dir
 from overlay.build.fetch import cache_dir, fetch_release, fetch_wheel
 from overlay.build.pins import Pin, load_pin, pin_dir
 from overlay.maintain.workspace import extract_text_tree
@@ -33,18 +33,14 @@ def pinned_tree(pin: Pin, *, cache: Path | None = None, wheel: Path | None = Non
     dest = root / f"{pin.version}-{pin.sha256[:12]}"
     if dest.is_dir():
         return dest
-    root.mkdir(parents=True, exist_ok=True)
     wheel = wheel or fetch_wheel(pin, cache=cache)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=root))
-    try:
+    with temp_dir(root, ".extract-", legacy=(f".{dest.name}-",)) as tmp:  # a killed run's: removed by the next
         extract_text_tree(wheel, tmp)
-        os.replace(tmp, dest)
-    except OSError:
-        if not dest.is_dir():  # another process won the race: fine
-            raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not dest.is_dir():  # another process won the race: fine
+                raise
     return dest
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from overlay import textfile
 from overlay.build.series import Series
 from overlay.errors import OverlayError
+from overlay.interrupt import bound_to_parent
 
 EXPECTED_DIR = Path(__file__).resolve().parent / "upstream_expected"
 PLUGIN = "overlay.maintain.upstream_plugin"
@@ -232,7 +233,7 @@ def run_pytest(root: Path, files: list[str], *, timeout: int, extra_path: list[P
     env["PYTHONPATH"] += os.pathsep + standins  # last: a real tblib wins
     cmd = [sys.executable, "-m", "pytest", "-p", PLUGIN, "-p", "no:cacheprovider", "-c", "pytest.ini",
            "--rootdir", ".", "--continue-on-collection-errors", f"--timeout={timeout}", "-q", "-rN", *(select or files)]
-    proc = subprocess.run(cmd, cwd=root, env=env, check=False)
+    proc = subprocess.run(cmd, cwd=root, env=env, check=False, preexec_fn=bound_to_parent())  # none runs on
     if proc.returncode not in (0, 1) or not results.exists():
         raise UpstreamTestsError(f"pytest in {root} exited {proc.returncode} without a test verdict "
                                  "(2 interrupted, 3 internal error, 4 usage, 5 nothing collected)")

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import tempfile
 import zipfile
 from pathlib import Path
 
+from overlay.atomic import temp_dir, write_file
 from overlay.build.fetch import fetch_wheel
 from overlay.build.pins import load_pin, pin_dir
 from overlay.build.series import Patch, Series, check_patch_name
@@ -64,8 +63,8 @@ def create(patches_root: Path, version: str, dest: Path, *, base_wheel: Path | N
     if dest.exists():
         raise OverlayError(f"{dest}: already exists; remove it first or use it as it is")
     wheel = base_wheel or fetch_wheel(pin)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=dest.parent if dest.parent.exists() else None))
-    try:
+    # owned: what a killed run left (132 MB for 0.28.0) is removed by the next
+    with temp_dir(dest.parent, ".workspace-", legacy=(f".{dest.name}-",)) as tmp:
         extract_text_tree(wheel, tmp)
         git(["init", "-q"], tmp)
         git(["add", "-A"], tmp)
@@ -79,11 +78,7 @@ def create(patches_root: Path, version: str, dest: Path, *, base_wheel: Path | N
             msg = git_text(["log", "-1", "--format=%B"], tmp).rstrip("\n")
             git(["commit", "-q", "--amend", "-m", f"{msg}\n{NAME_TRAILER}: {patch.name}\n"], tmp,
                 env=_author_env(tmp))
-        dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return dest
 
 
@@ -184,12 +179,8 @@ def export(repo: Path, patches_root: Path, version: str, *, allow_dirty: bool = 
     old_text = series_file.read_text() if series_file.exists() else ""
     old = Series.parse_names(old_text, str(series_file))
     for name, raw in files.items():
-        tmp = directory / f".{name}.tmp"
-        tmp.write_bytes(raw)
-        os.replace(tmp, directory / name)
-    tmp = directory / ".series.tmp"
-    tmp.write_text(Series.render(names, header_from=old_text))
-    os.replace(tmp, series_file)
+        write_file(directory / name, raw)
+    write_file(series_file, Series.render(names, header_from=old_text))
     for stale in set(old) - set(names):
         (directory / stale).unlink(missing_ok=True)
     return names

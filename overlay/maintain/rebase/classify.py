@@ -6,11 +6,11 @@ from __future__ import annotations
 import re
 import shutil
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from overlay.atomic import scratch
 from overlay.build.pins import Pin, pin_dir
 from overlay.build.series import Patch, Series
 from overlay.errors import KernelPatchError
@@ -205,7 +205,7 @@ def _behaviour(work: Path, patch: Patch, old_parent: str, runner: TestRunner | N
     if runner is None:
         return {}
     runs: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="overlay-rebase-trees-") as tmp:
+    with scratch("overlay-rebase-trees-") as tmp:  # two release trees: a killed run's removed by the next
         for label, rev in (("old-base", old_parent), ("target", "HEAD")):
             tree = tree_at(work, rev, Path(tmp) / label)
             run = runner(patch, tree)

@@ -31,7 +31,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,10 +42,12 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from overlay import digest
+from overlay.atomic import scratch, temp_dir
 from overlay.build.fetch import cache_dir
 from overlay.build.install import CPU_SKIP, requirements
 from overlay.build.pipeline import VERSION_PY
 from overlay.errors import OverlayError
+from overlay.interrupt import bound_to_parent
 
 FAMILY = CPU_SKIP | {"torch"}  # the environment's own CPU torch serves every release; the rest stay out
 RUNNER = ("pytest==9.2.0", "pytest-timeout==2.4.0")  # pyproject's test pins (held there by a test)
@@ -141,7 +142,7 @@ def stub_wheel(folder: Path, name: str, version: str, requires: tuple[str, ...])
 
 def _pip(args: list[str], what: str) -> None:
     cmd = [sys.executable, "-m", "pip", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, preexec_fn=bound_to_parent())
     if proc.returncode != 0:
         lines = [ln.strip() for ln in proc.stderr.strip().splitlines() if ln.strip()]
         errors = [ln for ln in lines if ln.startswith("ERROR")]
@@ -150,7 +151,7 @@ def _pip(args: list[str], what: str) -> None:
 
 def pip_resolve(reqs: list[str]) -> list[str]:
     """:data:`Resolver` by ``pip install --dry-run --ignore-installed --report`` (nothing installed)."""
-    with tempfile.TemporaryDirectory(prefix="overlay-deps-") as tmp:
+    with scratch("overlay-deps-") as tmp:
         report = Path(tmp) / "report.json"
         _pip(["install", "-q", "--dry-run", "--ignore-installed", "--prefer-binary", "--disable-pip-version-check",
               "--report", str(report), *reqs], f"resolve the test environment ({len(reqs)} requirements)")
@@ -184,9 +185,7 @@ def release_deps(release: str, wheel: Path, *, cache: Path | None = None, resolv
         return dest
     print(f"deps {release}: resolving its whole dependency set for the test runs (torch: this environment's "
           f"{torch.version}) into {dest} ...", file=sys.stderr, flush=True)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}-", dir=root))
-    try:
+    with temp_dir(root, ".install-", legacy=(f".{dest.name}-",)) as tmp:  # a killed run's is removed by the next
         if resolver is None:
             stub_dir = tmp / ".stubs"
             stub_dir.mkdir()
@@ -201,9 +200,6 @@ def release_deps(release: str, wheel: Path, *, cache: Path | None = None, resolv
         if dest.exists():
             shutil.rmtree(dest)  # an earlier attempt that did not complete
         os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return dest
 
 

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
+from overlay.atomic import scratch
 from overlay.build.pins import check_version, pin_dir
 from overlay.build.series import Patch, Series
 from overlay.errors import OverlayError, SeriesError
@@ -88,7 +88,7 @@ def run_matrix(patches_root: Path, from_version: str, releases: list[str], trees
         say(f"matrix {release}: {len(series.patches)} patch(es), "
             + (f"as patches/{release}/ carries them" if carried is not None else "replayed by 3-way merge"))
         target = trees(release)
-        with tempfile.TemporaryDirectory(prefix=f"overlay-matrix-{release}-") as tmp:
+        with scratch("overlay-matrix-") as tmp:  # a replay repository: a killed run's removed by the next
             work = Path(tmp) / "repo"
             old = prepare(work, series, from_version, release, partial(copy_tree, base),
                           partial(copy_tree, target))

@@ -7,9 +7,9 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
+from overlay.atomic import temp_dir
 from overlay.build.pins import Pin, pin_dir
 from overlay.build.series import Patch, Series
 from overlay.build.swap import exchange
@@ -29,8 +29,7 @@ def write_release(work: Path, state: State, series: Series, results: list[Result
     except RebaseError as exc:
         raise RebaseError(f"{out}: changed while the rebase ran; not overwriting it ({exc})") from None
     pin = Pin.from_dict(state.pin, f"target pin of the rebase onto {state.to_version}")
-    tmp = Path(tempfile.mkdtemp(prefix=f".rebase-{state.to_version}-", dir=patches_root))
-    try:
+    with temp_dir(patches_root, ".rebase-", legacy=(f".rebase-{state.to_version}-",)) as tmp:
         names: list[str] = []
         for patch, res in zip(series.patches, results, strict=True):
             how = state.exported.get(patch.name)
@@ -53,9 +52,6 @@ def write_release(work: Path, state: State, series: Series, results: list[Result
             exchange(tmp, out)
         else:
             os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out
 
 

@@ -22,11 +22,11 @@ set aside as ``conflict``. Nothing is ever accepted without a passing test run.
 from __future__ import annotations
 
 import re
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from overlay.atomic import scratch
 from overlay.build.series import Patch
 from overlay.git import git, git_text
 from overlay.maintain.rebase.testrun import TestRun, describe
@@ -208,7 +208,7 @@ def try_candidates(work: Path, patch: Patch, head: str, old_commit: str, later: 
         attempt.commit = git_text(["commit-tree", tree, "-p", head, "-m", message], work,
                                   env=_author_env(work, old_commit)).strip()
         attempt.files = git_text(["diff", "--name-only", head, attempt.commit], work).split()
-        with tempfile.TemporaryDirectory(prefix="overlay-rebase-candidate-") as tmp:
+        with scratch("overlay-rebase-candidate-") as tmp:
             run = runner(patch, tree_at(work, attempt.commit, Path(tmp) / "tree"))
         if run is None:
             attempt.why = "the patch has no tests of its own"

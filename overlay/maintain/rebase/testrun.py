@@ -9,13 +9,14 @@ import json
 import os
 import re
 import sys
-import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from overlay.atomic import scratch
 from overlay.build.series import Patch
+from overlay.interrupt import bound_to_parent
 
 STATUSES = {
     "passed": "passed",  # rc 0, at least one test passed, none failed
@@ -175,7 +176,7 @@ def run_files(files: list[Path], tree: Path, *, cwd: Path, timeout: float = 900,
     env = dict(os.environ)
     env["OVERLAY_VLLM_TREE"] = str(tree)
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # never leave __pycache__ in a tree under test
-    with tempfile.TemporaryDirectory(prefix="overlay-tests-") as tmp:
+    with scratch("overlay-tests-") as tmp:
         junit = Path(tmp) / "junit.xml"
         retries = Path(tmp) / "retries.jsonl"
         env[RETRIES_ENV] = str(retries)
@@ -196,7 +197,7 @@ def run_files(files: list[Path], tree: Path, *, cwd: Path, timeout: float = 900,
                "-p", "overlay.maintain.rebase.failkind", "-o", "addopts=", f"--junitxml={junit}"]
         try:
             proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False,
-                                  timeout=timeout)
+                                  timeout=timeout, preexec_fn=bound_to_parent())  # none runs on after a kill
         except subprocess.TimeoutExpired:
             return TestRun("error", summary=f"timed out after {timeout:.0f} s", retried=_retries(retries),
                            environment=str(deps or ""))

@@ -1,6 +1,7 @@
 """Issue 35 item 4, "leftovers of a killed run that no later run clears": a run SIGKILLed mid-download,
-mid-workspace or mid-install of a release's test set (no ``finally`` runs) leaves no child writing on,
-and the next run removes what it left and says so.
+mid-workspace, mid-install of a release's test set or mid-cherry-pick (no ``finally`` runs) leaves no
+child writing on, and the next run removes what it left and says so; a cherry-pick killed before its
+conflict, or in its continue, is recognised by both verbs alike.
 
 Every test kills a real child process with SIGKILL at a marked point (a fake ``pip`` on its
 ``PYTHONPATH``, or a step made slow in the child), then runs the next command in this process.
@@ -9,6 +10,7 @@ Every test kills a real child process with SIGKILL at a marked point (a fake ``p
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import signal
@@ -23,8 +25,10 @@ import pytest
 
 from overlay.atomic import write_file
 from overlay.build.fetch import fetch_verified
+from overlay.maintain.cherry_pick import CherryPickError, cherry_pick_continue
 from overlay.maintain.workspace import create
 from tests.killkit import gone, kill9_when, wait_for
+from tests.rebasekit import FROM
 from tests.wheelkit import format_patch, make_release, make_wheel, sha256
 
 REPO = Path(__file__).resolve().parent.parent
@@ -282,3 +286,103 @@ def test_every_temporary_under_the_tools_folders_is_an_owned_one() -> None:
             if rel not in allowed:
                 found.append(f"{rel}:{text.count(chr(10), 0, m.start()) + 1}: tempfile.{m[1]}")
     assert found == []
+
+
+# --- a killed cherry-pick ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def pick_setup(tmp_path: Path):  # type: ignore[no-untyped-def]
+    from tests.rebasekit import lines, make_patch, series_dir
+    from tests.test_cherry_pick import upstream_remote
+
+    root = tmp_path / "patches"
+    series_dir(root, {"a.patch": make_patch(tmp_path, "a", {"vllm/a.py": lines("a", 40, l35="a_35 = 'ours'")})})
+    remote, _ = upstream_remote(tmp_path)
+    return root, remote, tmp_path / "work" / f"cherry-pick-{FROM}"
+
+
+def _pick(root: Path, remote: Path, work: Path, ref: str):  # type: ignore[no-untyped-def]
+    from overlay.maintain.cherry_pick import cherry_pick
+    from tests.rebasekit import BASE, fill
+
+    return cherry_pick(root, FROM, ref, fill_base=fill(BASE), work=work, remote=str(remote), today="2026-12-01")
+
+
+def test_a_cherry_pick_killed_before_its_conflict_is_cleared_by_the_next_pick(
+        tmp_path: Path, pick_setup, killed, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    """Issue 35 item 4 (leftovers): after a SIGKILLed ``make cherry-pick``, ``cherry-pick`` said "in progress:
+    make cherry-pick-continue" and ``cherry-pick-continue`` "no cherry-pick in progress there". Now the
+    state is written only at a conflict: continue says the pick was killed before one and that
+    ``make cherry-pick`` starts again, and that pick removes the tree (saying so) and succeeds."""
+    root, remote, work = pick_setup
+    ready = tmp_path / "filled"
+    killed(f"""
+        import time
+        from pathlib import Path
+        from overlay.maintain.cherry_pick import cherry_pick
+        from tests.rebasekit import BASE, fill
+        def slow(dest):
+            fill(BASE)(dest)
+            Path({str(ready)!r}).write_text("")
+            time.sleep(60)
+        cherry_pick(Path({str(root)!r}), {FROM!r}, "7", fill_base=slow, work=Path({str(work)!r}),
+                    remote={str(remote)!r}, today="2026-12-01")
+    """, ready)
+    assert (work / "vllm" / "a.py").is_file()
+    with pytest.raises(CherryPickError) as exc:
+        cherry_pick_continue(work)
+    assert str(exc.value) == (f"{work}: left by a cherry-pick that was killed before it reached a conflict: "
+                              "nothing to continue; `make cherry-pick REF=...` removes it and starts again")
+    out = _pick(root, remote, work, "7")
+    assert out.done and not work.exists()
+    assert (f"cherry-pick: removing {work}, left by a cherry-pick that was killed before it reached a conflict "
+            "(nothing in it to continue)") in capsys.readouterr().err
+
+
+def test_a_killed_cherry_pick_continue_is_run_again_as_it_is(tmp_path: Path, pick_setup, killed) -> None:  # type: ignore[no-untyped-def]
+    """Issue 35 item 4 (leftovers): a ``cherry-pick-continue`` killed after its commit left a tree that
+    every later continue refused (git: nothing to commit); now a continue first puts the tree back to the
+    resolved conflict, and finishes."""
+    from tests.rebasekit import lines
+
+    root, remote, work = pick_setup
+    out = _pick(root, remote, work, "8")
+    assert not out.done
+    (work / "vllm" / "a.py").write_text(lines("a", 40, l35="a_35 = 'ours and upstream'"))
+    subprocess.run(["git", "-C", str(work), "add", "vllm/a.py"], check=True)
+    ready = tmp_path / "committed"
+    killed(f"""
+        import time
+        from pathlib import Path
+        import overlay.maintain.cherry_pick as cp
+        real = cp.format_patch
+        def slow(repo, rev):
+            raw = real(repo, rev)
+            Path({str(ready)!r}).write_text("")
+            time.sleep(60)
+        cp.format_patch = slow
+        cp.cherry_pick_continue(Path({str(work)!r}))
+    """, ready)
+    done = cherry_pick_continue(work)
+    assert done.done and not work.exists()
+    series = (root / FROM / "series").read_text().splitlines()
+    assert [n for n in series if not n.startswith("#")] == ["a.patch", "fix-a-35.patch"]
+    assert "a_35 = 'ours and upstream'" in (root / FROM / "fix-a-35.patch").read_text()
+
+
+def test_a_continue_killed_after_it_wrote_the_series_only_removes_the_tree(tmp_path: Path, pick_setup) -> None:  # type: ignore[no-untyped-def]
+    """Issue 35 item 4 (leftovers): killed between writing the series and removing its tree, a continue left
+    a state whose patch is in the series already; the next continue says so and removes the tree instead
+    of adding the patch twice."""
+    root, remote, work = pick_setup
+    out = _pick(root, remote, work, "8")
+    assert not out.done
+    state = json.loads((work / ".git" / "overlay-cherry-pick.json").read_text())
+    series = root / FROM / "series"
+    series.write_text(series.read_text() + f"{state['name']}\n")
+    (root / FROM / state["name"]).write_bytes((root / FROM / "a.patch").read_bytes())  # as the run wrote it
+    done = cherry_pick_continue(work)
+    assert done.done and not work.exists()
+    assert done.message == f"{state['name']} was added already (a continue killed before it removed {work})"
+    assert series.read_text().count(state["name"]) == 1

@@ -8,10 +8,20 @@ pinned base plus the series up to the requested place (default: the end), and th
 patches are checked to still apply on top. Only then are the patch file and the ``series``
 line written. A conflict stops with the hunks and leaves ``.work/cherry-pick-<version>/``
 to resolve with plain git; ``make cherry-pick-continue`` finishes.
+
+A pick and a continue hold ``.work/.cherry-pick-<version>.lock`` (:mod:`overlay.lock`: a killed one
+releases it), and the state file (``.git/overlay-cherry-pick.json``) is written only once a pick
+stopped at its conflict. So a tree found without that state, the lock taken, is what a killed pick
+left before its conflict: ``make cherry-pick`` removes it (and says so), ``cherry-pick-continue``
+says there is nothing to continue and that ``make cherry-pick`` starts again. A continue that was
+killed is run again as it is: it first puts the tree back to the resolved conflict (an ``am`` of a
+later patch aborted, its own commit undone), and a pick whose patch is already in the series only
+has its tree removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -21,6 +31,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from overlay import lock
+from overlay.atomic import write_file
 from overlay.build.pins import load_pin, pin_dir
 from overlay.build.series import Patch, Series, parse_diffs
 from overlay.errors import ApplyError, GitError, OverlayError, SeriesError
@@ -280,61 +292,105 @@ def cherry_pick(
     series = Series.load(directory)
     names = [p.name for p in series.patches]
     pos = _position(names, after, before)
-    if work.exists():
-        raise CherryPickError(f"{work}: a cherry-pick is in progress: `make cherry-pick-continue`, or remove it")
+    with _held(work):
+        if work.exists():
+            _clear_or_refuse(work)
+        try:
+            init_base(work, fill_base, version)
+            for patch in series.patches[:pos]:
+                am(work, patch, f"vllm {version} with the patches before it")
+            git(["tag", "place"], work)
+            if ref.isdigit():
+                change = change_from_pr(work, remote, int(ref))
+            elif file is not None:
+                change = change_from_file(file, origin)
+                change.diff, change.left_out = _keep_package(change.diff, _package_dirs(work))
+            else:
+                change = change_from_commit(work, remote, ref)
+            if origin:
+                change.origin = origin
+            if not parse_diffs(change.diff.decode(errors="replace"), ref):
+                raise CherryPickError(f"{ref}: changes no file the wheel ships"
+                                      + (f" (left out: {', '.join(change.left_out)})" if change.left_out else ""))
+            name = name or slug(change.subject)
+            if name in names or (directory / name).exists():
+                raise CherryPickError(f"{directory / name}: the series already has a patch of that name; pass NAME=")
+            Series.parse_names(name, "NAME")  # the same rules as a series line
+            state = {"version": version, "patches_root": str(patches_root), "pos": pos, "name": name,
+                     "today": today or datetime.date.today().isoformat(),
+                     "change": {k: v for k, v in asdict(change).items() if k != "diff"}}  # the diff is applied
+            proc = git(["apply", "--3way", "--whitespace=nowarn", "-"], work, input=change.diff, check=False)
+            if proc.returncode != 0:
+                if unmerged(work):
+                    # only now is there something to continue: the state marks a pick stopped at its conflict
+                    write_file(work / ".git" / STATE, json.dumps(state, indent=2) + "\n")
+                    hunks = conflict_report(work)
+                    return PickOutcome(False, None, name, hunks, work, _conflict_message(work, name, hunks),
+                                       change.left_out)
+                err = proc.stderr.decode(errors="replace").strip().splitlines()
+                raise ApplyError(f"{ref}: does not apply to vllm {version}"
+                                 + (f" + {pos} patch(es)" if pos else "") + (f": {err[-1]}" if err else ""))
+            return _finish(work, state, series)
+        except BaseException:
+            if work.exists() and not (work / ".git" / STATE).is_file():
+                shutil.rmtree(work)
+            raise
+
+
+def _held(work: Path) -> contextlib.AbstractContextManager[None]:
+    """The lock of ``work``'s picks and continues (waits for another, saying so)."""
     work.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        init_base(work, fill_base, version)
-        for patch in series.patches[:pos]:
-            am(work, patch, f"vllm {version} with the patches before it")
-        git(["tag", "place"], work)
-        if ref.isdigit():
-            change = change_from_pr(work, remote, int(ref))
-        elif file is not None:
-            change = change_from_file(file, origin)
-            change.diff, change.left_out = _keep_package(change.diff, _package_dirs(work))
-        else:
-            change = change_from_commit(work, remote, ref)
-        if origin:
-            change.origin = origin
-        if not parse_diffs(change.diff.decode(errors="replace"), ref):
-            raise CherryPickError(f"{ref}: changes no file the wheel ships"
-                                  + (f" (left out: {', '.join(change.left_out)})" if change.left_out else ""))
-        name = name or slug(change.subject)
-        if name in names or (directory / name).exists():
-            raise CherryPickError(f"{directory / name}: the series already has a patch of that name; pass NAME=")
-        Series.parse_names(name, "NAME")  # the same rules as a series line
-        state = {"version": version, "patches_root": str(patches_root), "pos": pos, "name": name,
-                 "today": today or datetime.date.today().isoformat(),
-                 "change": {k: v for k, v in asdict(change).items() if k != "diff"}}  # the diff is applied
-        (work / ".git" / STATE).write_text(json.dumps(state, indent=2) + "\n")
-        proc = git(["apply", "--3way", "--whitespace=nowarn", "-"], work, input=change.diff, check=False)
-        if proc.returncode != 0:
-            if unmerged(work):
-                hunks = conflict_report(work)
-                return PickOutcome(False, None, name, hunks, work, _conflict_message(work, name, hunks),
-                                   change.left_out)
-            err = proc.stderr.decode(errors="replace").strip().splitlines()
-            raise ApplyError(f"{ref}: does not apply to vllm {version}"
-                             + (f" + {pos} patch(es)" if pos else "") + (f": {err[-1]}" if err else ""))
-        return _finish(work, state, series)
-    except BaseException:
-        if work.exists() and not unmerged(work):
-            shutil.rmtree(work)
-        raise
+    return lock.held(work.with_name(f".{work.name}.lock"), f"another cherry-pick in {work}")
+
+
+def _clear_or_refuse(work: Path) -> None:
+    """Before a new pick into ``work``, which exists (the lock held, so no pick runs there): refuse when a
+    conflict waits to be continued; remove a tree a killed pick left before its conflict, saying so."""
+    state = work / ".git" / STATE
+    if state.is_file():
+        name = json.loads(state.read_text()).get("name", "a patch")
+        raise CherryPickError(f"{work}: the cherry-pick of {name} stopped at a conflict: resolve it there (edit, "
+                              "`git add`) and run `make cherry-pick-continue`, or remove it "
+                              f"(rm -rf {work}) to start again")
+    print(f"cherry-pick: removing {work}, left by a cherry-pick that was killed before it reached a conflict "
+          "(nothing in it to continue)", file=sys.stderr, flush=True)
+    shutil.rmtree(work)
 
 
 def cherry_pick_continue(work: Path) -> PickOutcome:
     """Finish a cherry-pick stopped at a conflict, once a person resolved it with git."""
-    path = work / ".git" / STATE
-    if not path.is_file():
-        raise CherryPickError(f"{work}: no cherry-pick in progress there")
-    state = json.loads(path.read_text())
-    left = unmerged(work)
-    if left:
-        raise CherryPickError(f"still unmerged: {', '.join(left)} (resolve, `git add`, then continue)")
-    series = Series.load(pin_dir(Path(state["patches_root"]), state["version"]))
-    return _finish(work, state, series)
+    with _held(work):
+        path = work / ".git" / STATE
+        if not work.exists():
+            raise CherryPickError(f"no cherry-pick to continue: {work} does not exist (a cherry-pick stopped at a "
+                                  "conflict leaves it); start one with `make cherry-pick REF=...`")
+        if not path.is_file():
+            raise CherryPickError(f"{work}: left by a cherry-pick that was killed before it reached a conflict: "
+                                  "nothing to continue; `make cherry-pick REF=...` removes it and starts again")
+        state = json.loads(path.read_text())
+        series = Series.load(pin_dir(Path(state["patches_root"]), state["version"]))
+        if state["name"] in [p.name for p in series.patches]:  # a continue killed after it wrote the series
+            shutil.rmtree(work)
+            directory = series.directory
+            return PickOutcome(True, directory / state["name"], state["name"], [], work,
+                               f"{state['name']} was added already (a continue killed before it removed {work})",
+                               tuple(state["change"]["left_out"]))
+        _undo_killed_finish(work)
+        left = unmerged(work)
+        if left:
+            raise CherryPickError(f"still unmerged: {', '.join(left)} (resolve, `git add`, then continue)")
+        return _finish(work, state, series)
+
+
+def _undo_killed_finish(work: Path) -> None:
+    """Put ``work`` back to the resolved conflict where a killed continue left it further on: a later
+    patch's ``git am`` aborted, the commits after ``place`` undone with their changes staged."""
+    if (work / ".git" / "rebase-apply").exists():
+        git(["am", "--abort"], work)
+    commits = git_text(["rev-list", "--reverse", "--first-parent", "place..HEAD"], work).split()
+    if commits:
+        git(["reset", "-q", "--hard", commits[0]], work)  # the pick's own commit, without later patches
+        git(["reset", "-q", "--soft", "place"], work)
 
 
 def _finish(work: Path, state: dict, series: Series) -> PickOutcome:
@@ -364,16 +420,8 @@ def _finish(work: Path, state: dict, series: Series) -> PickOutcome:
     names = [p.name for p in series.patches]
     names.insert(state["pos"], name)
     text = Series.render(names, header_from=(directory / "series").read_text())
-    tmp_patch = directory / f".{name}.tmp"
-    tmp_series = directory / ".series.tmp"
-    try:
-        tmp_patch.write_bytes(raw)
-        tmp_series.write_text(text)
-        os.replace(tmp_patch, directory / name)
-        os.replace(tmp_series, directory / "series")
-    finally:
-        tmp_patch.unlink(missing_ok=True)
-        tmp_series.unlink(missing_ok=True)
+    write_file(directory / name, raw)  # the patch first: a series line never names a missing file
+    write_file(directory / "series", text)
     shutil.rmtree(work)
     return PickOutcome(True, directory / name, name, [], work, f"added {name} at position {state['pos'] + 1}",
                        change.left_out)

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from overlay.interrupt import bound_to_parent
 from overlay.regress.checks import StepContext
 from overlay.regress.errors import RegressError
 from overlay.regress.profiles import GSM8K_METRICS, Profile, check_gsm8k_data
@@ -130,7 +131,8 @@ def run_gsm8k(profile: Profile, server: Server, out_dir: Path, progress: Callabl
              f"(log {log_path})")
     start = time.monotonic()
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                preexec_fn=bound_to_parent())  # never asking on after a killed run
         try:
             while True:
                 try:

@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from overlay.interrupt import bound_to_parent
 from overlay.regress.checks import StepContext
 from overlay.regress.client import Client, StreamTiming, describe, rate_limited
 from overlay.regress.errors import RegressError
@@ -57,7 +58,7 @@ def run_vllm_bench(profile: Profile, server: Server, out_dir: Path) -> dict[str,
         log.flush()
         try:
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  timeout=profile.latency.timeout_s, check=False)
+                                  timeout=profile.latency.timeout_s, check=False, preexec_fn=bound_to_parent())
         except FileNotFoundError:
             raise RegressError(f"latency: {profile.server.vllm_bin!r} not found for `vllm bench serve`; "
                                "install vLLM here or use --latency-tool builtin") from None

@@ -76,7 +76,7 @@ def run(profile: Profile, out_dir: Path, base_url: str | None = None,
                 server = Server.attach(base_url, profile.server)
                 say(f"server: attaching to {server.base_url}")
             else:
-                server = Server.launch(profile.server, out_dir / "server.log")
+                server = Server.launch(profile.server, out_dir / "server.log", say)
                 report.server_log = str(out_dir / "server.log")
                 say(f"server: started {shlex.join(profile.server.command())} (log {report.server_log})")
             report.base_url = server.base_url

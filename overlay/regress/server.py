@@ -4,19 +4,36 @@ Readiness is ``/health`` answering 200 *and* ``/v1/models`` listing the profile'
 within a timeout. A launched server's output goes to ``server.log`` in the report folder. A
 server that exits (launched) or stops answering ``/health`` (attached) is dead: callers raise
 :class:`ServerDied`, which the run reports as a regression, not as a harness failure.
+
+A launched server must not outlive the run (it holds the GPUs and the port, and the next run would
+judge *it*): :func:`start_server` binds it to the run (SIGTERM when the run dies, even by SIGKILL;
+vLLM stops its engine on SIGTERM) and records it in ``$TMPDIR/vllm-overlay-<uid>/servers/<port>.json``
+until it is stopped. Before a launch, a server a killed run left on the port (its run gone, its process
+group still there) is stopped, and said so; anything else listening there is refused as a harness
+failure, never taken for the server just launched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
+import socket
+import stat
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import httpx
 
+from overlay.atomic import write_file
+from overlay.build.distdir import pid_alive
+from overlay.interrupt import bound_to_parent
 from overlay.regress.client import Client, normalize_base_url
 from overlay.regress.errors import RegressError, ServerDied
 from overlay.regress.profiles import ServerSpec
@@ -36,16 +53,15 @@ class Server:
         return cls(base_url, spec.served_model_name)
 
     @classmethod
-    def launch(cls, spec: ServerSpec, log_path: Path) -> Server:
+    def launch(cls, spec: ServerSpec, log_path: Path, progress: Callable[[str], None] | None = None) -> Server:
         cmd = spec.command()
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("wb") as log:
             log.write(("$ " + " ".join(cmd) + "\n").encode())
             log.flush()
             try:
-                # Own session: stop() signals the whole process group (API server + engine workers).
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env={**os.environ, **spec.env}, start_new_session=True)
+                proc = start_server(cmd, {**os.environ, **spec.env}, log, spec.host, spec.port, progress,
+                                    "server.port")
             except FileNotFoundError:
                 raise RegressError(f"server.vllm_bin: {spec.vllm_bin!r} not found; install the patched "
                                    "wheel on this node or attach to a running server with BASE_URL=") from None
@@ -135,15 +151,145 @@ class Server:
 
     def stop(self, grace_s: float = 30.0) -> None:
         self.client.close()
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
+        try:
+            self._stop(grace_s)
+        finally:
+            forget_server(self.proc.pid)
+
+    def _stop(self, grace_s: float) -> None:
+        """Stop the whole process group, also when its leader (the API server) exited already and left
+        engine workers behind (they hold the GPUs and, often, the port)."""
+        assert self.proc is not None
+        pgid = self.proc.pid
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            self.proc.poll()  # reap the leader: a group of its zombie alone is gone
+            if not _group_alive(pgid):
+                return
             try:
-                os.killpg(self.proc.pid, sig)
+                os.killpg(pgid, sig)
             except ProcessLookupError:
                 return
-            try:
-                self.proc.wait(timeout=wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                self.proc.poll()
+                if not _group_alive(pgid):
+                    return
+                time.sleep(0.05)
+
+
+# --- launched servers: bound to the run, recorded until stopped ------------------------------------
+
+
+def start_server(cmd: list[str], env: dict[str, str], log: IO[bytes], host: str, port: int,
+                 progress: Callable[[str], None] | None = None, port_field: str = "port") -> subprocess.Popen[bytes]:
+    """Start a server in its own session (``stop`` signals the whole group: API server and engine workers),
+    bound to this run and recorded (see the module docstring), once ``host:port`` is free."""
+    say = progress or (lambda m: print(m, file=sys.stderr, flush=True))
+    stop_left_server(port, say)
+    if _listening(host, port):
+        raise RegressError(f"{port_field} {port}: something already listens on {host}:{port}, and no run of this "
+                           "tool left it there: a run would judge that server, not the one it starts; stop it "
+                           f"or give another {port_field}")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=env, start_new_session=True, preexec_fn=bound_to_parent(signal.SIGTERM))
+    record = {"pid": proc.pid, "start": _start_time(proc.pid), "run": os.getpid(),
+              "run_start": _start_time(os.getpid()), "cmd": cmd}
+    folder = _record_dir(create=True)
+    if folder is not None:  # without a record the SIGTERM binding still stops it with the run
+        with contextlib.suppress(OSError):
+            write_file(folder / f"{port}.json", json.dumps(record) + "\n")
+    return proc
+
+
+def stop_left_server(port: int, say: Callable[[str], None], grace_s: float = 30.0) -> bool:
+    """Stop the server a killed run left on ``port`` (its record names a run that is gone and a process
+    group that is still there); say so. False when there is none."""
+    folder = _record_dir()
+    if folder is None:
+        return False
+    path = folder / f"{port}.json"
+    try:
+        rec = json.loads(path.read_text())
+        pid, run = int(rec["pid"]), int(rec["run"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if pid_alive(run) and _start_time(run) == rec.get("run_start"):
+        return False  # its run is alive: its server, not a leftover
+    start = _start_time(pid)
+    if (start is not None and start != rec.get("start")) or not _group_alive(pid):
+        path.unlink(missing_ok=True)  # gone already (or the pid is another process's now)
+        return False
+    say(f"server: stopping process group {pid} on port {port} ({' '.join(map(str, rec.get('cmd', [])))[:120]}), "
+        f"left running by a regress run that was killed (pid {run})")
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait
+        while _group_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not _group_alive(pid):
+            break
+    path.unlink(missing_ok=True)
+    return True
+
+
+def forget_server(pid: int) -> None:
+    """Drop the record of the server ``pid`` (it was stopped)."""
+    folder = _record_dir()
+    for path in folder.glob("*.json") if folder is not None else ():
+        try:
+            if int(json.loads(path.read_text()).get("pid", -1)) == pid:
+                path.unlink(missing_ok=True)
+        except (OSError, ValueError, TypeError, AttributeError):
+            continue
+
+
+def _record_dir(*, create: bool = False) -> Path | None:
+    """``$TMPDIR/vllm-overlay-<uid>/servers``: per machine (a server does not outlive a reboot) and per
+    user. Only a folder of this user's that nobody else may write is read or written (a record names a
+    process group to stop: in a shared ``/tmp`` another user must not plant one); else None."""
+    base = Path(tempfile.gettempdir()) / f"vllm-overlay-{os.geteuid()}"
+    for folder in (base, base / "servers"):
+        if create:
+            with contextlib.suppress(FileExistsError, OSError):
+                folder.mkdir(mode=0o700)
+        try:
+            st = os.lstat(folder)
+        except OSError:
+            return None
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            return None
+    return base / "servers"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22): with the pid,
+    it names one process, never a later one with the same pid."""
+    try:
+        line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return line.rsplit(")", 1)[-1].split()[19]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _listening(host: str, port: int) -> bool:
+    target = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
+    try:
+        with socket.create_connection((target, port), timeout=1.0):
+            return True
+    except OSError:
+        return False

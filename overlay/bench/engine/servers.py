@@ -25,7 +25,7 @@ from overlay.bench.engine.common import (
     progress,
 )
 from overlay.engine.env import PORT_BASE, PORT_STRIDE, REPO, SAFE_ENV, STANDIN, error_cause, error_line
-from overlay.regress.server import Server
+from overlay.regress.server import Server, start_server
 
 
 @dataclass
@@ -143,8 +143,7 @@ def launch(side: str, cmd: list[str], env: dict[str, str], log_path: Path, port:
         log.write(("$ " + shlex.join(cmd) + "\n").encode())
         log.flush()
         try:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                    start_new_session=True)
+            proc = start_server(cmd, env, log, "127.0.0.1", port)  # bound to the run, recorded until stopped
         except FileNotFoundError:
             raise BenchError(f"server {side}: {cmd[0]!r} not found (--vllm / --server-cmd)") from None
     return BenchServer(side, f"http://127.0.0.1:{port}", proc, log_path)

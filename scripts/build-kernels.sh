@@ -5,8 +5,9 @@
 #   scripts/build-kernels.sh --vllm 0.28.0 --out DIR [--sources kernel-sources] [--work DIR]
 #                            [--patches patches] [--dry-run]
 #
-# 1. `overlay image --kernel-source WORK/src`: fetch the pinned sdist (sha256-verified), unpack it,
-#    apply the series, print the CMake targets that compile the touched sources.
+# 1. `overlay image --kernel-source WORK/src.new`: fetch the pinned sdist (sha256-verified), unpack
+#    it, apply the series, print the CMake targets that compile the touched sources; `overlay kernels
+#    sync` brings WORK/src up to date with it in place (what changed gets a new mtime, nothing else).
 # 2. `overlay kernels prepare`: check the toolchain (cmake >= 3.26, a CUDA torch's CMake config, nvcc
 #    and the CUDA libraries) and, when SOURCES/<version>/ exists, the sources (each one the targets
 #    compile from a clean checkout at the pin in the release's CMake files; placeholders for the
@@ -56,10 +57,13 @@ src="$work/src" build="$work/build"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0a}"
 start=$SECONDS
 
-# 1. the patched source tree, unpacked afresh (an edit of a kernel patch is always seen)
-rm -rf "$src.tmp"
-"$py" -m overlay --patches "$patches" image --vllm "$vllm" --kernel-source "$src.tmp" >"$work/targets"
-rm -rf "$src" && mv "$src.tmp" "$src"
+# 1. the patched source tree, unpacked afresh (an edit of a kernel patch is always seen), then
+#    synced into the fixed tree in place: unchanged files keep their mtime (ninja leaves what they
+#    build), files configure generated there stay (see overlay/kernels/srctree.py)
+rm -rf "$src.new"
+"$py" -m overlay --patches "$patches" image --vllm "$vllm" --kernel-source "$src.new" >"$work/targets"
+"$py" -m overlay kernels sync --fresh "$src.new" --tree "$src"
+rm -rf "$src.new"
 mapfile -t targets <"$work/targets"
 [[ ${#targets[@]} -gt 0 ]] || die "no target to build for vllm $vllm"
 

@@ -51,6 +51,10 @@ mkdir -p "$VENV/bin"
 printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v python3)" >"$VENV/bin/python"
 chmod +x "$VENV/bin/python"
 touch "$VENV/.overlay-tool"
+# the vllm command as one executable: make regress passes each word of ARGS as its own shell word
+# (no value becomes shell code), so a command line with spaces cannot travel inside ARGS
+printf '#!/bin/sh\nexec %s "$@"\n' "$VLLM_CMD" >"$VENV/bin/vllm"
+chmod +x "$VENV/bin/vllm"
 
 # The checkpoint the profiles name (generated once per machine, atomically; byte-identical everywhere).
 model=$(python3 -c 'from overlay.regress.profiles import load_profile
@@ -80,7 +84,7 @@ regress() {
     export VLLM_CACHE_ROOT=$ROOT/cache-$name VLLM_PORT=$((29000 + 100 * slot))
     [ -n "${TREE:-}" ] && export PYTHONPATH=$TREE${PYTHONPATH:+:$PYTHONPATH}
     make --no-print-directory regress VENV="$VENV" PROFILE="$profile" OUT="$out" \
-      ARGS="--port $((PORT_BASE + slot)) --vllm-bin '$VLLM_CMD' ${gsm8k_args[*]} $*"
+      ARGS="--port $((PORT_BASE + slot)) --vllm-bin $VENV/bin/vllm ${gsm8k_args[*]} $*"
   ) >"$out/console.log" 2>&1
   local rc=$?
   say "$name: make regress exit $rc, verdict $(cat "$out/verdict" 2>/dev/null || echo none)"

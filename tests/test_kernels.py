@@ -125,6 +125,20 @@ def test_fill_checks_out_the_pin_and_verify_accepts_it(tmp_path: Path, upstream:
     assert '"kind": "real"' in manifest and pinned in manifest
 
 
+def test_fill_into_a_relative_folder_from_a_local_mirror(tmp_path: Path, upstream: tuple[Path, str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make kernel-sources` passes kernel-sources/<version> relative to the checkout; packing the local
+    mirror's objects ran git with -C and that relative path, which failed (pack: No such file)."""
+    repo, pinned = upstream
+    monkeypatch.chdir(tmp_path)
+    decisions = [sources.Decision(ext(), True, "compiled by _x_C")]
+    entries = sources.fill(Path("kernel-sources/0.28.0"), decisions, remotes={"lib": str(repo)}, log=lambda _: None)
+    assert [(e.kind, e.commit) for e in entries] == [("real", pinned)]
+    assert not (tmp_path / "kernel-sources/0.28.0/lib/.git/objects/info/alternates").exists()
+    shutil.rmtree(repo)
+    assert sources.verify(Path("kernel-sources/0.28.0"), decisions)[0].commit == pinned
+
+
 def test_fill_by_commit_over_a_url_remote(tmp_path: Path, upstream: tuple[Path, str]) -> None:
     """A pin that is a commit, fetched from a URL (``file://``): a depth-1 fetch of that commit."""
     repo, pinned = upstream

@@ -7,12 +7,9 @@ there after its sha256 matched ``pin.toml``'s ``sdist_sha256``, through
 ``docs/build/README.md``, "Fetching and verifying a release").
 
 pip cannot fetch vLLM's sdist by name on a machine without a GPU toolchain: preparing its
-metadata needs torch and a target device, and with ``VLLM_TARGET_DEVICE=empty`` the version
-becomes ``X+empty``, which pip rejects for a named requirement. The recipe that works (docs/ARCHITECTURE.md
-"Pins"): read the sdist's URL from a ``pip download -vv`` of the name, then ``pip download`` that
-URL with ``VLLM_TARGET_DEVICE=empty`` and no build isolation, in an environment that holds
-vLLM's build requirements (torch, setuptools<81, setuptools-scm, setuptools-rust, wheel, numpy,
-cmake, ninja, jinja2).
+metadata needs torch and a target device. Nothing here builds it, so :func:`pip_url_download_sdist`
+only reads the sdist's URL from a ``pip download -vv`` of the name (which fails at that metadata
+step, after naming the URL) and downloads those bytes; the sha256 is what they are trusted by.
 """
 
 from __future__ import annotations
@@ -35,12 +32,6 @@ from overlay.interrupt import bound_to_parent
 
 Downloader = Callable[[str, str, Path], None]
 """``downloader(version, filename, dest_dir)`` puts the sdist ``filename`` into ``dest_dir``."""
-
-BUILD_REQUIREMENTS = (
-    "torch", "setuptools<81", "setuptools-scm", "setuptools-rust", "wheel", "numpy", "cmake",
-    "ninja", "jinja2",
-)
-
 
 def sdist_fields(pin: Pin, source: str) -> tuple[str, str]:
     """``(sdist, sdist_sha256)`` of ``pin``; :class:`PinError` naming ``source`` if either is missing."""
@@ -69,39 +60,12 @@ def _last_line(text: str) -> str:
     return (raised or errors or lines or ["no output"])[-1]
 
 
-def pip_download_sdist(version: str, filename: str, dest: Path, *, python: str | None = None) -> None:
-    """The recipe of docs/ARCHITECTURE.md ("Pins"): find the sdist's URL with pip, then download it by URL."""
-    py = python or sys.executable
-    probe = subprocess.run(
-        [py, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
-         "-vv", "-d", str(dest), f"vllm=={version}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False,
-    )
-    if (dest / filename).is_file():  # a machine that can prepare the metadata saved it already
-        return
-    url = find_sdist_url(probe.stdout, filename)
-    if url is None:
-        raise FetchError(
-            f"pip download vllm=={version} (sdist) named no {filename} URL: {_last_line(probe.stdout)}"
-        )
-    env = dict(os.environ, VLLM_TARGET_DEVICE="empty")
-    got = subprocess.run(
-        [py, "-m", "pip", "download", "--no-deps", "--no-build-isolation", "-q", "-d", str(dest), url],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, check=False,
-    )
-    if got.returncode != 0:
-        raise FetchError(
-            f"pip download {url} failed ({got.returncode}): {_last_line(got.stdout)} "
-            f"(the environment needs vLLM's build requirements: {' '.join(BUILD_REQUIREMENTS)})"
-        )
-
-
 def pip_url_download_sdist(version: str, filename: str, dest: Path, *, python: str | None = None) -> None:
     """Let pip find the sdist's URL on the index, then download those bytes as they are.
 
-    For a reader of the sdist's files (``make upstream-tests``), not a builder: unlike
-    :func:`pip_download_sdist` it needs none of vLLM's build requirements, since nothing is
-    prepared. The bytes are trusted only through ``sdist_sha256`` (:func:`fetch_sdist` checks it).
+    Every user of the sdist reads its files (the kernel stage, ``make upstream-tests``,
+    ``make patch-lint``); nothing prepares it, so no build requirement of vLLM's is needed. The
+    bytes are trusted only through ``sdist_sha256`` (:func:`fetch_sdist` checks it).
     """
     py = python or sys.executable
     probe = subprocess.run(
@@ -132,7 +96,7 @@ def fetch_sdist(
 ) -> Path:
     """Return the verified sdist of ``pin`` from ``<cache>/sdists/``, downloading it if needed."""
     filename, sha256 = sdist_fields(pin, source)
-    download = downloader or pip_download_sdist
+    download = downloader or pip_url_download_sdist
     return fetch_verified((cache or cache_dir()) / "sdists", filename, sha256,
                           lambda dest: download(pin.version, filename, dest),
                           expected_from="the sdist_sha256 in pin.toml")

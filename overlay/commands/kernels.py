@@ -19,6 +19,8 @@ KERNELS_HELP = ("rebuild the CUDA targets the series' kernel patches touch (scri
                 "then the wheel with them; its steps prepare and order")
 PREPARE_HELP = "kernel build step: check the toolchain and the sources, stage them at fixed paths, say MAX_JOBS"
 ORDER_HELP = "kernel build step: put the targets' costliest compiles first in build.ninja"
+SYNC_HELP = ("kernel build step: bring the fixed source tree up to date with a fresh extraction, in place "
+             "(unchanged files keep their mtime, generated files stay)")
 
 
 def _add_sources_dir(sp: argparse.ArgumentParser) -> None:
@@ -72,6 +74,11 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--build", required=True, help="the configured build folder")
     sp.add_argument("--targets", nargs="+", required=True, metavar="TARGET")
     sp.set_defaults(handler=cmd_kernel_order)
+
+    sp = steps.add_parser("sync", help=SYNC_HELP, description=SYNC_HELP)
+    sp.add_argument("--fresh", required=True, help="the new extraction (the sdist with the series applied)")
+    sp.add_argument("--tree", required=True, help="the fixed source tree the build reads")
+    sp.set_defaults(handler=cmd_kernel_sync)
 
 
 def _pairs(items: list[str], option: str) -> dict[str, list[str]]:
@@ -191,4 +198,12 @@ def cmd_kernel_order(ns: argparse.Namespace) -> int:
     basis = "the last build's .ninja_log" if durations else "the measured table (overlay/kernels/order.py)"
     _log(f"build-kernels: {len(ordered)} compiles, costliest first by {basis}: "
          + ", ".join(Path(s).name for s in ordered[:4]) + ", ...")
+    return 0
+
+
+def cmd_kernel_sync(ns: argparse.Namespace) -> int:
+    from overlay.kernels.srctree import sync_tree
+
+    result = sync_tree(Path(ns.fresh), Path(ns.tree))
+    _log(f"build-kernels: source tree {ns.tree}: {result.summary()}")
     return 0

@@ -236,7 +236,8 @@ def plan(files: Mapping[str, str], targets: Sequence[str] = ()) -> list[Decision
     for e in externals.values():
         users = [t for t in targets if e.name in uses[t]]
         out.append(Decision(e, bool(users), f"compiled by {', '.join(users)}" if users
-                            else f"read by configure only: {', '.join(targets)} compile nothing from it"))
+                            else f"read by configure only: {', '.join(targets)} "
+                               f"{'compiles' if len(targets) == 1 else 'compile'} nothing from it"))
     return out
 
 
@@ -365,7 +366,7 @@ def _self_contained(work: Path, commit: str, tag: str) -> None:
     The folder then verifies wherever it is copied (a build context, another machine)."""
     listed = _git("-C", str(work), "rev-list", "--objects", "--no-walk", "--missing=allow-any", commit)
     names = "".join(line.split(" ", 1)[0] + "\n" for line in listed.stdout.splitlines())
-    packed = subprocess.run(["git", "-C", str(work), "pack-objects", "--quiet", str(work / ".git/objects/pack/pack")],
+    packed = subprocess.run(["git", "-C", str(work), "pack-objects", "--quiet", ".git/objects/pack/pack"],
                             input=names, capture_output=True, text=True, check=False)
     if listed.returncode != 0 or packed.returncode != 0:
         raise KernelSourcesError(f"{work}: could not pack {commit[:12]}'s objects: "

@@ -22,7 +22,8 @@ profile's ``checks`` and ``checks_off`` to it.
 
 Adding a check touches, besides its one line here:
 
-- its module, with ``step`` and ``summary`` (and ``prepare``, ``plot``, ``record`` where it has them);
+- its module, with ``step`` and ``summary`` (and ``prepare``, ``plot``, ``record`` where it has them),
+  named in the README's Layout row ``overlay/regress/`` when it is a new one;
 - its report section, a function in ``report.py`` named by ``section``;
 - its thresholds, each declared in its line here with its range (:func:`rate`: in (0, 1], a share or
   a rate; :func:`above_zero`: any value > 0): a :class:`Bound` has no default range;
@@ -35,7 +36,8 @@ Adding a check touches, besides its one line here:
   ``docs/ARCHITECTURE.md``'s module map.
 
 ``tests/regress/test_checks_registry.py`` fails while one of these is missing, the ``Baseline``
-numbers aside (the check's own tests read those).
+numbers aside (the check's own tests read those) and the Layout row (``tests/test_package_layout.py``
+holds that).
 """
 
 from __future__ import annotations

@@ -119,3 +119,18 @@ def test_the_help_the_readme_the_guide_and_the_makefile_name_every_check_in_its_
     arch = next(line for line in (REPO / "docs" / "ARCHITECTURE.md").read_text().splitlines()
                 if line.startswith("| `overlay/regress/` |"))
     assert in_order(arch, TITLES), arch
+
+
+def test_the_package_docstring_points_at_the_registry_and_the_layout() -> None:
+    """``overlay/regress/__init__.py`` listed the checks in order and the package's modules, a copy of
+    ``CHECKS`` and of the README Layout row that nothing held; it points at both instead."""
+    import overlay.regress as package
+
+    doc = package.__doc__ or ""
+    assert ":data:`overlay.regress.checks.CHECKS`" in doc and "Layout row ``overlay/regress/``" in doc
+    named = [w for w in (*checks.NAMES, *TITLES) if re.search(rf"\b{re.escape(w)}\b", doc, re.IGNORECASE)]
+    assert named == [], f"overlay/regress/__init__.py names checks {named}: point at CHECKS"
+    modules = sorted(p.stem for p in (REPO / "overlay" / "regress").glob("*.py")
+                     if p.stem not in ("__init__", "checks"))
+    listed = [m for m in modules if f"``{m}``" in doc]
+    assert listed == [], f"overlay/regress/__init__.py lists modules {listed}: the README Layout row holds them"

@@ -97,8 +97,32 @@ def test_the_device_guide_points_at_the_settings() -> None:
     settings.py, untested; it names the settings instead, and each must be there."""
     guide = (REPO / "docs" / "device" / "README.md").read_text()
     assert "`overlay/device/settings.py`" in guide
-    for name in ("KEEP_KERNELS", "LEFT_OUT", "TORCH_FAMILY", "NOT_NEEDED"):
+    for name in ("KEEP_KERNELS", "OPTIONAL_KERNELS", "LEFT_OUT", "TORCH_FAMILY", "NOT_NEEDED"):
         assert f"`{name}`" in guide and getattr(ds.settings, name), name
+
+
+def test_the_package_docstring_points_at_the_settings() -> None:
+    """``overlay/device/__init__.py`` said what LEFT_OUT holds (the ``vllm-rs`` binary, fmha_sm100), the
+    torch family's members and the carry sizes in its own words, untested; it names the settings."""
+    doc = ds.__doc__ or ""
+    assert "``overlay/device/settings.py``" in doc
+    for name in ("LEFT_OUT", "KEEP_KERNELS", "OPTIONAL_KERNELS", "TORCH_FAMILY", "NOT_NEEDED", "CALL_LIMIT",
+                 "CARRY_LIMIT"):
+        assert f"``settings.{name}``" in doc and getattr(ds.settings, name), name
+    items = [Path(prefix.rstrip("/")).name for prefix, _ in ds.LEFT_OUT]
+    items += [Path(k).name for k in ds.KEEP_KERNELS] + sorted(ds.NOT_NEEDED)
+    items += sorted(ds.settings.TORCH_FAMILY - {"torch"})  # the device's own torch is named on purpose
+    items += [f"{ds.CALL_LIMIT // ds.MIB} MiB", f"{ds.CARRY_LIMIT // ds.MIB} MiB"]
+    repeated = [item for item in items if item in doc]
+    assert repeated == [], f"overlay/device/__init__.py repeats {repeated}: name the setting in settings.py"
+
+
+def test_the_optional_kernels_are_kept_kernels() -> None:
+    """OPTIONAL_KERNELS marks kernels of KEEP_KERNELS that may stay home: files.stage_vllm requires
+    KEEP_KERNELS less OPTIONAL_KERNELS, and staging.torch_preflight judges only kept kernels, so a name
+    in OPTIONAL_KERNELS that is not in KEEP_KERNELS would never travel and say nothing."""
+    assert set(ds.OPTIONAL_KERNELS) <= set(ds.KEEP_KERNELS), set(ds.OPTIONAL_KERNELS) - set(ds.KEEP_KERNELS)
+    assert all(why.strip() for why in ds.OPTIONAL_KERNELS.values())
 
 
 def test_device_requirements_follow_the_target_not_this_interpreter() -> None:

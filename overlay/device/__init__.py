@@ -2,27 +2,27 @@
 
 The device machine (docs/ARCHITECTURE.md, "How the patched vLLM is tested without the real model") has
 Python 3.12, torch 2.11, Triton 3.6 and the packages listed in ``scripts/device-packages.txt``,
-but no vLLM and no network; one call to it brings at most 64 MiB, repository included. This
-module stages, from the patched wheel that ``make build`` wrote:
+but no vLLM and no network; one call to it brings at most ``settings.CALL_LIMIT``, repository
+included. This module stages, from the patched wheel that ``make build`` wrote:
 
-- vLLM's Python tree with its dist-info (one deterministic ``.tar.xz``, without the ``vllm-rs``
-  binary, ``third_party/fmha_sm100`` and every compiled library),
-- the compiled kernels the device can use, one ``.xz`` each (:data:`KEEP_KERNELS`; the others
-  are listed in the manifest with the reason they were left out), each first judged against the
-  device's torch (``torch_abi``: the release's torch pin, the kernels' shim symbols against the
-  device torch's export list; a required kernel that cannot load there stops the staging with one
-  line naming it, an optional one stays home),
+- vLLM's Python tree with its dist-info (one deterministic ``.tar.xz``, without the members
+  ``settings.LEFT_OUT`` leaves home and without the compiled libraries),
+- the compiled kernels the device can use, one ``.xz`` each (``settings.KEEP_KERNELS``; every
+  other library is listed in the manifest with the reason it was left out), each first judged
+  against the device's torch (``torch_abi``: the release's torch pin, the kernels' shim symbols
+  against the device torch's export list; a required kernel that cannot load there stops the
+  staging with one line naming it, one of ``settings.OPTIONAL_KERNELS`` stays home),
 - the Python wheels vLLM needs that the device lacks: vLLM's ``Requires-Dist`` (markers
-  evaluated for CPython 3.12 on Linux x86_64, vLLM's extras not requested, torch,
-  torchvision and torchaudio left out: the device's torch 2.11 is used on purpose), resolved
-  transitively by pip for that target with every device package pinned to its device version.
-  A pin that makes the resolution impossible is dropped (the conflict is the reason, recorded)
-  and the package is staged in the version the requirements force; a device package is never
-  staged otherwise.
+  evaluated for CPython 3.12 on Linux x86_64, vLLM's extras not requested,
+  ``settings.TORCH_FAMILY`` left out: the device's torch 2.11 is used on purpose, and
+  ``settings.NOT_NEEDED`` unless ``--full``), resolved transitively by pip for that target with
+  every device package pinned to its device version. A pin that makes the resolution impossible
+  is dropped (the conflict is the reason, recorded) and the package is staged in the version the
+  requirements force; a device package is never staged otherwise.
 
-and packs them into carry folders ``.device/<name>/carry-NN/`` of at most 60 MiB each (largest
-first; a larger file is split into ``.part-NN`` pieces), each with a copy of ``manifest.json``
-(sha256 of every piece and file, the resolution log, the staged wheels).
+and packs them into carry folders ``.device/<name>/carry-NN/`` of at most ``settings.CARRY_LIMIT``
+each (largest first; a larger file is split into ``.part-NN`` pieces), each with a copy of
+``manifest.json`` (sha256 of every piece and file, the resolution log, the staged wheels).
 ``scripts/device-run.sh`` unpacks them on the device. Same inputs, same carries: sorted
 orders, fixed xz settings, a tar with sorted names and fixed owner and mtime.
 
@@ -31,6 +31,9 @@ Device packages are pinned through stub wheels: for each one a metadata-only whe
 pip then treats them as present without fetching them (torch alone is 530 MB) or resolving
 their own dependencies, which the device already satisfies (its torch needs an NCCL build that
 is not on PyPI).
+
+What travels and what stays home, each with why, is listed once, in ``overlay/device/settings.py``
+(``tests/test_device_stage.py`` holds this docstring and ``docs/device/README.md`` to pointing there).
 
 The package's rooms, in the order a run uses them: ``settings`` (the device's facts and what a
 person may change), ``requirements``, ``resolve`` (pip through stub wheels), ``resolution_cache``,

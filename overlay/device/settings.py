@@ -85,8 +85,9 @@ KEEP_KERNELS: tuple[str, ...] = (
 )
 # Kept kernels that a release's wheel may lack, or that may stay home when they do not load on the
 # device's torch (overlay.device.torch_abi), each with why an engine run of a text-only sparse-MLA
-# model on Hopper goes without it. The others of KEEP_KERNELS are required: a wheel without one, or
-# one that does not resolve against the device's torch, stops the staging.
+# model on Hopper goes without it: a subset of KEEP_KERNELS (a name only here would never travel;
+# tests/test_device_stage.py holds it). The others of KEEP_KERNELS are required: a wheel without one,
+# or one that does not resolve against the device's torch, stops the staging.
 OPTIONAL_KERNELS: dict[str, str] = {
     "vllm/_flashkda_C.abi3.so": "FlashKDA (Kimi/GLM-5-next linear attention); imported by those models only",
     "vllm/_qutlass_C.abi3.so": "QuTLASS FP4 GEMMs; vLLM imports it under contextlib.suppress(ImportError)",

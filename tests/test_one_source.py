@@ -107,6 +107,45 @@ def test_a_result_with_an_unknown_outcome_is_refused() -> None:
         Result("p.patch", "absorbed", "")
 
 
+# -- "upstream by behaviour": overlay.maintain.rebase.verdict.behaviour_verdict -----------------
+
+RULE = re.compile(r"fails? on the old base and pass(es)? on the target", re.IGNORECASE)
+
+
+def test_upstream_by_behaviour_is_decided_and_stated_in_one_place() -> None:
+    """The rule was written in the guide (twice), the package docstring and verdict.py, in different
+    words, and the guide never named the function that decides; it is stated in
+    ``behaviour_verdict``'s docstring, and the others point there without restating it."""
+    from overlay.maintain import rebase
+    from overlay.maintain.rebase import verdict
+
+    doc = verdict.behaviour_verdict.__doc__ or ""
+    assert "upstream-by-behaviour" in doc and "old base" in doc and "without the patch" in doc
+    state_py = (REPO / "overlay" / "maintain" / "rebase" / "state.py").read_text()
+    places = {"docs/rebase/README.md": (REBASE_GUIDE, "`overlay/maintain/rebase/verdict.py:behaviour_verdict`"),
+              "overlay/maintain/rebase/__init__.py": (rebase.__doc__ or "", "verdict.behaviour_verdict"),
+              "overlay/maintain/rebase/state.py": (state_py, "verdict.behaviour_verdict")}
+    for path, (text, pointer) in places.items():
+        assert pointer in text, f"{path} does not point at {pointer}"
+        said = RULE.search(" ".join(text.split()))
+        assert not said, f"{path} restates the rule ({said[0]!r}): point at verdict.behaviour_verdict"
+
+
+def test_the_matrix_cells_are_the_guides_and_passing_without_it_is_not_upstream() -> None:
+    """The matrix's "passes without it" was glossed "(upstream)" in matrix.py and the guide: another
+    meaning of the word than the rebase's, which also needs the tests to fail on the old base."""
+    from overlay.maintain.rebase import matrix
+
+    table = section(REBASE_GUIDE, "## `make patch-tests-matrix").split("| cell | meaning |", 1)[1].split("\n\n", 1)[0]
+    rows = dict(re.findall(r"(?m)^\| ([a-z ]+) \| (.*) \|$", table))
+    assert list(rows) == list(matrix.VERDICTS)
+    doc = " ".join((matrix.__doc__ or "").split())
+    for where, meaning in (("docs/rebase/README.md", rows["passes without it"]),
+                           ("matrix.py", doc.split("``passes without it``", 1)[1].split("``passes with", 1)[0])):
+        assert "(upstream)" not in meaning, f"{where}: 'passes without it' is not the rebase's upstream"
+        assert "upstream-by-behaviour" in meaning, f"{where}: say how it differs from upstream-by-behaviour"
+
+
 # -- failkind's rules: overlay.maintain.rebase.failkind.RULES -----------------------------------
 
 def test_the_rebase_guide_shows_failkinds_rules_as_the_code_has_them() -> None:

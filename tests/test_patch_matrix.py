@@ -56,7 +56,7 @@ def test_every_patch_on_every_release(releases: tuple[Path, Path, dict[str, Path
                        progress=lines_said.append)
     got = {(c.patch.removesuffix(".patch"), c.release): (c.verdict, c.red, c.applied) for c in cells}
     assert got == {
-        ("guard", TO): ("passes without it", False, ""),  # upstream fixed it its own way
+        ("guard", TO): ("passes without it", False, ""),  # the release behaves as its tests expect
         ("a30", TO): ("passes with the patch", False, "3-way merge"),
         ("clash", TO): ("fails", False, ""),  # the patch does not merge: the rebase's job
         ("broken", TO): ("cannot run", True, "3-way merge"),  # a harness error: the tests must follow the release

@@ -5,11 +5,11 @@ release's text files (tag ``base``), the series on top as commits (branch ``old`
 target release as a commit on top of the base (tag ``target``, branch ``new``). Each patch is
 then classified, in series order, on ``new``, into one of the outcomes of
 :data:`overlay.maintain.rebase.state.OUTCOMES` (the one list: what each means there, when each is
-given in ``docs/rebase/README.md``): dropped as upstream (by the same change, or by behaviour: its
-own tests fail on the old base and pass on the target without it), carried (applied, refreshed,
-partly upstream, auto-resolved by a candidate its tests vouch for), or set aside for a person
-(conflict, contradicted; conflict-resolved once ``make rebase-continue`` took the person's
-resolution).
+given in ``docs/rebase/README.md``): dropped as upstream (by the same change, or by behaviour, as
+:func:`overlay.maintain.rebase.verdict.behaviour_verdict` decides from its own tests), carried
+(applied, refreshed, partly upstream, auto-resolved by a candidate its tests vouch for), or set
+aside for a person (conflict, contradicted; conflict-resolved once ``make rebase-continue`` took the
+person's resolution).
 
 Only behaviour failures judge (``failkind``): tests that cannot run on a tree (a harness error,
 everything skipped) decide nothing there, and the evidence names the test file to fix first.

@@ -8,7 +8,9 @@ patch's tests run on the tree just before it (the release plus the earlier patch
 it") and, when they do not pass there, on the tree with it. A cell is one of
 
 ``passes without it``
-    the release has the behaviour (upstream); the patch is not applied there;
+    its tests pass on the release with the earlier patches, without it: the release behaves as they
+    expect, and the patch is not applied there. Not the rebase's ``upstream-by-behaviour``, which
+    also needs them to fail on the old base (:func:`overlay.maintain.rebase.verdict.behaviour_verdict`);
 ``passes with the patch``
     its tests fail without it by behaviour and pass with it;
 ``fails``

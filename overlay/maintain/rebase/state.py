@@ -30,7 +30,9 @@ OUTCOMES: dict[str, str] = {
 """Every outcome a patch's classification can have, and what it means (``REBASE.md``'s words).
 
 The one list: ``docs/rebase/README.md``'s table says when each is given, in this order, and
-``tests/test_one_source.py`` holds it and what ``classify`` gives to this.
+``tests/test_one_source.py`` holds it and what ``classify`` gives to this. When a patch's tests
+make it "upstream-by-behaviour" (or "contradicted") is the rule of
+:func:`overlay.maintain.rebase.verdict.behaviour_verdict`, stated there only.
 """
 UPSTREAM: tuple[str, ...] = ("upstream", "upstream-by-behaviour")  # dropped because upstream has it
 

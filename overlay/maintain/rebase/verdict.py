@@ -32,17 +32,29 @@ def old_base_failure(old: TestRun) -> str | None:
 
 
 def behaviour_verdict(runs: dict[str, dict], tests: str) -> tuple[str, list[str], list[str], str]:
-    """("upstream-by-behaviour" | "partial" | "needed" | "contradicted" | "unknown", tests now passing, still
-    failing, note). "upstream-by-behaviour" is the outcome it leads to: every test that fails on the old
-    base passes on the target without the patch (``Result.absorbed`` is another thing: the hunks or tests
-    of a patch that are already upstream).
+    """What a patch's own tests say of the target: (verdict, tests now passing, still failing, note).
+
+    Here the rebase decides "upstream by behaviour", and this is the rule's one statement (the rebase
+    guide, ``state.OUTCOMES`` and the package docstring point here; ``tests/test_one_source.py``
+    holds them to pointing). ``runs`` are the patch's tests on the old base (the base plus the
+    earlier patches) and on the target without the patch. The verdict is
+
+    - "upstream-by-behaviour" (the outcome it leads to: the patch is dropped, before any merge is
+      tried) when the tests judge on the old base (they ran there, some of them fail by behaviour),
+      and on the target without the patch every one of those passes or is skipped, at least one
+      passes, none cannot run, and no test that passes on the old base fails by behaviour;
+    - "contradicted" when a test that passes on the old base fails on the target without the patch
+      by behaviour: the target behaves otherwise than the tests expect, for a person to decide;
+    - "partial" when some of those failing on the old base pass on the target and some still fail,
+      "needed" when none passes there and some still fail;
+    - "unknown" when the tests cannot tell: no tests, a harness error or no finished run on the old
+      base, none failing there, every one skipped on the target, or some that cannot run on the
+      target and none still failing (the note names the test file to fix first).
 
     Only behaviour failures judge: a harness error on the old base is this tool's failure
     (:func:`old_base_failure`; the rebase stops on it before it asks here); a test that cannot run on
-    the target (:attr:`TestRun.cannot_run`, or a harness error of its own) says nothing of the target,
-    and the note names the test file to fix first. A test that
-    passes on the old base and fails on the target without the patch by behaviour means the target
-    behaves otherwise than the tests expect: "contradicted", for a person to decide.
+    the target (:attr:`TestRun.cannot_run`, or a harness error of its own) says nothing of the target.
+    ``Result.absorbed`` is another thing: the hunks or tests of a patch that are already upstream.
     """
     if not runs:
         return "unknown", [], [], "no tests of its own"

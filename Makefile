@@ -18,12 +18,15 @@ OVERLAY = $(call q,PY) -m overlay
 # Which Python a target's verb runs under. $(OVERLAY), the venv's, for every verb that runs here:
 # the target depends on $(TOOL_STAMP) (or $(BUILD_STAMP)), which makes the venv with the tool's
 # dependencies. $(call q,PYTHON) -m overlay, a bare python3 with no venv and no stamp, only for the
-# verbs that run on the GPU device machine, which has neither a venv nor a network (engine-check,
-# engine-checkpoint, bench-engine); overlay/commands/ imports only the standard library so they can.
-# A new target is named as its verb: `<verb>: $(TOOL_STAMP) ## help [VARS]`, then `$(OVERLAY) <verb>`,
-# and the verb goes on a .PHONY line: every target `make help` lists is a command, never a file, and one
-# named like a path that exists (dist, docs, kernel-sources) would otherwise be "up to date" and do nothing.
-# tests/test_commands.py holds these rules.
+# verbs that run on the GPU device machine, which has neither a venv nor a network: the one list is
+# overlay/commands/__init__.py:DEVICE_VERBS (engine-check, engine-checkpoint, bench-engine), which
+# says why scripts/device-*.sh may call other verbs there; overlay/commands/ imports only the
+# standard library so they can. A new target is named as its verb (letters, digits, _ and -):
+# `<verb>: $(TOOL_STAMP) ## help [VARS]`, then `$(OVERLAY) <verb>`, and the verb goes on a
+# .PHONY line: every target `make help` lists is a command, never a file, and one named like a path
+# that exists (dist, docs, kernel-sources) would otherwise be "up to date" and do nothing. Its README
+# rows: the "Make targets" table (tests/test_readme.py) and, for a new commands module, the Layout row
+# overlay/commands/ (tests/test_package_layout.py). tests/test_commands.py holds these rules.
 
 # Release versions are checked as x.y.z before any recipe (or the stamp file named after VLLM) uses them.
 is_version = $(shell printf '%s' $(call q,$(1)) | grep -Ex '[0-9]+\.[0-9]+\.[0-9]+((\.post|rc)[0-9]+)?')
@@ -39,7 +42,7 @@ endif
 .PHONY: help build test lint status workspace export bench-build bench-merge image image-smoke rebase rebase-continue cherry-pick cherry-pick-continue
 
 help: ## list every target
-	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 $(TOOL_STAMP): pyproject.toml | venv-python
 	@test -x $(call q,PY) || $(call q,PYTHON) -m venv $(call q,VENV)

@@ -9,6 +9,7 @@ README points to that is not there, fails here.
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 from overlay import cli
@@ -18,15 +19,18 @@ README = (REPO / "README.md").read_text()
 MAKEFILE = (REPO / "Makefile").read_text()
 
 
-def make_targets() -> set[str]:
+TARGET = r"[a-zA-Z0-9_-]+"  # a target's name, as ``make help``'s awk reads it: letters, digits, _ and -
+
+
+def make_targets(makefile: str = MAKEFILE) -> set[str]:
     """The targets ``make help`` lists (those with a ``## help`` text)."""
-    return set(re.findall(r"(?m)^([a-zA-Z_-]+):[^=\n]*##", MAKEFILE)) - {"help"}
+    return set(re.findall(rf"(?m)^({TARGET}):[^=\n]*##", makefile)) - {"help"}
 
 
-def readme_table_targets() -> set[str]:
-    section = README.split("## Make targets", 1)[1].split("\n## ", 1)[0]
+def readme_table_targets(readme: str = README) -> set[str]:
+    section = readme.split("## Make targets", 1)[1].split("\n## ", 1)[0]
     rows = [line.split("|")[1] for line in section.splitlines() if line.startswith("| `")]
-    return {name for row in rows for name in re.findall(r"`([a-z-]+)`", row)}
+    return {name for row in rows for name in re.findall(rf"`({TARGET})`", row)}
 
 
 def test_every_target_has_a_readme_row_and_every_row_a_target() -> None:
@@ -34,12 +38,12 @@ def test_every_target_has_a_readme_row_and_every_row_a_target() -> None:
 
 
 def test_make_commands_in_the_readme_name_real_targets() -> None:
-    for target in re.findall(r"`make ([a-z][a-z-]+)", README):
+    for target in re.findall(rf"`make ({TARGET})", README):
         assert target in make_targets() | {"help"}, f"README: make {target}: no such target"
 
 
 def test_the_makefile_calls_only_verbs_the_cli_has() -> None:
-    verbs = set(re.findall(r"(?:\$\(OVERLAY\)|-m overlay)(?: --patches \S+)? ([a-z-]+)", MAKEFILE))
+    verbs = set(re.findall(rf"(?:\$\(OVERLAY\)|-m overlay)(?: --patches \S+)? ({TARGET})", MAKEFILE))
     assert verbs and verbs <= set(cli.verbs()), verbs - set(cli.verbs())
 
 
@@ -48,6 +52,19 @@ def test_every_verb_has_its_make_target() -> None:
     assert set(cli.verbs()) <= make_targets(), set(cli.verbs()) - make_targets()
     extra = make_targets() - set(cli.verbs())
     assert extra == {"test", "lint", "cherry-pick-continue"}, extra
+
+
+def test_a_target_named_with_digits_is_listed_and_needs_its_row(tmp_path: Path) -> None:
+    """``make help``'s awk once read only letters, ``_`` and ``-``: a target named with a digit would be
+    left out of the listing and of these tests, which read names the same way."""
+    extra = tmp_path / "digits.mk"
+    extra.write_text(".PHONY: k8s-check2\nk8s-check2: ## a target named with digits\n\t@true\n")
+    listed = subprocess.run(["make", "--no-print-directory", "-f", "Makefile", "-f", str(extra), "help"], cwd=REPO,
+                            capture_output=True, text=True, check=True, timeout=60).stdout
+    assert re.search(r"(?m)^  k8s-check2 +a target named with digits$", listed), listed
+    assert "k8s-check2" in make_targets(MAKEFILE + extra.read_text())
+    first = "| `build` | `make build`"
+    assert "k8s-check2" in readme_table_targets(README.replace(first, "| `k8s-check2` | `make k8s-check2` |\n" + first))
 
 
 def test_the_extending_table_names_real_files_and_symbols() -> None:

@@ -1,9 +1,9 @@
 """The real engine on GPUs: ``engine-check`` (every DCP case against DCP 1), ``engine-variants`` (the
 seed-bug trees it must catch), ``engine-checkpoint`` (the tiny GLM-5 it serves) and ``engine-plot``.
 
-``engine-check``, ``engine-checkpoint`` and ``engine-plot`` run on the GPU device machine with its
-system Python (``python3 -m overlay engine-check``): nothing here imports more than the standard
-library until a handler runs.
+Those of them in :data:`overlay.commands.DEVICE_VERBS` run on the GPU device machine with its system
+Python (``python3 -m overlay engine-check``), the others in the venv: nothing here imports more than
+the standard library until a handler runs.
 """
 
 from __future__ import annotations

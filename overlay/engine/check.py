@@ -98,6 +98,11 @@ FATAL_GRACE_S = 30.0
 # vLLM's capture progress bar ("Capturing CUDA graphs (decode, FULL)") and its fallback warning
 # ("... not supported with spec-decode for attention backend ...; setting cudagraph_mode=PIECEWISE").
 CAPTURE = re.compile(r"Capturing CUDA graphs \((decode|mixed prefill-decode), (\w+)\)")
+# Model Runner V2's bar names the mode alone ("Capturing CUDA graphs (FULL)"): under
+# FULL_AND_PIECEWISE its FULL graphs are the decode batches' and its PIECEWISE ones the mixed batches'
+# (vllm/v1/worker/gpu/cudagraph_utils.py: decode_mode() / mixed_mode()); the drafter's own bars
+# ("Capturing decode CUDA graphs (FULL)") do not count.
+CAPTURE_V2 = re.compile(r"Capturing CUDA graphs \((FULL|PIECEWISE)\)")
 PIECEWISE_FALLBACK = re.compile(r"[^\r\n]*not supported with spec-decode[^\r\n]*setting cudagraph_mode=PIECEWISE")
 
 
@@ -108,6 +113,9 @@ def graph_mode(log: str) -> dict[str, Any]:
     kinds: dict[str, str] = {}
     for m in CAPTURE.finditer(log):
         kinds.setdefault(f"{m.group(1)}, {m.group(2)}", f"Capturing CUDA graphs ({m.group(1)}, {m.group(2)})")
+    for m in CAPTURE_V2.finditer(log):
+        kind = "decode" if m.group(1) == "FULL" else "mixed prefill-decode"
+        kinds.setdefault(f"{kind}, {m.group(1)}", f"Capturing CUDA graphs ({m.group(1)})")
     fallback = PIECEWISE_FALLBACK.search(log)
     lines = list(kinds.values()) + ([strip_log_prefix(fallback.group(0).strip())] if fallback else [])
     mode = "FULL" if "decode, FULL" in kinds else ("PIECEWISE" if kinds else "")
@@ -498,8 +506,12 @@ def run_check(ns: CheckOptions) -> int:
 def rejudge(out: Path, expect: str | None) -> int:
     """Judge the records of ``out/results.json`` again (another tolerance rule), rewrite the report."""
     doc = json.loads((out / "results.json").read_text())
-    keep = ("case", "name", "variant", "expect", "status", "error", "wall_s", "rc", "reused")
+    keep = ("case", "name", "variant", "expect", "status", "error", "wall_s", "rc", "reused", "graphs")
     records = [{k: r[k] for k in keep if k in r} for r in doc["cases"]]
+    for r in records:  # the graphs its log shows, read again (the rule may have changed since)
+        log = out / f"{_name(r)}.log"
+        if log.is_file():
+            r["graphs"] = graph_mode(log.read_text(errors="replace"))
     summary = judge([r for r in records if r["status"] != "skipped"], out, expect)
     report(out, summary, records, doc.get("meta", {}))
     print(f"[engine-check] verdict: {summary['verdict']} ({out / 'REPORT.md'})", flush=True)

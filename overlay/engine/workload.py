@@ -211,19 +211,26 @@ def cases(tp: int = 2, release: str | None = None) -> list[Case]:
 
 def runner_cases(release: str | None, tp: int = 2) -> list[Case]:
     """DCP 1 under the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``) on a build of ``release`` whose
-    default is Model Runner V2 (``V2_RUNNER_DEFAULT``; none otherwise): without MTP and with MTP-5 in
-    FULL decode graphs, each judged against the plain reference ``ref-dcp1`` (V2), which the MTP one's
-    prompt logprobs must match (they come from the target alone: spec-decode-prompt-logprobs-graph-pool
-    patches the V1 runner) and on having run V1."""
+    default is Model Runner V2 (``V2_RUNNER_DEFAULT``; none otherwise), each judged on having run V1:
+
+    - ``ref-dcp1-v1``, a second reference, judged against ``ref-dcp1`` (V2): the two runners must agree;
+    - ``ref-dcp1-mtp-v1``, MTP-5 in FULL decode graphs, judged against ``ref-dcp1-v1`` (the plain run of
+      the same runner): prompt logprobs come from the target alone, which
+      spec-decode-prompt-logprobs-graph-pool restores in the V1 runner; against the same runner's
+      plain run, a runner's own fault does not hide the patch's effect (one H200, 2026-12-02: 0.33.0's
+      V1 runner moved the batch's first request with its breakable CUDA graphs, MTP or not).
+    """
     if release not in V2_RUNNER_DEFAULT:
         return []
     v1 = {"use_v2_model_runner": False}
     return [
+        Case("ref-dcp1-v1", role="reference", tp=tp, env=dict(V1_RUNNER_ENV), resolves=v1, release=str(release),
+             note="DCP 1 under the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0), judged against Model Runner "
+                  "V2's ref-dcp1"),
         Case("ref-dcp1-mtp-v1", tp=tp, mtp=True, graphs="FULL", env=dict(V1_RUNNER_ENV), resolves=v1,
-             release=str(release), note="MTP-5 at DCP 1 under the V1 model runner, FULL decode graphs: "
-                                        "prompt logprobs judged against ref-dcp1"),
-        Case("ref-dcp1-v1", tp=tp, env=dict(V1_RUNNER_ENV), resolves=v1, release=str(release),
-             note="DCP 1 under the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0) against Model Runner V2's"),
+             compare_to="ref-dcp1-v1", release=str(release),
+             note="MTP-5 at DCP 1 under the V1 model runner, FULL decode graphs: prompt logprobs judged against "
+                  "ref-dcp1-v1"),
     ]
 
 

@@ -243,6 +243,41 @@ def test_graph_mode_reads_the_capture_lines() -> None:
     assert graph_mode("eager: nothing captured")["mode"] == ""
 
 
+# Model Runner V2 (0.33.0's default), MTP-5 at DCP 1 on one H200 (2026-12-02): the target's bars name
+# the mode alone, the drafter's its own ("prefill"/"decode") and do not count
+V2_FULL_LOG = ("Capturing CUDA graphs (PIECEWISE):   0%|          | 0/19 [00:00<?, ?it/s]\r"
+               "Capturing CUDA graphs (FULL):  12%|#         | 2/16 [00:00<00:00, 16.71it/s]\n"
+               "(EngineCore pid=2815) INFO 12-02 20:51:33 [speculator.py:110] Capturing model for speculator...\n"
+               "Capturing prefill CUDA graphs (PIECEWISE):   0%|          | 0/19 [00:00<?, ?it/s]\r"
+               "Capturing decode CUDA graphs (FULL):   0%|          | 0/19 [00:00<?, ?it/s]\n")
+V2_DRAFTER_ONLY_LOG = "Capturing CUDA graphs (PIECEWISE): 100%\nCapturing decode CUDA graphs (FULL): 100%\n"
+
+
+def test_graph_mode_reads_model_runner_v2s_capture_lines() -> None:
+    from overlay.engine.check import graph_mode
+
+    full = graph_mode(V2_FULL_LOG)
+    assert full == {"mode": "FULL", "lines": ["Capturing CUDA graphs (PIECEWISE)", "Capturing CUDA graphs (FULL)"]}
+    assert graph_mode(V2_DRAFTER_ONLY_LOG)["mode"] == "PIECEWISE"  # the drafter's FULL graphs are not the target's
+
+
+def test_rejudge_reads_the_graphs_from_each_log_again(tmp_path) -> None:
+    """A run judged before a capture rule was known is judged again from its logs (``--rejudge``)."""
+    from overlay.engine.check import rejudge
+
+    for name in ("ref-dcp1", "ref-dcp1-mtp"):
+        (tmp_path / f"{name}.json").write_text(json.dumps(_ref()))
+    (tmp_path / "ref-dcp1-mtp.log").write_text(V2_FULL_LOG)
+    cases = [{"case": {"name": "ref-dcp1", "role": "reference"}, "name": "ref-dcp1", "status": "ok"},
+             {"case": {"name": "ref-dcp1-mtp", "role": "reference", "graphs": "FULL"}, "name": "ref-dcp1-mtp",
+              "status": "ok", "graphs": {"mode": "", "lines": []}}]
+    (tmp_path / "results.json").write_text(json.dumps({"meta": {"vllm": "0.33.0"}, "cases": cases}))
+    assert rejudge(tmp_path, None) == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert [c["verdict"] for c in doc["cases"]] == ["reference", "reference"]
+    assert doc["cases"][1]["graphs"]["mode"] == "FULL" and doc["meta"] == {"vllm": "0.33.0"}
+
+
 def test_a_case_with_the_wrong_graph_mode_fails(tmp_path) -> None:
     from overlay.engine.check import graph_mode, judge
 

@@ -24,7 +24,7 @@ from overlay.engine.workload import GLM5_DCP_DEFAULTS, PROFILE_SETTINGS, cases, 
 REPO = Path(__file__).resolve().parents[2]
 OWN = ["dcp-defaults-graph-mtp", "dcp-a2a-direct-proj1-qgather-graph-mtp", "dcp-defaults-graph",
        "dcp-defaults-proj0-graph-mtp", "dcp-agrs-proj1-qgather-graph-mtp", "dcp-defaults-sizing-mnbt-graph-mtp"]
-RUNNERS = ["ref-dcp1-mtp-v1", "ref-dcp1-v1"]
+RUNNERS = ["ref-dcp1-v1", "ref-dcp1-mtp-v1"]
 
 
 def test_the_0_33_0_build_runs_its_own_cases_first_after_the_references() -> None:
@@ -42,15 +42,18 @@ def test_the_0_33_0_build_runs_its_own_cases_first_after_the_references() -> Non
 
 def test_a_v2_runner_release_runs_dcp1_under_v1_too() -> None:
     """0.33.0 defaults to Model Runner V2; the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0), where
-    spec-decode-prompt-logprobs-graph-pool applies, runs the plain and the MTP reference again, each
-    judged against ref-dcp1 and on the runner it resolved; 0.28.0 (V1 only) has no such cases."""
+    spec-decode-prompt-logprobs-graph-pool applies, runs the plain reference again (judged against
+    ref-dcp1: the runners must agree) and MTP against that plain V1 run, each on the runner it
+    resolved; 0.28.0 (V1 only) has no such cases."""
     assert runner_cases("0.28.0") == [] and runner_cases(None) == []
     for tp in (1, 2):
         by = {c.name: c for c in cases(tp, "0.33.0")}
         for name in RUNNERS:
             c = by[name]
             assert c.env == {"VLLM_USE_V2_MODEL_RUNNER": "0"} and c.resolves == {"use_v2_model_runner": False}
-            assert c.role == "check" and c.compare_to == "" and c.dcp == 1 and c.tp == tp and c.release == "0.33.0"
+            assert c.dcp == 1 and c.tp == tp and c.release == "0.33.0"
+        assert (by["ref-dcp1-v1"].role, by["ref-dcp1-v1"].compare_to) == ("reference", "")
+        assert (by["ref-dcp1-mtp-v1"].role, by["ref-dcp1-mtp-v1"].compare_to) == ("check", "ref-dcp1-v1")
         assert by["ref-dcp1-mtp-v1"].mtp and by["ref-dcp1-mtp-v1"].graphs == "FULL" and not by["ref-dcp1-v1"].mtp
         assert by["ref-dcp1-mtp"].resolves == {"use_v2_model_runner": True} and by["ref-dcp1-mtp"].env == {}
         assert by["ref-dcp1"].resolves == {} and by["ref-dcp1"].env == {}
@@ -152,7 +155,8 @@ def test_the_build_cases_run_and_pass_with_the_stand_in(tmp_path: Path, fake_eng
     assert by["dcp-defaults-graph-mtp"]["resolved"] == {"dcp_comm_backend": "a2a", "dcp_q_replicate": True,
                                                         "use_v2_model_runner": True}
     assert by["ref-dcp1-mtp-v1"]["resolved"]["use_v2_model_runner"] is False
-    assert by["ref-dcp1-mtp"]["verdict"] == "reference" and by["ref-dcp1-mtp-v1"]["verdict"] == "pass"
+    assert by["ref-dcp1-mtp"]["verdict"] == "reference" and by["ref-dcp1-v1"]["verdict"] == "reference"
+    assert by["ref-dcp1-mtp-v1"]["verdict"] == "pass"
     assert by["dcp-a2a-direct-proj1-qgather-graph-mtp"]["resolved"]["dcp_q_replicate"] is False
     assert by["dcp-defaults-graph-mtp"]["graphs"]["mode"] == "FULL"
     report = (tmp_path / "run" / "REPORT.md").read_text()
@@ -161,9 +165,10 @@ def test_the_build_cases_run_and_pass_with_the_stand_in(tmp_path: Path, fake_eng
 
 def test_a_case_that_ran_the_other_runner_fails(tmp_path: Path, fake_engine: None) -> None:
     """An engine that ignored VLLM_USE_V2_MODEL_RUNNER=0 (or fell back from V2) did not run the case."""
-    records, summary = _run(tmp_path, ["ref-dcp1", "ref-dcp1-v1"], FAKE_RESOLVED='{"use_v2_model_runner": true}')
-    assert summary["verdict"] == "fail"
-    assert records[1]["problems"] == ["resolved: use_v2_model_runner=True, the case runs False"]
+    records, summary = _run(tmp_path, ["ref-dcp1", "ref-dcp1-v1", "ref-dcp1-mtp-v1"],
+                            FAKE_RESOLVED='{"use_v2_model_runner": true}')
+    assert summary["verdict"] == "fail" and [r["verdict"] for r in records] == ["reference", "reference", "fail"]
+    assert records[2]["problems"] == ["resolved: use_v2_model_runner=True, the case runs False"]
 
 
 def test_an_engine_resolving_otherwise_fails_the_case(tmp_path: Path, fake_engine: None) -> None:

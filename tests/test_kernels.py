@@ -351,3 +351,12 @@ def test_build_kernels_stops_before_configure_without_nvcc(tmp_path: Path) -> No
     assert proc.stderr.strip().splitlines()[-1] == f"error: CUDA_HOME={tmp_path / 'no-cuda'}: no nvcc at " \
         f"{tmp_path / 'no-cuda' / 'bin' / 'nvcc'}"
     assert not (tmp_path / "work" / "build").exists()
+
+
+def test_a_ccache_hit_in_the_log_does_not_order_the_next_build(tmp_path: Path) -> None:
+    """After a cached rebuild every logged duration is a 0.3 s hit: the measured table orders instead."""
+    (tmp_path / ".ninja_log").write_text(
+        "# ninja log v5\n0\t300\t0\tCMakeFiles/_C.dir/csrc/quantization/w8a8/cutlass/scaled_mm_c2x.cu.o\tab\n"
+        "0\t400\t0\tCMakeFiles/_C.dir/csrc/layernorm_kernels.cu.o\tcd\n")
+    _, ordered = order.reorder_manifest(MANIFEST, ("_C",), order.read_ninja_log(tmp_path))
+    assert ordered[0] == "csrc/quantization/w8a8/cutlass/scaled_mm_c2x.cu"

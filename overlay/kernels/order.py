@@ -54,6 +54,10 @@ def measured_cost(source: str) -> float:
     return 10.0
 
 
+CACHE_HIT_MAX_S = 5.0
+"""A logged duration below this is a ccache hit (or a trivial unit): the measured table orders it."""
+
+
 def read_ninja_log(build: Path) -> dict[str, float]:
     """``output -> seconds`` of the last run of each output in ``build/.ninja_log`` (v5/v6/v7)."""
     log = build / ".ninja_log"
@@ -110,7 +114,9 @@ def reorder_manifest(text: str, targets: tuple[str, ...], durations: Mapping[str
         if src is None:
             rest.append(b)
             continue
-        cost = durations.get(b.outputs[0], measured_cost(src))
+        logged = durations.get(b.outputs[0], 0.0)
+        # a ccache hit (0.3 s) says nothing about what the unit costs to compile
+        cost = logged if logged >= CACHE_HIT_MAX_S else measured_cost(src)
         objects.append((-cost, i, b, src))
     if not objects:
         return text, []

@@ -24,6 +24,7 @@ import fcntl
 import os
 import re
 import shutil
+import socket
 import stat
 import sys
 import tempfile
@@ -32,11 +33,34 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from overlay.build.distdir import host, pid_alive, umask
-
-_OWNED = re.compile(r"^(?P<host>[A-Za-z0-9.-]+)-(?P<pid>\d+)-[a-z0-9_]{8}$")
+_OWNED = re.compile(r"^(?P<host>[A-Za-z0-9.-]+)-(?P<pid>\d+)-[A-Za-z0-9_]+$")
 _LEGACY = re.compile(r"^[a-z0-9_]{8}$")  # tempfile's own 8 characters: no owner recorded
 LEGACY_QUIET_S = 24 * 3600  # an older tool's temporary in which nothing changed for a day is a leftover
+
+
+def host() -> str:
+    """This machine's name as a file name part (what owned temporary names record beside the pid)."""
+    return re.sub(r"[^A-Za-z0-9.-]", "_", socket.gethostname())
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (signal 0 checks without sending)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def umask() -> int:
+    """The process umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 @contextmanager

@@ -93,8 +93,7 @@ def test_a_live_processs_temporary_is_never_removed(tmp_path: Path) -> None:
     """Issue 35 item 4 (leftovers): a sweep takes only what a gone process left: not a live one's folder,
     not one whose pid is gone but whose lock is held (a process of another PID namespace with this host
     name), not another machine's, not a link named like one, not a name of no owner."""
-    from overlay.atomic import sweep, temp_dir
-    from overlay.build.distdir import host
+    from overlay.atomic import host, sweep, temp_dir
 
     parent = tmp_path / "cache"
     parent.mkdir()

@@ -45,8 +45,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from overlay import digest, lock
+from overlay.atomic import umask as current_umask
 from overlay.build import swap
-from overlay.build.distdir import umask as current_umask
 from overlay.build.wheel import dist_info_name, read_record, record_hash
 from overlay.errors import OverlayError
 from overlay.interrupt import bound_to_parent

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from overlay import digest
-from overlay.atomic import temp_dir, temp_file
+from overlay.atomic import temp_dir, temp_file, umask
 from overlay.build.archive import tar_bytes
-from overlay.build.distdir import umask
 from overlay.build.fetch import sha256_file
 from overlay.build.wheel import dist_info_name
 from overlay.device.requirements import pip_error_tail

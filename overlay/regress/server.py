@@ -31,8 +31,7 @@ from typing import IO
 
 import httpx
 
-from overlay.atomic import write_file
-from overlay.build.distdir import pid_alive
+from overlay.atomic import pid_alive, write_file
 from overlay.interrupt import bound_to_parent
 from overlay.regress.client import Client, normalize_base_url
 from overlay.regress.errors import RegressError, ServerDied

@@ -4,6 +4,7 @@ SHELL := /bin/bash
 
 VLLM ?= $(shell head -n 1 patches/DEFAULT)
 VENV ?= .venv
+TEST_JOBS ?= auto
 PY := $(VENV)/bin/python
 PYTHON ?= python3
 TOOL_STAMP := $(VENV)/.overlay-tool
@@ -66,11 +67,15 @@ $(BUILD_STAMP): $(TOOL_STAMP) $(wildcard patches/$(VLLM)/*) $(wildcard overlay/*
 	$(OVERLAY) build --vllm $(call q,VLLM) --install $(call q,VENV)
 	@touch $(call q,BUILD_STAMP)
 
-test: $(BUILD_STAMP) ## the whole CPU test suite (lint included, then upstream-tests); what .ci/run calls
+test: $(BUILD_STAMP) ## the CPU test suite but the long tests, on TEST_JOBS workers (lint included, then upstream-tests); .ci/run runs it, then test-long [TEST_JOBS=auto]
 	$(call q,PY) -m ruff check overlay tests
 	$(OVERLAY) patch-lint --vllm $(call q,VLLM)
-	$(call q,PY) -m pytest -m "not gpu"
+	$(call q,PY) -m pytest -m "not gpu and not long" -n $(call q,TEST_JOBS) --dist loadgroup
 	$(OVERLAY) upstream-tests --vllm $(call q,VLLM) --out $(if $(UPSTREAM_OUT),$(call q,UPSTREAM_OUT),upstream-tests)
+
+.PHONY: test-long
+test-long: $(BUILD_STAMP) ## the tests that run for minutes (make targets in fresh clones, marked long); .ci/run runs them after test
+	$(call q,PY) -m pytest -m "long and not gpu"
 
 .PHONY: upstream-tests
 upstream-tests: $(BUILD_STAMP) ## vLLM's own tests of the touched modules (verified sdist) on the patched tree; exit 0 pass, else not [UPSTREAM_OUT=upstream-tests TIMEOUT=300]

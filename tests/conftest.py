@@ -24,7 +24,14 @@ if _tree:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``gpu`` tests when CUDA is not available."""
+    """Keep the tests of one module that share a module-scoped fixture on one pytest-xdist worker, and
+    skip ``gpu`` tests when CUDA is not available.
+
+    ``make test`` runs the suite on several workers (``--dist loadgroup``): a module's fixture, such as
+    the patch tests' spawned ranks (tens of seconds each), would otherwise run once on every worker that
+    gets one of its tests. Tests without such a fixture are spread test by test.
+    """
+    _group_by_module_fixture(items)
     try:
         import torch
 
@@ -37,6 +44,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _group_by_module_fixture(items: list[pytest.Item]) -> None:
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d.scope == "module" for chain in defs for d in chain):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
 
 @pytest.fixture(autouse=True)

@@ -125,3 +125,18 @@ def test_the_device_scripts_call_real_verbs_and_the_rule_names_the_others() -> N
     rule = (REPO / "overlay" / "commands" / "__init__.py").read_text().split("DEVICE_VERBS: tuple", 1)[1]
     others = sorted(v for v in called - set(commands.DEVICE_VERBS) if f"``{v}``" not in rule)
     assert others == [], f"scripts/device-*.sh call {others}: the DEVICE_VERBS docstring says why a script may"
+
+
+def verbs_run(recipe: str) -> list[str]:
+    """The verbs a recipe runs: what follows ``$(OVERLAY)`` or ``-m overlay`` (and ``--patches X``)."""
+    return re.findall(r"(?:\$\(OVERLAY\)|-m overlay)(?: --patches \S+)? ([A-Za-z0-9_-]+)", recipe)
+
+
+def test_a_target_named_after_a_verb_runs_that_verb() -> None:
+    """``make <verb>`` runs ``overlay <verb>``: nothing held it, so a target could call another verb (or
+    none) under a verb's name and every other test of the Makefile would still pass."""
+    verbs = set(cli.verbs())
+    wrong = {t: verbs_run(r) for t, (_, r) in recipes().items() if t in verbs and t not in verbs_run(r)}
+    assert wrong == {}, wrong
+    mixed_up = MAKEFILE + "\nstatus: $(TOOL_STAMP) ## x\n\t$(OVERLAY) patch-lint\n"
+    assert "status" not in verbs_run(recipes(mixed_up)["status"][1])  # the check sees a target that runs another

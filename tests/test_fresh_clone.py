@@ -36,7 +36,7 @@ from overlay.build.pins import Pin
 from tests.rebasekit import lines, make_patch
 from tests.wheelkit import make_wheel
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # minutes each: make test-long
 
 REPO = Path(__file__).resolve().parent.parent
 FROM, TO = "7.0.0", "7.1.0"

@@ -181,3 +181,36 @@ def test_tests_all_skipped_on_the_target_cannot_tell(tmp_path: Path) -> None:
     out, entry, _ = _rebase(tmp_path, APPLIES, BUG, target)
     assert out.done and entry["outcome"] == "applied"
     assert "its tests cannot run on the target (every test skipped: Triton only)" in entry["evidence"]
+
+
+def _runs(old: TestRun, new: TestRun) -> dict[str, dict]:
+    return {"old-base": old.to_dict(), "target": new.to_dict()}
+
+
+def _behaviour(failed: tuple[str, ...], passed: tuple[str, ...] = ()) -> TestRun:
+    return TestRun("failed" if failed else "passed", passed=passed, failed=failed, summary="",
+                   reasons=("assert 1 == 2",) * len(failed), kinds=("behaviour",) * len(failed))
+
+
+@pytest.mark.parametrize(("old", "new", "expected"), [
+    # fails on the old base, passes on the target: upstream by behaviour
+    (_behaviour(("t1", "t2")), _behaviour((), ("t1", "t2")), "UPSTREAM_BY_BEHAVIOUR"),
+    # a test that passed on the old base fails by behaviour on the target: contradicted
+    (_behaviour(("t1",), ("t2",)), _behaviour(("t2",), ("t1",)), "CONTRADICTED"),
+    # one of the failing tests passes on the target, one still fails: partial
+    (_behaviour(("t1", "t2")), _behaviour(("t2",), ("t1",)), "PARTIAL"),
+    # none passes on the target: needed
+    (_behaviour(("t1", "t2")), _behaviour(("t1", "t2")), "NEEDED"),
+    # nothing fails on the old base: the tests cannot tell
+    (_behaviour((), ("t1",)), _behaviour((), ("t1",)), "UNKNOWN"),
+    # a harness error on the target only, nothing judged there: unknown, never upstream
+    (_behaviour(("t1",)), HARNESS, "UNKNOWN"),
+])
+def test_each_verdict_of_the_rule_is_a_member_classify_compares(old: TestRun, new: TestRun, expected: str) -> None:
+    """classify compares behaviour_verdict's answer with Verdict members (``is``), never with their text:
+    every branch of the rule returns a member, so renaming a member's text cannot silently change an
+    outcome."""
+    from overlay.maintain.rebase.verdict import Verdict, behaviour_verdict
+
+    verdict, *_ = behaviour_verdict(_runs(old, new), "tests/patches/test_x.py")
+    assert verdict is Verdict[expected]

@@ -23,7 +23,10 @@ profile's ``checks`` and ``checks_off`` to it.
 Adding a check touches, besides its one line here:
 
 - its module, with ``step`` and ``summary`` (and ``prepare``, ``plot``, ``record`` where it has them),
-  named in the README's Layout row ``overlay/regress/`` when it is a new one;
+  named in the README's Layout row ``overlay/regress/`` when it is a new one; its ``Finding`` and
+  ``ensure_alive`` calls name the check by its ``name`` here (``regress-verdicts`` matches on it);
+  ``record`` returns fields of a profile's ``baseline:`` section, as ``profiles._baseline`` reads them,
+  and its sample run data goes in the registry test's ``RECORD_SAMPLES`` (both held there);
 - its report section, a function in ``report.py`` named by ``section``;
 - its thresholds, each declared in its line here with its range (:func:`rate`: in (0, 1], a share or
   a rate; :func:`above_zero`: any value > 0): a :class:`Bound` has no default range;
@@ -35,9 +38,8 @@ Adding a check touches, besides its one line here:
   numbered list, the Makefile's ``regress`` help line and the ``overlay/regress/`` row of
   ``docs/ARCHITECTURE.md``'s module map.
 
-``tests/regress/test_checks_registry.py`` fails while one of these is missing, the ``Baseline``
-numbers aside (the check's own tests read those) and the Layout row (``tests/test_package_layout.py``
-holds that).
+``tests/regress/test_checks_registry.py`` fails while one of these is missing or parts from this line,
+the Layout row aside (``tests/test_package_layout.py`` holds that).
 """
 
 from __future__ import annotations

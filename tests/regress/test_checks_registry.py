@@ -134,3 +134,54 @@ def test_the_package_docstring_points_at_the_registry_and_the_layout() -> None:
                      if p.stem not in ("__init__", "checks"))
     listed = [m for m in modules if f"``{m}``" in doc]
     assert listed == [], f"overlay/regress/__init__.py lists modules {listed}: the README Layout row holds them"
+
+
+def _calls_naming_a_check(path: Path) -> list[tuple[int, str]]:
+    """Each ``Finding("<check>", ...)`` and ``<server>.ensure_alive("<check>", ...)`` of a module: line, name."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Constant):
+            continue
+        func = node.func
+        called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+        if called in ("Finding", "ensure_alive"):
+            found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def test_a_checks_findings_and_liveness_name_the_check() -> None:
+    """A check's findings carry its name (``regress-verdicts`` matches ``regression:<check>`` on it), typed
+    as a string in its module: one that parted from ``Check.name`` would judge under another name."""
+    for c in CHECKS:
+        module = c.step.partition(":")[0]
+        path = REPO / (module.replace(".", "/") + ".py")
+        named = _calls_naming_a_check(path)
+        assert named, f"{path.name}: no Finding or ensure_alive naming {c.name!r}"
+        assert [(line, n) for line, n in named if n != c.name] == [], f"{path.name} names another check than {c.name}"
+
+
+# What a passing run's data looks like for each check that records a baseline (its ``record`` reads it).
+# A check that records gets its sample here: the test below fails naming it until it has one.
+RECORD_SAMPLES: dict[str, dict[str, Any]] = {
+    "gsm8k": {"strict-match": {"value": 0.91, "stderr": 0.008}, "flexible-extract": {"value": 0.92, "stderr": 0.0075}},
+    "latency": {"mean_ttft_ms": 812.5, "mean_tpot_ms": 31.25, "tool": "vllm-bench"},
+    "acceptance": {"rates": [0.9, 0.8, 0.7, 0.6, 0.5]},
+}
+
+
+@pytest.mark.parametrize("check", [c for c in CHECKS if c.record], ids=lambda c: c.name)
+def test_every_record_function_writes_fields_the_profile_reads(check: Check, tmp_path: Path) -> None:
+    """``record`` returns fields of a profile's ``baseline:`` section, and the profile parser refuses a field
+    it does not know: a record function whose keys parted from ``profiles._baseline`` failed only at the
+    end of a real ``--record-baseline`` run. Each recording check's sample is recorded into each shipped
+    profile here, and the written profile must load with those numbers."""
+    assert check.name in RECORD_SAMPLES, f"add a sample of {check.name}'s data to RECORD_SAMPLES"
+    values = checks.function(check.record)(RECORD_SAMPLES[check.name])
+    assert values, f"{check.record} recorded nothing from its sample"
+    for name in shipped_profiles():
+        out = baseline_record.write_recorded_profile(name, values, tmp_path / f"{name}.yaml", "a test")
+        base = load_profile(str(out)).baseline
+        assert check.name in base.source
+        assert base != load_profile(name).baseline, f"{name}: recording {check.name} changed nothing"

@@ -21,7 +21,7 @@ from overlay.maintain.rebase.resolve import NOTHING_LEFT, abort, pick, try_candi
 from overlay.maintain.rebase.stale import sha256_of
 from overlay.maintain.rebase.state import STATE, Outcome, RebaseError, Result, State, prepared_pin
 from overlay.maintain.rebase.testrun import TestRun, TestRunner, test_file
-from overlay.maintain.rebase.verdict import behaviour_verdict, old_base_failure
+from overlay.maintain.rebase.verdict import Verdict, behaviour_verdict, old_base_failure
 from overlay.maintain.replay import (
     ConflictHunk,
     TreeSource,
@@ -374,16 +374,16 @@ def _classify(work: Path, state: State, patch: Patch, old_commit: str, old_paren
                                  f"reverse-applies to vllm {to}: upstream has this exact change"))
     runs = _behaviour(work, patch, old_parent, runner)
     verdict, fixed, still, note = behaviour_verdict(runs, _tests_of(state, patch))
-    if verdict == "upstream-by-behaviour":
+    if verdict is Verdict.UPSTREAM_BY_BEHAVIOUR:
         return Classified(Result(patch.name, "upstream-by-behaviour", note + "; dropped", absorbed=fixed,
                                  behaviour=runs))
-    if verdict == "contradicted":  # never carried on tests the target contradicts: set aside
+    if verdict is Verdict.CONTRADICTED:  # never carried on tests the target contradicts: set aside
         return Classified(Result(patch.name, "contradicted", note, still_needed=still, absorbed=fixed,
                                  behaviour=runs), Then.SET_ASIDE)
     if applies(work, patch.raw):
         am(work, patch, f"vllm {to}")
         state.exported[patch.name] = "verbatim"
-        if verdict == "partial":
+        if verdict is Verdict.PARTIAL:
             return Classified(Result(patch.name, "partly-upstream", note + "; the patch applies unchanged and is "
                                      "carried", still_needed=still, absorbed=fixed, behaviour=runs, carried=True))
         return Classified(Result(patch.name, "applied", f"applies to vllm {to} exactly; carried verbatim"
@@ -411,11 +411,11 @@ def _classify(work: Path, state: State, patch: Patch, old_commit: str, old_paren
     renames = _renames(work, old_commit, new)
     how = "applies after a 3-way merge" + (f" ({'; '.join(filter(None, [renames, moved]))})"
                                           if renames or moved else "")
-    if gone or verdict == "partial":
+    if gone or verdict is Verdict.PARTIAL:
         parts = []
         if gone:
             parts.append(f"vllm {to} already has hunk(s) {', '.join(gone)}; still needed: {', '.join(kept)}")
-        if verdict == "partial":
+        if verdict is Verdict.PARTIAL:
             parts.append(note)
         return Classified(Result(patch.name, "partly-upstream", f"{how}; " + "; ".join(parts),
                                  still_needed=kept + still, absorbed=gone + fixed, behaviour=runs, carried=True))

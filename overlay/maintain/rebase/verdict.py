@@ -5,10 +5,25 @@ error judges nothing, :mod:`overlay.maintain.rebase.failkind`)."""
 from __future__ import annotations
 
 import re
+from enum import StrEnum
 
 from overlay.maintain.rebase.testrun import TestRun, describe
 
 _MISSING = re.compile(r"No module named '([^']+)'")
+
+
+class Verdict(StrEnum):
+    """What :func:`behaviour_verdict` says of a patch's tests on the target (the rule: its docstring).
+
+    These are not rebase outcomes (``state.OUTCOMES``): ``classify`` turns each into one, and compares
+    against these members, never against their text.
+    """
+
+    UPSTREAM_BY_BEHAVIOUR = "upstream-by-behaviour"  # the outcome of the same name: dropped
+    CONTRADICTED = "contradicted"  # the outcome of the same name: set aside for a person
+    PARTIAL = "partial"  # the outcome partly-upstream (carried)
+    NEEDED = "needed"  # carried as it merges (applied / refreshed / conflict)
+    UNKNOWN = "unknown"  # the tests cannot tell: carried as it merges
 
 
 def old_base_failure(old: TestRun) -> str | None:
@@ -31,7 +46,7 @@ def old_base_failure(old: TestRun) -> str | None:
     return f"a harness error in the tests' setup: {first}"
 
 
-def behaviour_verdict(runs: dict[str, dict], tests: str) -> tuple[str, list[str], list[str], str]:
+def behaviour_verdict(runs: dict[str, dict], tests: str) -> tuple[Verdict, list[str], list[str], str]:
     """What a patch's own tests say of the target: (verdict, tests now passing, still failing, note).
 
     Here the rebase decides "upstream by behaviour", and this is the rule's one statement (the rebase
@@ -57,19 +72,19 @@ def behaviour_verdict(runs: dict[str, dict], tests: str) -> tuple[str, list[str]
     ``Result.absorbed`` is another thing: the hunks or tests of a patch that are already upstream.
     """
     if not runs:
-        return "unknown", [], [], "no tests of its own"
+        return Verdict.UNKNOWN, [], [], "no tests of its own"
     old, new = TestRun.from_dict(runs["old-base"]), TestRun.from_dict(runs["target"])
     tool = old_base_failure(old)
     if tool is not None:  # the rebase stops on it first (classify); never the patch's or its tests' fault
-        return "unknown", [], [], f"its tests cannot run on the old base: {tool}"
+        return Verdict.UNKNOWN, [], [], f"its tests cannot run on the old base: {tool}"
     if old.cannot_run:
-        return "unknown", [], [], f"its tests cannot run on the old base ({old.first_error()}): they cannot tell"
+        return Verdict.UNKNOWN, [], [], f"its tests cannot run on the old base ({old.first_error()}): they cannot tell"
     judged = set(old.behaviour_failed)
     if not judged:
-        return "unknown", [], [], (f"its tests do not fail on the old base ({describe(old)}); "
+        return Verdict.UNKNOWN, [], [], (f"its tests do not fail on the old base ({describe(old)}); "
                                    "they cannot tell whether upstream fixed it")
     if new.cannot_run:
-        return "unknown", [], [], f"its tests cannot run on the target ({new.first_error()}): fix {tests} first"
+        return Verdict.UNKNOWN, [], [], f"its tests cannot run on the target ({new.first_error()}): fix {tests} first"
     fixed = sorted(judged & set(new.passed))
     still = sorted(judged & set(new.behaviour_failed))
     skipped = sorted(judged & set(new.skipped))  # the test itself says it does not apply there
@@ -77,27 +92,27 @@ def behaviour_verdict(runs: dict[str, dict], tests: str) -> tuple[str, list[str]
     contradicted = sorted(set(old.passed) & set(new.behaviour_failed))
     if contradicted:
         why = dict(zip(new.failed, new.reasons, strict=False))
-        return "contradicted", fixed, still, (
+        return Verdict.CONTRADICTED, fixed, still, (
             f"{len(contradicted)} of its tests pass on the old base and fail on the target without it "
             f"(e.g. {contradicted[0]}: {why.get(contradicted[0], '')}): the target's own behaviour contradicts "
             "them, so they cannot vouch for carrying the patch; a person decides")
     if blocked and not still:
-        return "unknown", fixed, [], (f"{len(fixed)} of its tests that fail on the old base pass on the target "
+        return Verdict.UNKNOWN, fixed, [], (f"{len(fixed)} of its tests that fail on the old base pass on the target "
                                       f"without it, {len(blocked)} cannot run there ({new.first_error()}): "
                                       f"fix {tests} first")
     cannot = f"; {len(blocked)} cannot run there ({new.first_error()})" if blocked else ""
     if not still and not fixed:
-        return "unknown", [], [], (f"its tests that fail on the old base are all skipped on the target "
+        return Verdict.UNKNOWN, [], [], (f"its tests that fail on the old base are all skipped on the target "
                                    f"({new.skip_reason}): they cannot tell")
     if not still:
         skips = f"; {len(skipped)} skipped there ({new.skip_reason})" if skipped else ""
-        return "upstream-by-behaviour", fixed, [], (f"its tests fail on the old base ({describe(old)}) and pass on the "
-                                       f"target without it ({describe(new)}){skips}")
+        return Verdict.UPSTREAM_BY_BEHAVIOUR, fixed, [], (f"its tests fail on the old base ({describe(old)}) and pass "
+                                                          f"on the target without it ({describe(new)}){skips}")
     if fixed:
-        return "partial", fixed, still, (f"of its tests that fail on the old base, {len(fixed)} pass on the "
+        return Verdict.PARTIAL, fixed, still, (f"of its tests that fail on the old base, {len(fixed)} pass on the "
                                          f"target without it ({', '.join(fixed)}) and {len(still)} still fail "
                                          f"({', '.join(still)})" + cannot + differently(old, new))
-    return "needed", [], still, (f"its tests still fail on the target without it ({describe(new)})" + cannot
+    return Verdict.NEEDED, [], still, (f"its tests still fail on the target without it ({describe(new)})" + cannot
                                  + differently(old, new))
 
 

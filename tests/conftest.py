@@ -7,8 +7,10 @@ The patch tests use it to run against the unpatched base tree (see
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,14 +26,7 @@ if _tree:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep the tests of one module that share a module-scoped fixture on one pytest-xdist worker, and
-    skip ``gpu`` tests when CUDA is not available.
-
-    ``make test`` runs the suite on several workers (``--dist loadgroup``): a module's fixture, such as
-    the patch tests' spawned ranks (tens of seconds each), would otherwise run once on every worker that
-    gets one of its tests. Tests without such a fixture are spread test by test.
-    """
-    _group_by_module_fixture(items)
+    """Skip ``gpu`` tests when CUDA is not available."""
     try:
         import torch
 
@@ -46,12 +41,36 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-def _group_by_module_fixture(items: list[pytest.Item]) -> None:
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        defs = info.name2fixturedefs.values() if info is not None else ()
-        if any(d.scope == "module" for chain in defs for d in chain):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+_MODULE_FIXTURE = re.compile(r"""@pytest\.fixture\(\s*scope\s*=\s*["']module["']""")
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without xdist (the device's pytest) it is never called
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` (``make test``): the tests of a module that defines a module-scoped fixture go
+    to one worker together, every other test is spread on its own.
+
+    A module's fixture, such as the patch tests' spawned ranks (tens of seconds each), would otherwise
+    run once on every worker that gets one of its tests. pytest-xdist 3.8's own loadgroup groups by
+    ``xdist_group`` marks written into ``item._nodeid``, which pytest 9 no longer reads (the node id is
+    ``item._id``): it silently spread every group. The controller sees node ids only, so the module's
+    source says whether it has such a fixture. Returns None (xdist's own scheduler) for other modes.
+    """
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = Path(str(config.rootpath))
+    grouped: dict[str, bool] = {}  # module -> whether it defines a module-scoped fixture
+
+    class ModuleFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            if module not in grouped:
+                path = root / module
+                grouped[module] = path.is_file() and bool(_MODULE_FIXTURE.search(path.read_text()))
+            return module if grouped[module] else nodeid
+
+    return ModuleFixtureScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,7 @@ fail on the unpatched base; the V2 ones hold there: the patch is not needed on M
 from __future__ import annotations
 
 import json
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -86,10 +87,14 @@ def _run_v2_until_prompt_logprobs(spec_config: Any) -> tuple[torch.Tensor, torch
     batch = SimpleNamespace(req_ids=["r0"], idx_mapping=torch.zeros(1, dtype=torch.int32),
                             logits_indices=torch.tensor([TOKENS - 1]),
                             query_start_loc=torch.tensor([0, TOKENS], dtype=torch.int32))
-    fields = dict(input_batch=batch, attn_metadata=None, slot_mappings_by_layer=None, hidden_states=hidden_states,
-                  aux_hidden_states=None, dp_sync_state=None, finished_req_ids=set(), ec_connector_output=None,
-                  cudagraph_stats=None, num_spec_tokens_to_schedule=5, routed_experts=None)
-    runner.execute_model_state = SimpleNamespace(**fields)
+    # The release's own ExecuteModelState fields, each None but these (0.31.0 names the DP state dp_sync,
+    # 0.33.0 dp_sync_state and adds num_spec_tokens_to_schedule): a hand list fits one release only.
+    given = dict(input_batch=batch, hidden_states=hidden_states, finished_req_ids=set(), num_spec_tokens_to_schedule=5)
+    state_cls = vars(sys.modules[runner_cls.__module__]).get("ExecuteModelState")
+    names = getattr(state_cls, "_fields", None) or (*given, "attn_metadata", "slot_mappings_by_layer",
+                                                    "aux_hidden_states", "dp_sync_state", "ec_connector_output",
+                                                    "cudagraph_stats", "routed_experts")
+    runner.execute_model_state = SimpleNamespace(**{name: given.get(name) for name in names})
     runner.is_last_pp_rank = True
     runner.pcp_manager = None
     runner.pp_handler = None

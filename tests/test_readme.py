@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 from overlay import cli
+from tests.test_commands import verbs_run
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()
@@ -43,7 +44,7 @@ def test_make_commands_in_the_readme_name_real_targets() -> None:
 
 
 def test_the_makefile_calls_only_verbs_the_cli_has() -> None:
-    verbs = set(re.findall(rf"(?:\$\(OVERLAY\)|-m overlay)(?: --patches \S+)? ({TARGET})", MAKEFILE))
+    verbs = set(verbs_run(MAKEFILE))
     assert verbs and verbs <= set(cli.verbs()), verbs - set(cli.verbs())
 
 

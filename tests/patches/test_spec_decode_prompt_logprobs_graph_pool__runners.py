@@ -19,7 +19,6 @@ fail on the unpatched base; the V2 ones hold there: the patch is not needed on M
 from __future__ import annotations
 
 import json
-import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -90,10 +89,7 @@ def _run_v2_until_prompt_logprobs(spec_config: Any) -> tuple[torch.Tensor, torch
     # The release's own ExecuteModelState fields, each None but these (0.31.0 names the DP state dp_sync,
     # 0.33.0 dp_sync_state and adds num_spec_tokens_to_schedule): a hand list fits one release only.
     given = dict(input_batch=batch, hidden_states=hidden_states, finished_req_ids=set(), num_spec_tokens_to_schedule=5)
-    state_cls = vars(sys.modules[runner_cls.__module__]).get("ExecuteModelState")
-    names = getattr(state_cls, "_fields", None) or (*given, "attn_metadata", "slot_mappings_by_layer",
-                                                    "aux_hidden_states", "dp_sync_state", "ec_connector_output",
-                                                    "cudagraph_stats", "routed_experts")
+    names = compat.symbol("gpu_model_runner_v2", "ExecuteModelState")._fields
     runner.execute_model_state = SimpleNamespace(**{name: given.get(name) for name in names})
     runner.is_last_pp_rank = True
     runner.pcp_manager = None

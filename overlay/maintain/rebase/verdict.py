@@ -82,7 +82,7 @@ def behaviour_verdict(runs: dict[str, dict], tests: str) -> tuple[Verdict, list[
     judged = set(old.behaviour_failed)
     if not judged:
         return Verdict.UNKNOWN, [], [], (f"its tests do not fail on the old base ({describe(old)}); "
-                                   "they cannot tell whether upstream fixed it")
+                                         "they cannot tell whether upstream fixed it")
     if new.cannot_run:
         return Verdict.UNKNOWN, [], [], f"its tests cannot run on the target ({new.first_error()}): fix {tests} first"
     fixed = sorted(judged & set(new.passed))
@@ -98,22 +98,22 @@ def behaviour_verdict(runs: dict[str, dict], tests: str) -> tuple[Verdict, list[
             "them, so they cannot vouch for carrying the patch; a person decides")
     if blocked and not still:
         return Verdict.UNKNOWN, fixed, [], (f"{len(fixed)} of its tests that fail on the old base pass on the target "
-                                      f"without it, {len(blocked)} cannot run there ({new.first_error()}): "
-                                      f"fix {tests} first")
+                                            f"without it, {len(blocked)} cannot run there ({new.first_error()}): "
+                                            f"fix {tests} first")
     cannot = f"; {len(blocked)} cannot run there ({new.first_error()})" if blocked else ""
     if not still and not fixed:
         return Verdict.UNKNOWN, [], [], (f"its tests that fail on the old base are all skipped on the target "
-                                   f"({new.skip_reason}): they cannot tell")
+                                         f"({new.skip_reason}): they cannot tell")
     if not still:
         skips = f"; {len(skipped)} skipped there ({new.skip_reason})" if skipped else ""
         return Verdict.UPSTREAM_BY_BEHAVIOUR, fixed, [], (f"its tests fail on the old base ({describe(old)}) and pass "
                                                           f"on the target without it ({describe(new)}){skips}")
     if fixed:
         return Verdict.PARTIAL, fixed, still, (f"of its tests that fail on the old base, {len(fixed)} pass on the "
-                                         f"target without it ({', '.join(fixed)}) and {len(still)} still fail "
-                                         f"({', '.join(still)})" + cannot + differently(old, new))
+                                               f"target without it ({', '.join(fixed)}) and {len(still)} still fail "
+                                               f"({', '.join(still)})" + cannot + differently(old, new))
     return Verdict.NEEDED, [], still, (f"its tests still fail on the target without it ({describe(new)})" + cannot
-                                 + differently(old, new))
+                                       + differently(old, new))
 
 
 def differently(old: TestRun, new: TestRun) -> str:

@@ -45,7 +45,11 @@ def _path_hints(ns: argparse.Namespace) -> dict[str, str]:
     if getattr(ns, "install", None):
         hints[str(Path(ns.install))] = f"in the environment {ns.install} (--install; make: VENV)"
     where = "VLLM_OVERLAY_CACHE" if os.environ.get("VLLM_OVERLAY_CACHE") else "the default; VLLM_OVERLAY_CACHE moves it"
-    hints[str(cache_dir())] = f"under the tool's cache {cache_dir()} ({where})"
+    try:
+        cache = cache_dir()
+    except OverlayError:  # a cache the tool refuses holds nothing the run wrote
+        return hints
+    hints[str(cache)] = f"under the tool's cache {cache} ({where})"
     return hints
 
 

@@ -6,6 +6,11 @@ traceback at the end says less than a line at the start. So every writer (``regr
 ``bench-engine --out``, ``engine-check --out``, device-stage's cache folders) asks here first:
 :func:`check_file` for a file it will write, :func:`check_dir` for a folder it will fill. Nothing is
 created: the nearest existing folder is probed with a temporary file, which is removed at once.
+
+Where a folder the tool fills with folders of its own comes from a setting (the cache root,
+``VLLM_OVERLAY_CACHE``), :func:`check_own_folder` keeps it out of the repository and off a folder that
+holds other things (``/``, the home folder, a folder above the repository); :func:`check_name` keeps a
+name given for a folder (``device-stage --name``) one folder inside its parent.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ import tempfile
 from pathlib import Path
 
 from overlay.errors import UsageError
+
+REPO = Path(__file__).resolve().parents[1]
+"""The repository holding the ``overlay`` package: no cache is it, inside it or above it."""
 
 
 class OutPathError(UsageError):
@@ -62,3 +70,38 @@ def check_dir(path: Path | str, what: str) -> Path:
     else:
         _probe(_existing_parent(path, what), what, path)
     return path
+
+
+def check_own_folder(path: Path | str, what: str, *, holds: str, default: str) -> Path:
+    """``path`` when it can be a folder of the tool's own (the cache root): not the repository, not inside it,
+    not a folder above it (``/``), not the home folder itself. Else one :class:`OutPathError` line naming
+    ``what`` (``VLLM_OVERLAY_CACHE``), what the tool writes into it (``holds``) and the ``default``.
+
+    Links are followed (a link into the repository is the repository); nothing is created.
+    """
+    real = Path(path).resolve()  # '~' is a folder named so, as every writer reads it
+    repo = REPO.resolve()
+    if real == repo:
+        why = "is the repository"
+    elif repo in real.parents:
+        why = f"is inside the repository {repo}"
+    elif real == Path(real.anchor):
+        why = "is the filesystem root"
+    elif real in repo.parents:
+        why = f"holds the repository {repo}"
+    elif real == Path.home().resolve():
+        why = "is the home folder"
+    else:
+        return Path(path)
+    raise OutPathError(f"{what} {str(path)!r}: {real} {why}, and the tool writes {holds} straight into it: name a "
+                       f"folder of its own (unset: {default})")
+
+
+def check_name(name: str) -> str:
+    """``name`` when it is one folder name, so a path made of it stays inside its parent: not ``.`` or ``..``,
+    no ``/``, no NUL. Else a ``ValueError`` saying why, for the caller's one line."""
+    if "/" in name or "\0" in name:
+        raise ValueError(f"it holds {'a /' if '/' in name else 'a NUL'}")
+    if name in (".", ".."):
+        raise ValueError(f"{name!r} is the folder itself or the one above it")
+    return name

@@ -24,6 +24,7 @@ from overlay.atomic import scratch, sweep, temp_dir
 from overlay.build.pins import Pin
 from overlay.errors import FetchError
 from overlay.interrupt import bound_to_parent
+from overlay.outpaths import check_own_folder
 
 DOWNLOAD_PREFIX = ".download-"
 """A cache folder's temporaries (:func:`overlay.atomic.temp_dir`): ``.download-<host>-<pid>-<random>``."""
@@ -37,10 +38,19 @@ Downloader = Callable[[str, Path], None]
 _PIP_TARGET = ["--platform", "manylinux_2_28_x86_64", "--implementation", "cp", "--python-version", "3.11"]
 
 
+CACHE_DEFAULT = "~/.cache/vllm-overlay"
+CACHE_HOLDS = "wheels/, sdists/, deps/, trees/ and more"  # what every cache user puts into the root
+
+
 def cache_dir() -> Path:
-    """Root of the download cache (never inside the repository)."""
+    """Root of the download cache: ``$VLLM_OVERLAY_CACHE``, else ``~/.cache/vllm-overlay``; never the
+    repository, inside it or above it, nor the home folder itself (:func:`overlay.outpaths.check_own_folder`:
+    a :class:`~overlay.outpaths.OutPathError` line naming the variable)."""
     root = os.environ.get("VLLM_OVERLAY_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "vllm-overlay"
+    if root:
+        return check_own_folder(root, "VLLM_OVERLAY_CACHE", holds=CACHE_HOLDS, default=CACHE_DEFAULT)
+    return check_own_folder(Path.home() / ".cache" / "vllm-overlay", "the default cache (VLLM_OVERLAY_CACHE unset)",
+                            holds=CACHE_HOLDS, default=CACHE_DEFAULT)
 
 
 def sha256_file(path: Path) -> str:

@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from overlay import numbers
+from overlay import numbers, outpaths
 
 
 def root(ns: argparse.Namespace) -> Path:
@@ -46,6 +46,20 @@ def _not_empty(kind: Callable[[str], object] | str | None, fix: str) -> Callable
         return text if kind is None else kind(text)
 
     parse.__name__ = getattr(kind, "__name__", "value")  # argparse names the type in its messages
+    return parse
+
+
+def folder_name(inside: str) -> Callable[[str], str]:
+    """One folder name, made into a path inside ``inside`` (an option: ``--dest``): ``../../x``, ``a/b``, ``/x``,
+    ``.`` and ``..`` are refused (:func:`overlay.outpaths.check_name`), so the path stays in that folder."""
+    def parse(text: str) -> str:
+        try:
+            return outpaths.check_name(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected one folder name, got {text!r}: {exc} (the folder is made "
+                                             f"inside {inside})") from None
+
+    parse.__name__ = "folder name"
     return parse
 
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from overlay.commands.common import add_vllm, positive, root
+from overlay.commands.common import add_vllm, folder_name, positive, root
 
 HELP = ("stage the built wheel's tree and kernels and the wheels vLLM needs for the GPU device "
         "machine into carries of <= 60 MiB, with the device calls to make")
@@ -15,7 +15,8 @@ HELP = ("stage the built wheel's tree and kernels and the wheels vLLM needs for 
 def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("device-stage", help=HELP, description=HELP)
     add_vllm(sp)
-    sp.add_argument("--name", default="engine", help="stage folder name (default %(default)s)")
+    sp.add_argument("--name", default="engine", type=folder_name("--dest"),
+                    help="stage folder name, one folder inside --dest (default %(default)s)")
     sp.add_argument("--dest", default=".device", help="root of the stage folders, ignored by git "
                                                       "(default %(default)s)")
     sp.add_argument("--dist", default="dist")

@@ -4,14 +4,17 @@ Every file a person writes for the tool (a ``series``, a patch, ``pin.toml``, ``
 regress profile, an ``upstream_expected`` table) is read through :func:`decode`. A file an editor saved
 with a byte-order mark, as UTF-16, or with CRLF line endings gets one line that says so and names the
 file, instead of what the parser after it makes of the stray bytes ("Invalid statement (at line 1,
-column 1)", "no blank line after the mail headers").
+column 1)", "no blank line after the mail headers"). Where a file must be the person's own (a ``series``,
+a pin, a patch under ``patches/``), :func:`refuse_link_out` refuses one reached through a symbolic link out of
+its folder before it is read, so no error line quotes a file the person did not write.
 """
 
 from __future__ import annotations
 
 import codecs
+from pathlib import Path
 
-from overlay.errors import OverlayError
+from overlay.errors import OverlayError, one_line
 
 # Longest first: UTF-32 LE's mark starts with UTF-16 LE's.
 _BOMS: tuple[tuple[bytes, str], ...] = (
@@ -55,3 +58,13 @@ def refuse_crlf(text: str, source: str, error: type[OverlayError], lines: tuple[
         if line.endswith("\r") and (not lines or line.startswith(lines)):
             raise error(f"{source}:{number}: CRLF line endings (an editor or git's core.autocrlf converted "
                         "the file); save it with LF line endings")
+
+
+def refuse_link_out(path: Path, folder: Path, error: type[OverlayError], rule: str) -> None:
+    """Raise ``error`` naming ``path`` when, its links followed (its own or a folder's on the way), it lies outside
+    ``folder``; ``rule`` ends the line. Nothing is read: a ``series`` linked to ``/tmp/secret`` or
+    ``~/.ssh/id_rsa`` never reaches a parser whose error line would quote its first line."""
+    real = path.resolve()
+    inside = folder.resolve()
+    if real != inside and inside not in real.parents:
+        raise error(f"{path}: reached through a symbolic link out of {folder} (to {one_line(str(real))}): {rule}")

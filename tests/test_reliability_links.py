@@ -236,3 +236,35 @@ def test_a_lock_on_a_device_is_refused(tmp_path: Path) -> None:
     with pytest.raises(LockError, match=r"is not a plain file, so not a lock file: remove it$"), \
             lock.held(fifo, "test"):
         pass
+
+
+@pytest.mark.parametrize("what", ["series", "pin", "patch", "release-folder", "default"])
+def test_a_file_under_patches_that_links_out_is_refused_unread(tmp_path: Path, what: str) -> None:
+    """Issue 42 cause 2: a ``series``, ``pin.toml``, patch or ``patches/DEFAULT`` that is a symbolic link out of
+    the patches folder (or a release folder that is one) is refused, naming the link, before it is read; the
+    secret it points at, short and printable, is in no error line.
+
+    Before: ``ln -s /tmp/secret patches/0.28.0/series; overlay build`` printed the secret's first line
+    (``not a patch file name (want 'topic-name.patch'): 'hunter2-...'``), and a pin linked so printed its
+    version field; a patch or a release folder linked out was read as if it were the series' own.
+    """
+    root, wheel = _release(tmp_path, git_patch(tmp_path, {"vllm/a.py": A_PY}, {"vllm/a.py": A_PY + b"x = 1\n"}))
+    release = root / "0.28.0"
+    secrets = _secret_file(tmp_path, f'version = "{SECRET}"\n' if what == "pin" else f"{SECRET}\n")
+    if what == "release-folder":
+        elsewhere = tmp_path / "elsewhere" / "0.28.0"
+        release.rename(elsewhere)
+        (elsewhere / "series").write_text(f"{SECRET}\n")
+        release.symlink_to(elsewhere)
+        link = release / "pin.toml"  # the first file the build reads there
+    else:
+        link = {"series": release / "series", "pin": release / "pin.toml", "patch": release / "leak.patch",
+                "default": root / "DEFAULT"}[what]
+        link.unlink(missing_ok=True)
+        link.symlink_to(secrets)
+    line = _cli_in_a_process(["--patches", str(root), "build", "--dist", str(tmp_path / "d"), "--base-wheel",
+                              str(wheel), *([] if what == "default" else ["--vllm", "0.28.0"])])
+    assert line.startswith(f"error: {link}: reached through a symbolic link out of {root} ("), line
+    assert line.endswith("a series, pin or patch is read only from inside the patches folder: put the file itself "
+                         "there"), line
+    assert SECRET not in line

@@ -13,6 +13,9 @@ from pathlib import Path
 from overlay import textfile
 from overlay.errors import PinError, shown
 
+INSIDE_PATCHES = "a series, pin or patch is read only from inside the patches folder: put the file itself there"
+"""How a file under ``patches/`` reached through a link out of that folder is refused
+(:func:`overlay.textfile.refuse_link_out`)."""
 _SHA256 = re.compile(r"^[0-9a-f]{64}\Z")
 _VERSION = re.compile(r"^\d+\.\d+\.\d+(?:\.post\d+|rc\d+)?\Z")  # \Z: "$" lets a trailing newline through
 _PARTS = re.compile(r"^(?P<major>\d+)\.(?P<minor>\d+)\.(?P<patch>\d+)(?:\.post(?P<post>\d+)|rc(?P<rc>\d+))?\Z")
@@ -67,8 +70,10 @@ class Pin:
         return cls(version, wheel, sha256, sdist, sdist_sha256)
 
     @classmethod
-    def load(cls, path: Path) -> Pin:
-        """Read and validate ``path``."""
+    def load(cls, path: Path, patches_root: Path | None = None) -> Pin:
+        """Read and validate ``path``, a file inside ``patches_root`` (default: the folder above its own) even
+        with its links followed: one out of it is refused unread."""
+        textfile.refuse_link_out(path, patches_root or path.parent.parent, PinError, INSIDE_PATCHES)
         if path.is_dir():
             raise PinError(f"{path}: is a directory, not a pin file; remove it and write the pin there "
                            "(version, wheel, sha256)")
@@ -113,8 +118,9 @@ def default_version(patches_root: Path) -> str:
     Makefile, the engine variants and the tests; the Dockerfile's ``VLLM_VERSION`` default matches it).
     A patches folder without its own ``DEFAULT`` (a synthetic one) takes the repository's."""
     path = patches_root / DEFAULT_FILE
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         path = REPO_PATCHES / DEFAULT_FILE
+    textfile.refuse_link_out(path, path.parent, PinError, INSIDE_PATCHES)
     try:
         text = textfile.decode(path.read_bytes(), str(path), PinError).strip()
     except OSError as exc:
@@ -147,7 +153,7 @@ def pin_dir(patches_root: Path, version: str) -> Path:
 
 def load_pin(patches_root: Path, version: str) -> Pin:
     """Load ``patches/<version>/pin.toml`` and check it pins ``version``."""
-    pin = Pin.load(pin_dir(patches_root, version) / "pin.toml")
+    pin = Pin.load(pin_dir(patches_root, version) / "pin.toml", patches_root)
     if pin.version != version:
         raise PinError(
             f"{pin_dir(patches_root, version) / 'pin.toml'}: field 'version' is "

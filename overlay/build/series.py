@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from overlay import digest, textfile
+from overlay.build.pins import INSIDE_PATCHES
 from overlay.errors import SeriesError, one_line, shown
 
 TRAILER_KEYS = ("Origin", "Bug", "Applied-Upstream", "Last-Update", "Rebased-From")
@@ -50,8 +51,10 @@ def decode_utf8(raw: bytes, source: str) -> str:
     return textfile.decode(raw, source, SeriesError)
 
 
-def read_file(path: Path, what: str, fix: str) -> bytes:
-    """The bytes of ``path``; a missing, unreadable or directory path is a one-line error."""
+def read_file(path: Path, what: str, fix: str, inside: Path) -> bytes:
+    """The bytes of ``path``, a file in the folder ``inside`` (its links followed: one out of it is refused
+    unread); a missing, unreadable or directory path is a one-line error."""
+    textfile.refuse_link_out(path, inside, SeriesError, INSIDE_PATCHES)
     if path.is_dir():
         raise SeriesError(f"{path}: is a directory, not a {what}; {fix}")
     try:
@@ -448,8 +451,9 @@ class Patch:
         )
 
     @classmethod
-    def load(cls, path: Path) -> Patch:
-        raw = read_file(path, "patch file", "remove it, or take it out of the series")
+    def load(cls, path: Path, inside: Path | None = None) -> Patch:
+        """Read and parse ``path``, a file in the folder ``inside`` (default: its own folder)."""
+        raw = read_file(path, "patch file", "remove it, or take it out of the series", inside or path.parent)
         return cls.from_bytes(path.name, raw, path)
 
     def check_trailers(self) -> list[str]:
@@ -507,17 +511,21 @@ class Series:
         series_file = directory / "series"
         if not series_file.exists() and not series_file.is_symlink():
             raise SeriesError(f"{series_file}: no series file")
-        raw = read_file(series_file, "series file", "remove it and list the patch names there, one a line")
+        # the patches folder: a release's files may link to another release's, never out of it
+        patches_root = directory.parent
+        raw = read_file(series_file, "series file", "remove it and list the patch names there, one a line",
+                        patches_root)
         text = decode_utf8(raw, str(series_file))
         patches: list[Patch] = []
         for lineno, name in cls.parse_entries(text, str(series_file)):
             path = directory / name
+            textfile.refuse_link_out(path, patches_root, SeriesError, INSIDE_PATCHES)
             if path.is_dir():
                 raise SeriesError(f"{series_file}:{lineno}: names {shown(name)}, which is a directory, "
                                   "not a patch file")
             if not path.is_file():
                 raise SeriesError(f"{series_file}:{lineno}: names {shown(name)}, which does not exist")
-            patch = Patch.load(path)
+            patch = Patch.load(path, patches_root)
             patch.check_package()
             patches.append(patch)
         return cls(directory, tuple(patches))

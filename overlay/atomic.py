@@ -15,6 +15,10 @@ exclusive ``flock`` on it while it exists. A run that is SIGKILLed (an OOM kill,
 
 A live process's temporary (its lock held, or its pid alive), another machine's (a shared folder: its
 pid cannot be checked from here), another user's, and anything not named so, are never touched.
+
+A child that makes temporaries of its own (pip: ``pip-unpack-*`` holding a download, ``pip-install-*``,
+build environments) gets an owned folder as its ``TMPDIR`` (:func:`child_tmpdir`), so what a killed one
+leaves is inside a folder this sweep removes.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import stat
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -106,6 +110,19 @@ def scratch(prefix: str) -> contextlib.AbstractContextManager[Path]:
     """:func:`temp_dir` in the system's temporary folder (``$TMPDIR``, ``/tmp``): a scratch folder that
     holds nothing the run keeps (release trees under test, a replay repository), swept the same way."""
     return temp_dir(Path(tempfile.gettempdir()), prefix)
+
+
+CHILD_TMP_PREFIX = "overlay-child-tmp-"
+"""The owned ``TMPDIR`` folders of children (:func:`child_tmpdir`), in the system's temporary folder."""
+
+
+@contextmanager
+def child_tmpdir(env: Mapping[str, str] | None = None) -> Iterator[dict[str, str]]:
+    """The environment for a child that makes temporaries of its own (pip): ``env`` (default this process's)
+    with ``TMPDIR`` a :func:`scratch` folder, removed with all the child left in it when the block ends, and
+    by the next run's sweep when this one was killed (pip's ``pip-unpack-*`` of a killed download included)."""
+    with scratch(CHILD_TMP_PREFIX) as tmp:
+        yield {**(os.environ if env is None else env), "TMPDIR": str(tmp)}
 
 
 def _lock(path: Path, fd: int) -> int:

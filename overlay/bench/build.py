@@ -25,7 +25,7 @@ import time
 import venv
 from pathlib import Path
 
-from overlay.atomic import scratch
+from overlay.atomic import child_tmpdir, scratch
 from overlay.build.fetch import fetch_wheel
 from overlay.build.pins import load_pin, pin_dir
 from overlay.build.pipeline import build
@@ -125,8 +125,9 @@ def edit_to_installed(patches_root: Path, version: str, wheel: Path, *, repeat: 
         t0 = time.perf_counter()
         built = _overlay(common).strip().splitlines()
         new_wheel = next(line.split()[1] for line in built if line.startswith("built "))
-        subprocess.run([str(env / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                        "--no-deps", "--force-reinstall", new_wheel], check=True)
+        with child_tmpdir() as pip_env:
+            subprocess.run([str(env / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                            "--no-deps", "--force-reinstall", new_wheel], check=True, env=pip_env)
         before = time.perf_counter() - t0
         totals, builds, installs = [], [], []
         for i in range(1, repeat + 1):

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from overlay import digest
-from overlay.atomic import scratch, sweep, temp_dir
+from overlay.atomic import child_tmpdir, scratch, sweep, temp_dir
 from overlay.build.pins import Pin
 from overlay.errors import FetchError
 from overlay.interrupt import bound_to_parent
@@ -69,11 +69,12 @@ def pip_download_wheel(requirement: str, dest: Path) -> None:
     ]
     if quiet:
         cmd.insert(4, "-q")
-    proc = subprocess.run(
-        cmd, stdout=subprocess.PIPE if quiet else None,
-        stderr=subprocess.PIPE if quiet else None, check=False,
-        preexec_fn=bound_to_parent(),  # a SIGKILLed build leaves no pip writing on into the cache
-    )
+    with child_tmpdir() as env:  # pip's own pip-unpack-* lives in a folder the next run sweeps
+        proc = subprocess.run(
+            cmd, stdout=subprocess.PIPE if quiet else None,
+            stderr=subprocess.PIPE if quiet else None, check=False, env=env,
+            preexec_fn=bound_to_parent(),  # a SIGKILLed build leaves no pip writing on into the cache
+        )
     if proc.returncode != 0:
         err = (proc.stderr or b"").decode(errors="replace").strip().splitlines()
         raise FetchError(
@@ -208,7 +209,8 @@ def pip_index_digest(requirement: str) -> tuple[str, str]:
             "--target", str(Path(tmp) / "target"),  # required by --platform; nothing is installed
             "--report", str(report), requirement,
         ]
-        proc = subprocess.run(cmd, capture_output=True, check=False, preexec_fn=bound_to_parent())
+        with child_tmpdir() as env:
+            proc = subprocess.run(cmd, capture_output=True, check=False, env=env, preexec_fn=bound_to_parent())
         if proc.returncode != 0 or not report.exists():
             err = proc.stderr.decode(errors="replace").strip().splitlines()
             raise FetchError(

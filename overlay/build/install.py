@@ -45,6 +45,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from overlay import digest, lock
+from overlay.atomic import child_tmpdir
 from overlay.atomic import umask as current_umask
 from overlay.build import swap
 from overlay.build.wheel import dist_info_name, read_record, record_hash
@@ -110,8 +111,9 @@ def cpu_installable(wheel: Path) -> str | None:
 
 def _pip(python: Path, args: list[str], *, bound: bool = False) -> None:
     quiet = [] if sys.stderr.isatty() else ["-q"]
-    proc = subprocess.run([str(python), "-m", "pip", *args, *quiet], check=False,
-                          preexec_fn=bound_to_parent() if bound else None)
+    with child_tmpdir() as env:  # a killed install's pip-* temporaries: swept by the next run
+        proc = subprocess.run([str(python), "-m", "pip", *args, *quiet], check=False, env=env,
+                              preexec_fn=bound_to_parent() if bound else None)
     if proc.returncode != 0:
         raise InstallError(f"pip {' '.join(args[:2])} ... failed ({proc.returncode}) in {python.parent.parent}")
 

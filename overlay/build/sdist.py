@@ -24,7 +24,7 @@ import zlib
 from collections.abc import Callable
 from pathlib import Path
 
-from overlay.atomic import temp_dir
+from overlay.atomic import child_tmpdir, temp_dir
 from overlay.build.fetch import cache_dir, fetch_verified
 from overlay.build.pins import Pin
 from overlay.errors import FetchError, PinError
@@ -68,12 +68,13 @@ def pip_url_download_sdist(version: str, filename: str, dest: Path, *, python: s
     bytes are trusted only through ``sdist_sha256`` (:func:`fetch_sdist` checks it).
     """
     py = python or sys.executable
-    probe = subprocess.run(
-        [py, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
-         "-vv", "-d", str(dest), f"vllm=={version}"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False,
-        preexec_fn=bound_to_parent(),  # it may download the sdist itself: never on after a kill
-    )
+    with child_tmpdir() as env:
+        probe = subprocess.run(
+            [py, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
+             "-vv", "-d", str(dest), f"vllm=={version}"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False, env=env,
+            preexec_fn=bound_to_parent(),  # it may download the sdist itself: never on after a kill
+        )
     if (dest / filename).is_file():
         return
     url = find_sdist_url(probe.stdout, filename)

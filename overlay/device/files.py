@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from overlay import digest
-from overlay.atomic import temp_dir, temp_file, umask
+from overlay.atomic import child_tmpdir, temp_dir, temp_file, umask
 from overlay.build.archive import tar_bytes
 from overlay.build.fetch import sha256_file
 from overlay.build.wheel import dist_info_name
@@ -66,7 +66,9 @@ def _download_one(wheel: ResolvedWheel, target: Path, resolver: Resolver) -> Non
         else:
             cmd = [resolver.python, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
                    "--progress-bar", "off", *target_args(), "-d", tmp, f"{wheel.name} @ {wheel.url}"]
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False, preexec_fn=bound_to_parent())
+            with child_tmpdir() as env:
+                proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env,
+                                      preexec_fn=bound_to_parent())
             if proc.returncode != 0 or not got.is_file():
                 raise DeviceStageError(f"pip download {wheel.filename} failed ({proc.returncode}): "
                                        f"{pip_error_tail(proc.stdout + proc.stderr)}")

@@ -17,7 +17,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from overlay.atomic import temp_dir
+from overlay.atomic import child_tmpdir, temp_dir
 from overlay.build.wheel import record_hash
 from overlay.device.requirements import Conflict, parse_conflict, pip_error_tail
 from overlay.device.settings import DEVICE_ENV, PLATFORMS, STUB_LABEL, TORCH_FAMILY, DeviceStageError, log
@@ -331,8 +331,9 @@ def pip_runner(resolver: Resolver, work: Path, platforms: Sequence[str] = PLATFO
                    *target_args(platforms), "--find-links", str(stubs),
                    *(["--find-links", str(wheelhouse)] if wheelhouse is not None else []),
                    "-c", str(root / "constraints.txt"), "-r", str(root / "requirements.txt")]
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False,
-                                  preexec_fn=bound_to_parent())
+            with child_tmpdir() as env:
+                proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False,
+                                      env=env, preexec_fn=bound_to_parent())
             if proc.returncode != 0:
                 return PipOutcome(False, proc.stdout)
             return PipOutcome(True, proc.stdout, json.loads((root / "report.json").read_text()))
@@ -365,8 +366,9 @@ def sdist_builder(resolver: Resolver, wheelhouse: Path) -> SdistBuild:
         with temp_dir(wheelhouse, ".build-") as tmp:
             cmd = [resolver.python, "-m", "pip", "wheel", "--no-deps", "--no-binary", name,
                    "--disable-pip-version-check", "--progress-bar", "off", "-w", tmp, requirement]
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=False, preexec_fn=bound_to_parent(),
-                                  env={**os.environ, "SOURCE_DATE_EPOCH": SDIST_EPOCH})
+            with child_tmpdir({**os.environ, "SOURCE_DATE_EPOCH": SDIST_EPOCH}) as env:
+                proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env,
+                                      preexec_fn=bound_to_parent())
             out = proc.stdout + proc.stderr
             got = sorted(Path(tmp).glob("*.whl"))
             if proc.returncode != 0 or len(got) != 1:

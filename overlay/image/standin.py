@@ -28,6 +28,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
+from overlay.atomic import child_tmpdir
 from overlay.build.fetch import cache_dir, fetch_wheel
 from overlay.build.install import CPU_SKIP, requirements
 from overlay.build.pins import load_pin
@@ -112,7 +113,9 @@ def _step(message: str) -> None:
 
 def _run(cmd: list[str], what: str) -> None:
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=sys.stderr, stderr=sys.stderr, check=False)
+    with child_tmpdir() as env:  # pip's (and mmdebstrap's) temporaries in a folder the next run sweeps
+        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=sys.stderr, stderr=sys.stderr, check=False,
+                              env=env)
     if proc.returncode != 0:
         raise StandinError(f"{what} failed (exit {proc.returncode}): `{' '.join(cmd[:4])} ...`; its output is above")
     _step(f"{what}: done in {time.perf_counter() - t0:.0f} s")

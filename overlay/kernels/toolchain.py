@@ -27,7 +27,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from overlay.atomic import temp_dir
+from overlay.atomic import child_tmpdir, temp_dir
 from overlay.build.fetch import cache_dir
 from overlay.errors import OverlayError
 
@@ -158,8 +158,9 @@ def _pip_download(requirements: list[str], dest: Path, *, deps: bool) -> None:
     if not deps:
         cmd.append("--no-deps")
     print(f"kernel-toolchain: pip download {' '.join(requirements)} ...", file=sys.stderr, flush=True)
-    proc = subprocess.run([*cmd, *requirements], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                          text=True, check=False)
+    with child_tmpdir() as env:
+        proc = subprocess.run([*cmd, *requirements], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, check=False, env=env)
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR")] or proc.stderr.splitlines()[-1:]
         raise ToolchainError(f"pip download {' '.join(requirements)} failed: {lines[0] if lines else proc.returncode}")

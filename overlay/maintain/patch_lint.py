@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from overlay.atomic import scratch, temp_dir
+from overlay.atomic import child_tmpdir, scratch, temp_dir
 from overlay.build.pins import load_pin, pin_dir
 from overlay.build.series import Series
 from overlay.errors import OverlayError
@@ -75,9 +75,10 @@ def ensure_ruff(version: str, cache: Path) -> Path:
     with temp_dir(dest.parent, ".install-", legacy=(f".{dest.name}-",)) as tmp:  # a killed run's: removed by the next
         print(f"patch-lint: installing ruff {version} (the release's pre-commit version) ...", file=sys.stderr,
               flush=True)
-        done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                               "--no-deps", "--target", str(tmp), f"ruff=={version}"],
-                              capture_output=True, text=True, preexec_fn=bound_to_parent())
+        with child_tmpdir() as env:
+            done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                                   "--no-deps", "--target", str(tmp), f"ruff=={version}"],
+                                  capture_output=True, text=True, env=env, preexec_fn=bound_to_parent())
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             raise PatchLintError(f"pip install ruff=={version}: {last}")

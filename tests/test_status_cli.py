@@ -87,3 +87,49 @@ def test_absorbed_in_reads_later_rebase_reports(tmp_path: Path) -> None:
     assert absorbed_in(tmp_path, "0.28.0") == {"a.patch": "0.29.0", "b.patch": "0.33.0"}
     (tmp_path / "0.33.0" / "rebase.json").unlink()
     assert absorbed_in(tmp_path, "0.28.0") == {"a.patch": "0.29.0", "b.patch": "partly 0.29.0"}
+
+
+def test_off_model_path_shown_for_the_pin_and_its_base(tmp_path: Path) -> None:
+    """A rebase.json entry's ``off_model_path`` shows in ``make status``: as a later pin's note on the
+    pin it was rebased from, and as a note of the pin's own row; entries without it, or with a
+    non-string one, show nothing."""
+    import json
+
+    root, wheel = _release(tmp_path)
+    why = "the model runs Other.forward, which merges itself; confined to Base.forward_impl"
+    later = root / "0.33.0"
+    later.mkdir()
+    (later / "rebase.json").write_text(json.dumps({"from": "0.28.0", "to": "0.33.0", "patches": [
+        {"name": "good.patch", "outcome": "applied", "carried": True, "off_model_path": why},
+        {"name": "stale.patch", "outcome": "applied", "carried": True, "off_model_path": ["not text"]},
+        {"name": "kern.patch", "outcome": "applied", "carried": True}]}))
+    (root / "0.28.0" / "rebase.json").write_text(json.dumps({"from": "0.27.0", "to": "0.28.0", "patches": [
+        {"name": "kern.patch", "outcome": "applied", "carried": True, "off_model_path": "kernels only"}]}))
+    rows = {r.name: r for r in series_status(root, "0.28.0", base_wheel=wheel)}
+    assert rows["good.patch"].later == (f"0.33.0: off the model's path: {why}",)
+    assert rows["good.patch"].notes == ()
+    assert rows["stale.patch"].later == () and rows["stale.patch"].notes == ()
+    assert rows["kern.patch"].later == () and rows["kern.patch"].notes == ("off the model's path: kernels only",)
+    assert rows["good.patch"].to_dict()["later"] == [f"0.33.0: off the model's path: {why}"]
+    table = format_table(list(rows.values()), "0.28.0")
+    assert f"    later pin 0.33.0: off the model's path: {why}\n" in table
+    assert "  kern.patch: csrc/k.cu\n    off the model's path: kernels only\n" in table
+
+
+def test_committed_0_33_0_project_before_merge_is_off_glm5_path() -> None:
+    """patches/0.33.0/rebase.json says the projection patch is confined off GLM-5's path (issue 39),
+    which ``make status`` shows, and the patch carries the opt-out it describes."""
+    import json
+
+    from overlay.maintain.status import off_path_notes
+
+    doc = json.loads((REPO / "patches" / "0.33.0" / "rebase.json").read_text())
+    entry = next(e for e in doc["patches"] if e["name"] == "dcp-project-before-merge.patch")
+    assert "GLM-5" in entry["off_model_path"] and "DeepseekV32Attention" in entry["off_model_path"]
+    own, _ = off_path_notes(REPO / "patches", "0.33.0")
+    _, later = off_path_notes(REPO / "patches", "0.28.0")
+    assert own["dcp-project-before-merge.patch"][0].startswith("off the model's path: GLM-5")
+    assert later["dcp-project-before-merge.patch"][0].startswith("0.33.0: off the model's path: GLM-5")
+    patch = (REPO / "patches" / "0.33.0" / "dcp-project-before-merge.patch").read_text()
+    assert "+    supports_dcp_project_before_merge: ClassVar[bool] = False" in patch
+    assert "+            cls.supports_dcp_project_before_merge" in patch

@@ -5,7 +5,9 @@ the ``rebase.json`` files that ``make rebase`` wrote for later releases (the fir
 where the patch was found ``upstream`` or ``upstream-by-behaviour``; ``partly <release>`` when
 only part of it was). Each row also says when a later pin (one whose ``rebase.json`` says it
 was rebased from this one) carries an older version of the patch, or lacks it
-(:mod:`overlay.maintain.rebase.stale`).
+(:mod:`overlay.maintain.rebase.stale`). A ``rebase.json`` entry may also say that the patch, as
+carried there, does not run on the served model's path (``off_model_path``: why, in a sentence); the
+row shows it for that pin's own series and as a later pin's note for the pin it was rebased from.
 """
 
 from __future__ import annotations
@@ -36,13 +38,54 @@ class PatchStatus:
     applies: bool
     detail: str
     applied_upstream: str
-    later: tuple[str, ...] = ()  # "<pin>: stale: ..." / "<pin>: missing: ..."
+    later: tuple[str, ...] = ()  # "<pin>: stale: ..." / "<pin>: missing: ..." / "<pin>: off the model's path: ..."
+    notes: tuple[str, ...] = ()  # what this pin's own rebase.json says of it ("off the model's path: ...")
 
     def to_dict(self) -> dict[str, object]:
         d = asdict(self)
         d["files"] = list(self.files)
         d["later"] = list(self.later)
+        d["notes"] = list(self.notes)
         return d
+
+
+OFF_MODEL_PATH = "off_model_path"  # a rebase.json entry's key: why the carried patch does not run on the model's path
+OFF_MODEL_PATH_LABEL = "off the model's path"
+
+
+def off_path_notes(patches_root: Path, version: str) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """What the ``rebase.json`` reports say of patches that do not run on the model's path.
+
+    Returns (own, later): patch name -> notes from ``patches/<version>/rebase.json`` (this pin's own
+    rebase), and patch name -> ``"<pin>: off the model's path: ..."`` from the pins rebased from
+    ``version``, oldest first.
+    """
+    from packaging.version import InvalidVersion, Version
+
+    own: dict[str, list[str]] = {}
+    later: list[tuple[Version, str, str]] = []
+    for report in patches_root.glob("*/rebase.json"):
+        try:
+            doc = json.loads(report.read_text())
+            release = Version(doc["to"])
+            entries = list(doc["patches"])
+        except (ValueError, KeyError, TypeError, InvalidVersion):
+            continue  # not a rebase report this tool wrote; status must still work
+        if report.parent.name != doc["to"] or version not in (doc["to"], doc.get("from")):
+            continue
+        for entry in entries:
+            why = entry.get(OFF_MODEL_PATH) if isinstance(entry, dict) else None
+            name = entry.get("name") if isinstance(entry, dict) else None
+            if not (isinstance(why, str) and why.strip() and isinstance(name, str)):
+                continue
+            if doc["to"] == version:
+                own.setdefault(name, []).append(f"{OFF_MODEL_PATH_LABEL}: {why.strip()}")
+            else:
+                later.append((release, name, f"{doc['to']}: {OFF_MODEL_PATH_LABEL}: {why.strip()}"))
+    by_name: dict[str, list[str]] = {}
+    for _, name, note in sorted(later, key=lambda t: t[0]):
+        by_name.setdefault(name, []).append(note)
+    return own, by_name
 
 
 def absorbed_in(patches_root: Path, version: str) -> dict[str, str]:
@@ -84,6 +127,7 @@ def series_status(patches_root: Path, version: str, *, base_wheel: Path | None =
     rows: list[PatchStatus] = []
     absorbed = absorbed_in(patches_root, version)
     later = later_pin_notes(patches_root, version)
+    own_off, later_off = off_path_notes(patches_root, version)
     with zipfile.ZipFile(wheel) as zf:
         read_base = wheel_reader(zf)
         # The files as the patches that applied so far left them (None: deleted). Each patch is
@@ -108,7 +152,9 @@ def series_status(patches_root: Path, version: str, *, base_wheel: Path | None =
             rows.append(PatchStatus(patch.name, patch.subject, patch.origin, patch.kind,
                                     patch.touched, ok, detail,
                                     patch.applied_upstream or absorbed.get(patch.name, ""),
-                                    tuple(n.describe() for n in later.get(patch.name, ()))))
+                                    (*(n.describe() for n in later.get(patch.name, ())),
+                                     *later_off.get(patch.name, ())),
+                                    tuple(own_off.get(patch.name, ()))))
     return rows
 
 
@@ -130,6 +176,8 @@ def format_table(rows: list[PatchStatus], version: str) -> str:
         lines.append(f"  {r.name}: {', '.join(r.files)}")
         if r.detail and not r.applies:
             lines.append(f"    {r.detail}")
+        for note in r.notes:
+            lines.append(f"    {note}")
         for note in r.later:
             lines.append(f"    later pin {note}")
     return "\n".join(lines) + "\n"

@@ -161,8 +161,25 @@ def test_a_profile_port_outside_1_to_65535_is_refused(value: int) -> None:
 def test_regress_attach_timeout_from_the_environment_refuses_them(raw: str) -> None:
     """``REGRESS_ATTACH_TIMEOUT=nan`` (read with ``float``) reaches ``with_overrides``. Before: ``nan <= 0`` is
     false, so it was taken, and an attached run waited forever for refused connections."""
-    with pytest.raises(ProfileError, match=rf"^attach timeout: must be a finite number > 0, got {raw}$"):
+    with pytest.raises(ProfileError, match=rf"^attach timeout \(--attach-timeout, REGRESS_ATTACH_TIMEOUT\): must be "
+                                           rf"a finite number > 0, got {raw}$"):
         load_profile(str(PROFILE)).with_overrides(attach_timeout_s=float(raw))
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-5", "0"])
+def test_regress_attach_timeout_names_the_variable(raw: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 42 cause 4: ``REGRESS_ATTACH_TIMEOUT=nan make regress ...``: one line naming the variable, exit 2,
+    before any request. Before: ``error: attach timeout: must be a finite number > 0, got nan``, which names
+    neither the variable nor where to change it."""
+    monkeypatch.setenv("REGRESS_ATTACH_TIMEOUT", raw)
+    out = tmp_path / "out"
+    rc = main(["regress", "--profile", str(PROFILE), "--base-url", "http://127.0.0.1:9", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    finite = "" if raw in ("-5", "0") else "a finite number "
+    assert err.splitlines() == [f"error: REGRESS_ATTACH_TIMEOUT: must be {finite}> 0, got {float(raw)!r}"]
+    assert (out / "verdict").read_text().strip() == "harness"
 
 
 @pytest.mark.parametrize(("value", "ok"), [

@@ -116,3 +116,27 @@ def test_os_error_line_names_the_part_that_is_a_file(tmp_path: Path) -> None:
     exc = FileExistsError(errno.EEXIST, "File exists", str(tmp_path / "f"))
     assert os_error_line(exc, {str(tmp_path): "in T"}) == (f"{tmp_path}/f: File exists (it is a file, not a "
                                                            "folder); it is in T")
+
+
+def test_a_folder_named_like_the_wheel_in_dist_is_named_not_the_temporary(one_patch_release, tmp_path: Path,
+                                                                           capsys) -> None:
+    """Issue 42 cause 4: a folder in ``dist/`` named like the wheel the build writes: the line names that folder.
+
+    Before: ``error: dist/.building-<host>-<pid>-<random>.whl.tmp: cannot write the wheel: Is a directory: ...``:
+    ``os.replace``'s error names the source (``filename``, the temporary, removed by then) where the destination
+    (``filename2``) is at fault.
+    """
+    root, _ = one_patch_release
+    dist = tmp_path / "dist"
+    wheel = tmp_path / "base" / "vllm-0.28.0-cp38-abi3-manylinux_2_28_x86_64.whl"
+    assert main(_build_args(root, tmp_path, "--base-wheel", str(wheel))) == 0
+    [built] = dist.glob("*.whl")
+    capsys.readouterr()
+    built.unlink()
+    (built / "inside").mkdir(parents=True)
+    rc = main(_build_args(root, tmp_path, "--base-wheel", str(wheel)))
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert err.splitlines() == [f"error: {built}: is a folder where the wheel goes: move it away or build into "
+                                "another folder (--dist)"]
+    assert (built / "inside").is_dir()

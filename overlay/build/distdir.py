@@ -5,8 +5,8 @@ a temporary name that records its writer (``.building-<host>-<pid>-<random>.whl.
 renamed at the end, so a failed or killed build leaves the previous file alone; a later build
 removes a temporary file only once its writer is gone (:func:`overlay.atomic.temp_file`, the one
 sweep). The result gets the mode ``cp`` would
-give it (``0o666 & ~umask``). Full disks, read-only folders and a file in the way of ``dist/``
-are :class:`~overlay.errors.DistError` naming the path and what to do.
+give it (``0o666 & ~umask``). Full disks, read-only folders, a file in the way of ``dist/`` and a folder
+where the wheel goes are :class:`~overlay.errors.DistError` naming the path at fault and what to do.
 """
 
 from __future__ import annotations
@@ -68,5 +68,10 @@ def _explain(exc: OSError, dist: Path, target: Path) -> str:
                 f"(or {_ANOTHER}) and build again")
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"{dist}: cannot write into it ({exc.strerror}): make it writable (chmod u+w {dist}) or {_ANOTHER}"
+    if exc.filename2 is not None and exc.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+        # a rename's error: the destination is in the way (``filename`` is the temporary, removed by now)
+        if Path(exc.filename2).is_dir():
+            return f"{exc.filename2}: is a folder where the wheel goes: move it away or {_ANOTHER}"
+        return f"{exc.filename2}: cannot put the wheel there: {exc.strerror or exc}: check {dist} or {_ANOTHER}"
     where = exc.filename or target
     return f"{where}: cannot write the wheel: {exc.strerror or exc}: check {dist} or {_ANOTHER}"

@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from overlay import numbers
 from overlay.commands.common import add_vllm, at_least, port, positive
 
 
@@ -68,6 +69,9 @@ def cmd_regress(ns: argparse.Namespace) -> int:
             attach_timeout_s = float(raw) if raw else None
         except ValueError:
             raise ProfileError(f"REGRESS_ATTACH_TIMEOUT: expected seconds, got {raw!r}") from None
+        wrong = numbers.problem(attach_timeout_s, 0, strict=True) if attach_timeout_s is not None else None
+        if wrong:  # checked where it is read, so the line names the variable
+            raise ProfileError(f"REGRESS_ATTACH_TIMEOUT: {wrong}")
         if ns.attach_timeout is not None:
             attach_timeout_s = ns.attach_timeout
         ref_url = ns.ref_url or os.environ.get("REF_URL") or None

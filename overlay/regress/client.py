@@ -205,6 +205,8 @@ def describe(exc: BaseException) -> str:
                     "HTTP 429 Too Many Requests: the server refuses the load (no Retry-After)")
         try:
             body = r.text[:200]
+        except httpx.StreamError:  # a streamed reply nobody read (or closed unread): its status is still known
+            body = "(the reply's body was not read)"
         except httpx.HTTPError:
             body = ""
         return f"HTTP {r.status_code}: {body}"
@@ -277,6 +279,8 @@ class Client:
         chunks = 0
         usage_tokens = None
         with self.http.stream("POST", "/v1/completions", json=body) as r:
+            if r.is_error:
+                r.read()  # the error's body, for describe() (read under the request's deadline)
             r.raise_for_status()
             # SSE events, not r.iter_lines(): that also splits at U+0085 / U+2028 inside the JSON.
             for event in EventSource(r).iter_sse():

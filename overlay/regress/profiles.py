@@ -180,8 +180,8 @@ class Profile:
                                f"was measured with {self.baseline.latency_tool}, and the two tools do not measure "
                                f"the same thing; use a baseline measured with {latency_tool}, or --skip latency")
         wrong = numbers.problem(attach_timeout_s, 0, strict=True) if attach_timeout_s is not None else None
-        if wrong:  # REGRESS_ATTACH_TIMEOUT or --attach-timeout
-            raise ProfileError(f"attach timeout: {wrong}")
+        if wrong:  # the command line checks both where it reads them; this holds for any other caller
+            raise ProfileError(f"attach timeout (--attach-timeout, REGRESS_ATTACH_TIMEOUT): {wrong}")
         if port is not None and not 0 < port <= MAX_PORT:
             raise ProfileError(f"--port: expected 1-{MAX_PORT}, got {port}")
         if vllm_bin is not None and not vllm_bin.split():

@@ -299,6 +299,9 @@ class Handler(BaseHTTPRequestHandler):
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                  "total_tokens": prompt_tokens + completion_tokens}
         if req.get("stream"):
+            if self.state.args.stream_status:
+                self._json(self.state.args.stream_status, {"error": {"message": "stream failed", "code": 500}})
+                return
             self._stream(text, usage, req)
             return
         if chat:
@@ -450,6 +453,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--die-after", type=int, default=0, help="SIGKILL itself on request N + 1 (0: never)")
     p.add_argument("--trickle", type=float, default=0.0, help="POST reply bodies one byte every S seconds")
     p.add_argument("--rate-limit", type=int, default=0, help="answer the first N POST requests 429")
+    p.add_argument("--stream-status", type=int, default=0, help="answer every streamed request with this HTTP "
+                                                                "status and a JSON error (0: stream)")
     p.add_argument("--retry-after", type=float, default=1.0, help="the 429s' Retry-After, seconds")
     p.add_argument("--reply-fault", choices=["no-choices", "short-prompt-logprobs", "top-logprobs-lists",
                                              "short-tokens"], help="token-id replies broken so (a bad reference)")

@@ -118,3 +118,43 @@ def test_describe_names_a_429_and_its_retry_after() -> None:
     response = httpx.Response(429, headers={"Retry-After": "7"}, request=request)
     exc = httpx.HTTPStatusError("x", request=request, response=response)
     assert describe(exc).startswith("HTTP 429 Too Many Requests: the server refuses the load (Retry-After: 7")
+
+
+def test_describe_names_an_error_of_an_unread_streamed_reply() -> None:
+    """Issue 42 cause 4: ``describe`` of an HTTP error whose reply is a stream nobody read.
+
+    Before: ``r.text`` raised ``httpx.ResponseNotRead`` (a ``StreamError``, not the ``HTTPError`` it caught), out
+    of the very handler that was naming the failure.
+    """
+    from overlay.regress.client import describe
+
+    class Unread(httpx.SyncByteStream):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield b'{"error": "boom"}'
+
+    request = httpx.Request("POST", "http://h/v1/completions")
+    response = httpx.Response(500, stream=Unread(), request=request)
+    exc = httpx.HTTPStatusError("x", request=request, response=response)
+    assert describe(exc) == "HTTP 500: (the reply's body was not read)"
+
+
+def test_a_500_to_the_streamed_completion_is_named_not_a_crash(server, tmp_path: Path) -> None:
+    """Issue 42 cause 4: a server answering the latency check's streamed completions with 500.
+
+    Before: the latency check crashed: ``stream_completion`` raised the 500 with its reply unread, and
+    ``describe`` raised ``ResponseNotRead`` reading it, so the finding was ``latency: ResponseNotRead: ...``
+    (a crash) instead of the server's answer. Now the stream's error reply is read, and the finding names it:
+    ``HTTP 500: {"error": ...}``.
+    """
+    url = server("--stream-status", "500")
+    client = Client(url, MODEL, timeout_s=10)
+    with pytest.raises(httpx.HTTPStatusError) as exc:
+        client.stream_completion("hello", 8)
+    from overlay.regress.client import describe
+
+    assert describe(exc.value).startswith('HTTP 500: {"error": {"message": "stream failed"')
+    run = run_cli(make_profile(tmp_path), tmp_path / "out", "--base-url", url, "--skip",
+                  "gsm8k,long_context,differential,acceptance", timeout_s=120)
+    messages = [f["message"] for f in run.findings()]
+    assert messages and all("ResponseNotRead" not in m for m in messages), messages
+    assert any("HTTP 500" in m for m in messages), messages

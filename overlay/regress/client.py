@@ -26,6 +26,7 @@ import httpcore
 import httpx
 from httpx_sse import EventSource
 
+from overlay import numbers
 from overlay.errors import UsageError
 
 # Until when the request running in this thread (context) may still read or write: set by
@@ -37,14 +38,25 @@ MAX_RETRY_AFTER_WAITS = 5  # 429s waited out per request, each within the deadli
 
 
 def check_url(url: str, what: str) -> str:
-    """``url`` when it is an http(s) URL with a host; else a one-line :class:`UsageError` naming ``what``.
+    """``url`` when it is an http(s) URL with a host and, if it names one, a port 1 to 65535; else a one-line
+    :class:`UsageError` naming ``what``.
 
     ``file:///...`` (any other scheme) can never answer; refused before a run starts rather than after
-    the ready timeout."""
+    the ready timeout. A port out of range is refused, not wrapped: httpx takes ``:99999`` modulo 65536 and
+    connects to 34463, where another server may answer and pass the run."""
     parts = urlsplit(url.strip())
     if parts.scheme not in ("http", "https") or not parts.hostname:
         why = f"its scheme is {parts.scheme!r}" if parts.scheme not in ("http", "https") else "it names no host"
         raise UsageError(f"{what} {url!r}: not an http:// or https:// server URL ({why})")
+    host_port = parts.netloc.rpartition("@")[2]
+    text = host_port.rpartition("]")[2] if host_port.startswith("[") else host_port
+    text = text.partition(":")[2] if ":" in text else ""
+    if text:
+        if not text.isdigit():
+            raise UsageError(f"{what} {url!r}: its port {text!r} is not a number")
+        wrong = numbers.problem(int(text), 1, high=65535)
+        if wrong:
+            raise UsageError(f"{what} {url!r}: its port {wrong}")
     return url
 
 

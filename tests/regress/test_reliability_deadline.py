@@ -158,3 +158,37 @@ def test_a_500_to_the_streamed_completion_is_named_not_a_crash(server, tmp_path:
     messages = [f["message"] for f in run.findings()]
     assert messages and all("ResponseNotRead" not in m for m in messages), messages
     assert any("HTTP 500" in m for m in messages), messages
+
+
+def test_a_port_out_of_range_is_refused_not_wrapped_onto_another_server(server, tmp_path: Path) -> None:
+    """Issue 42 cause 5: ``--base-url http://127.0.0.1:<P + 65536>`` with a server on port P.
+
+    Before: httpx took the port modulo 65536 and connected to P: the run judged that other server and
+    reported **pass** (``:99999`` connected to 34463). Now one line naming the option, exit 2, nothing sent.
+    """
+    url = server()
+    port = int(url.rsplit(":", 1)[1])
+    wrapped = f"http://127.0.0.1:{port + 65536}"
+    run = run_cli(make_profile(tmp_path), tmp_path / "out", "--base-url", wrapped, "--skip", "gsm8k",
+                  env={"REGRESS_ATTACH_TIMEOUT": "5"}, timeout_s=120)
+    assert run.code == 2, run.stderr
+    assert run.stderr.strip().splitlines() == [
+        f"error: --base-url {wrapped!r}: its port must be >= 1 and <= 65535, got {port + 65536}"]
+    assert (tmp_path / "out" / "verdict").read_text().strip() == "harness"
+
+
+@pytest.mark.parametrize(("url", "why"), [
+    ("http://127.0.0.1:99999", "its port must be >= 1 and <= 65535, got 99999"),
+    ("http://127.0.0.1:0", "its port must be >= 1 and <= 65535, got 0"),
+    ("http://[::1]:70000/v1", "its port must be >= 1 and <= 65535, got 70000"),
+    ("http://127.0.0.1:80a", "its port '80a' is not a number"),
+])
+def test_check_url_refuses_a_port_out_of_range(url: str, why: str) -> None:
+    """Issue 42 cause 5: the one URL check (``--base-url``, ``--ref-url``/``REF_URL``) holds the port to 1-65535."""
+    from overlay.errors import UsageError
+    from overlay.regress.client import check_url
+
+    with pytest.raises(UsageError) as exc:
+        check_url(url, "--ref-url (REF_URL)")
+    assert str(exc.value) == f"--ref-url (REF_URL) {url!r}: {why}"
+    assert check_url("http://127.0.0.1:65535/v1", "--base-url") == "http://127.0.0.1:65535/v1"

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 def git_patch(work: Path, before: dict[str, bytes], after: dict[str, bytes | tuple[str, str]],
               subject: str = "Change it", remove: tuple[str, ...] = ()) -> bytes:
     """``git format-patch`` of ``before -> after`` (and ``remove`` removed); a value ``("link", target)`` is
-    a symbolic link."""
+    a symbolic link, ``("exec", text)`` an executable file (mode 100755) holding ``text``."""
     repo = work / "repo"
     env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
            "GIT_COMMITTER_EMAIL": "t@t", "GIT_AUTHOR_DATE": "2026-11-30T00:00:00Z",
@@ -51,7 +51,10 @@ def git_patch(work: Path, before: dict[str, bytes], after: dict[str, bytes | tup
         dest.parent.mkdir(parents=True, exist_ok=True)
         if dest.is_symlink() or dest.exists():
             dest.unlink()
-        if isinstance(value, tuple):
+        if isinstance(value, tuple) and value[0] == "exec":
+            dest.write_bytes(value[1].encode())
+            dest.chmod(0o755)
+        elif isinstance(value, tuple):
             dest.symlink_to(value[1])
         else:
             dest.write_bytes(value)
@@ -268,3 +271,34 @@ def test_a_file_under_patches_that_links_out_is_refused_unread(tmp_path: Path, w
     assert line.endswith("a series, pin or patch is read only from inside the patches folder: put the file itself "
                          "there"), line
     assert SECRET not in line
+
+
+@pytest.mark.parametrize(("after", "change"), [
+    pytest.param({"vllm/a.py": ("exec", A_PY.decode())}, "changes its mode (100644 -> 100755)", id="mode-only"),
+    pytest.param({"vllm/a.py": ("exec", A_PY.decode() + "x = 1\n")}, "changes its mode (100644 -> 100755)",
+                 id="mode-and-content"),
+    pytest.param({"vllm/tool.py": ("exec", "print(1)\n")}, "adds it with mode 100755", id="new-executable"),
+])
+def test_a_patch_that_changes_a_files_mode_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, after: dict[str, tuple[str, str]], change: str,
+) -> None:
+    """Issue 42 cause 6: a patch whose diff changes a file's mode (``old mode 100644`` / ``new mode 100755``), or
+    adds a file of mode 100755: one line naming the patch, its line and the file; nothing built.
+
+    Before: a mode-only patch was dropped without a word (its bytes the same, nothing "changed"): exit 0, the
+    wheel's file still 644; with a content change too, or a new executable file, the content went in and the
+    mode was lost (the wheel writes members with the base's mode, new ones 100644).
+    """
+    (path,) = after
+    root, wheel = _release(tmp_path, git_patch(tmp_path, {"vllm/a.py": A_PY}, after))
+    patch = root / "0.28.0" / "leak.patch"
+    with pytest.raises(SeriesError) as exc:
+        Series.load(root / "0.28.0")
+    message = str(exc.value)
+    assert message.startswith(f"{patch}:"), message
+    assert message.endswith(f": {path}: {change}; the wheel keeps each file's mode (a new file's is 100644): "
+                            "take the mode change out of the patch"), message
+    dist = tmp_path / "dist"
+    line = _one_line(capsys, ["--patches", str(root), "build", "--dist", str(dist), "--base-wheel", str(wheel)])
+    assert line == f"error: {message}"
+    assert not any(dist.glob("*.whl"))

@@ -35,6 +35,8 @@ _C_ESCAPES = {"a": 7, "b": 8, "f": 12, "n": 10, "r": 13, "t": 9, "v": 11, "\\": 
 _MODE = re.compile(r"^[ \t\n\v\f\r]*[+-]?(?P<octal>[0-7]+)")
 _INDEX_MODE = re.compile(r"^[0-9a-fA-F]*\.\.[0-9a-fA-F]* (?P<mode>.*)$")
 REGULAR_MODES = "mode 100644 or 100755"
+NEW_FILE_MODE = 0o100644  # the mode the wheel gives a file a patch adds (overlay.build.wheel)
+MODE_RULE = "the wheel keeps each file's mode (a new file's is 100644): take the mode change out of the patch"
 _HUNK = re.compile(r"^@@ -(?P<os>\d+)(?:,(?P<ol>\d+))? \+(?P<ns>\d+)(?:,(?P<nl>\d+))? @@")
 _OWN_LINES = ("From ", "diff --git ", "@@ ")  # lines of the patch itself, never a hunk's content
 _TRAILER = re.compile(r"^(?P<key>[A-Za-z][A-Za-z0-9-]*): (?P<value>.+)$")
@@ -116,6 +118,7 @@ class FileDiff:
     added: tuple[str, ...] = ()  # the hunks' '+' lines, without the '+', in order
     removed: tuple[str, ...] = ()  # the hunks' '-' lines, without the '-', in order
     modes: tuple[tuple[int, int], ...] = ()  # (line, mode) of every mode its header gives
+    mode_change: tuple[int, int | None, int] | None = None  # (line, old mode, new mode): 'new mode', 'new file mode'
 
     @property
     def path(self) -> str:
@@ -124,6 +127,19 @@ class FileDiff:
     def irregular_mode(self) -> tuple[int, int] | None:
         """``(line, mode)`` of the first mode that is not a regular file's (a link, a submodule), or None."""
         return next(((n, m) for n, m in self.modes if m & 0o170000 != 0o100000), None)
+
+    def changed_mode(self) -> tuple[int, str] | None:
+        """``(line, words)`` when the diff gives the file a mode the wheel would not carry: a ``new mode`` other
+        than its ``old mode``, or a new file of a mode other than 100644 (the wheel's members keep the base's
+        mode; a new one is written 100644); else None."""
+        if self.mode_change is None:
+            return None
+        line, old, new = self.mode_change
+        if self.old_path is None:
+            return (line, f"adds it with mode {new:06o}") if new != NEW_FILE_MODE else None
+        if old == new:
+            return None
+        return line, f"changes its mode ({'?' if old is None else f'{old:06o}'} -> {new:06o})"
 
 
 def unquote_c(text: str) -> tuple[str, int] | None:
@@ -267,8 +283,9 @@ def parse_diffs(text: str, source: str, first_line: int = 1) -> tuple[FileDiff, 
         if (new is None and not cur["is_delete"]) or (old is None and not cur["is_new"]):
             raise SeriesError(f"{source}:{cur['line']}: the 'diff --git' section lacks a file name; fix or "
                               "regenerate the patch")
+        change = (cur["new_mode"][0], cur.get("old_mode"), cur["new_mode"][1]) if "new_mode" in cur else None
         files.append(FileDiff(None if cur["is_new"] else old, None if cur["is_delete"] else new, cur["line"],
-                              tuple(hunks), tuple(added), tuple(removed), tuple(modes)))
+                              tuple(hunks), tuple(added), tuple(removed), tuple(modes), change))
 
     lines = text.split("\n")
     if lines and lines[-1] == "":
@@ -327,7 +344,11 @@ def _header_line(line: str, lineno: int, cur: dict[str, Any], modes: list[tuple[
     elif key == "+++ ":
         if cur["new"] is None and not cur["is_delete"]:
             cur["new"] = _find_name(rest, 1, True)
-    elif key in ("old mode ", "new mode "):
+    elif key == "old mode ":
+        cur["old_mode"] = _mode(rest)
+        modes.append((lineno, cur["old_mode"]))
+    elif key == "new mode ":
+        cur["new_mode"] = (lineno, _mode(rest))
         modes.append((lineno, _mode(rest)))
     elif key == "deleted file mode ":
         cur["is_delete"] = True
@@ -336,6 +357,7 @@ def _header_line(line: str, lineno: int, cur: dict[str, Any], modes: list[tuple[
     elif key == "new file mode ":
         cur["is_new"] = True
         cur["new"] = cur["def"]
+        cur["new_mode"] = (lineno, _mode(rest))
         modes.append((lineno, _mode(rest)))
     elif key in ("copy from ", "rename old ", "rename from "):
         cur["old"] = _find_name(rest, 0, False)
@@ -445,6 +467,9 @@ class Patch:
                 kind = {0o120000: "a symbolic link", 0o160000: "a submodule"}.get(mode & 0o170000, "not a file")
                 raise SeriesError(f"{source}:{lineno}: {one_line(f.path)}: mode {mode:06o} ({kind}); a patch may "
                                   f"only add or change regular files ({REGULAR_MODES}): take it out of the patch")
+            changed = f.changed_mode()
+            if changed is not None:  # dropped without a word before: a mode-only patch changed no byte
+                raise SeriesError(f"{source}:{changed[0]}: {one_line(f.path)}: {changed[1]}; {MODE_RULE}")
         return cls(
             name=name, path=path, subject=subject, author=author, body=body.strip(),
             trailers=trailers, files=files, sha256=digest.of_bytes(raw), raw=raw,

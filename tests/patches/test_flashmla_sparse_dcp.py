@@ -27,12 +27,19 @@ import compat
 import pytest
 import sparse_dcp_harness as h
 import torch
+from flashmla_standins import (
+    D_QK,
+    D_V,
+    cpu_kernels,
+    dequantize_fp8_ds_mla,
+    quantize_fp8_ds_mla,
+    sparse_decode_contract,
+)
 from ranks import free_port, gpu_ranks
 
 NUM_HEADS_TOTAL = 16  # heads the MQA kernel sees after the DCP query all-gather
 TOPK = 256  # index_topk of the test model (a multiple of the Triton tile, 128)
 BLOCK = 64  # kernel block size of FlashMLA sparse
-D_QK, D_V = 576, 512
 
 GLM5_CONFIG = {
     "architectures": ["GlmMoeDsaForCausalLM"],
@@ -89,52 +96,6 @@ def py_localize(
         out.append(new)
         counts.append(sum(s >= 0 for s in new))
     return out, counts
-
-
-# --------------------------------------------------------------------------------------------
-# fp8_ds_mla cache rows (656 bytes: 512 fp8 e4m3 NoPE, 4 fp32 tile scales, 64 bf16 RoPE)
-# --------------------------------------------------------------------------------------------
-def quantize_fp8_ds_mla(kv: torch.Tensor) -> torch.Tensor:
-    """[N, 576] float -> [N, 656] uint8 in FlashMLA's V3.2 FP8 layout."""
-    n = kv.shape[0]
-    nope = kv[:, :512].float().view(n, 4, 128)
-    scale = (nope.abs().amax(dim=-1) / 448.0).clamp_min(1e-8)  # [n, 4]
-    fp8 = (nope / scale.unsqueeze(-1)).to(torch.float8_e4m3fn).view(n, 512)
-    out = torch.empty((n, 656), dtype=torch.uint8, device=kv.device)
-    out[:, :512] = fp8.view(torch.uint8)
-    out[:, 512:528] = scale.to(torch.float32).contiguous().view(torch.uint8).view(n, 16)
-    out[:, 528:] = kv[:, 512:].to(torch.bfloat16).contiguous().view(torch.uint8).view(n, 128)
-    return out
-
-
-def dequantize_fp8_ds_mla(raw: torch.Tensor) -> torch.Tensor:
-    """[N, 656] uint8 -> [N, 576] float32."""
-    n = raw.shape[0]
-    nope = raw[:, :512].contiguous().view(torch.float8_e4m3fn).float().view(n, 4, 128)
-    scale = raw[:, 512:528].contiguous().view(torch.float32).view(n, 4, 1)
-    rope = raw[:, 528:].contiguous().view(torch.bfloat16).float()
-    return torch.cat([(nope * scale).view(n, 512), rope], dim=1)
-
-
-def sparse_decode_contract(
-    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """FlashMLA sparse decode as documented: q [b, s, h, 576], kv [S, 576] float, indices
-    [b, s, k] -> out [b, s, h, 512] bf16, natural-log lse [b, h, s]; a query with no valid
-    index gets out 0 and lse +inf."""
-    b, s, h, _ = q.shape
-    idx = indices.reshape(b * s, -1).long()
-    valid = idx >= 0
-    gathered = kv[idx.clamp_min(0)]  # [bs, k, 576]
-    scores = torch.einsum("thd,tkd->thk", q.reshape(b * s, h, -1).float(), gathered) * scale
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [bs, h]
-    probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
-    out = torch.einsum("thk,tkd->thd", probs, gathered[..., :D_V])
-    lonely = lse == float("-inf")
-    out = out.masked_fill(lonely[..., None], 0.0)
-    lse = lse.masked_fill(lonely, float("inf"))
-    return out.to(torch.bfloat16).view(b, s, h, D_V), lse.view(b, s, h).transpose(1, 2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -364,62 +325,6 @@ def cpu_env(monkeypatch: pytest.MonkeyPatch) -> Any:
         monkeypatch.setattr(ps, "_PCP", StandInGroup(1, 0))
 
     return set_groups
-
-
-def cpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Replace the compiled/Triton kernels of the sparse backend by CPU equivalents."""
-    fs = compat.module("flashmla_sparse")
-
-    def convert(req_id, block_table, token_indices, BLOCK_SIZE=64, NUM_TOPK_TOKENS=2048,
-                return_valid_counts=False, BLOCK_STRIDE_ROWS=None, **_: Any):  # the DCP = 1 conversion, in torch
-        tok = token_indices.long()
-        block_id = tok.clamp_min(0) // BLOCK_SIZE
-        valid = (tok >= 0) & (block_id < block_table.shape[1])
-        base = block_table.long()[req_id.long()[:, None], block_id.clamp_max(block_table.shape[1] - 1)]
-        out = torch.where(valid, base * (BLOCK_STRIDE_ROWS or BLOCK_SIZE) + tok % BLOCK_SIZE, -1).to(torch.int32)
-        return (out, valid.sum(1, dtype=torch.int32)) if return_valid_counts else out
-
-    def convert_for_group(self, topk, attn_metadata, *, block_stride_rows, return_valid_counts):
-        # 0.33.0: decode-only DCP = 1 batches convert once per index group on a CUDA side stream
-        return convert(attn_metadata.req_id_per_token[: topk.shape[0]], attn_metadata.block_table, topk,
-                       BLOCK_SIZE=attn_metadata.block_size, BLOCK_STRIDE_ROWS=block_stride_rows,
-                       return_valid_counts=return_valid_counts)
-
-    def kernel(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-               num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False,
-               indices=None, **_: Any):
-        assert is_fp8_kvcache and indices is not None and head_dim_v == D_V
-        kv = dequantize_fp8_ds_mla(k_cache.reshape(-1, 656))
-        return sparse_decode_contract(q, kv, indices, softmax_scale)
-
-    monkeypatch.setattr(fs, "triton_convert_req_index_to_global_index", convert)
-    h.install_cpu_kernels(monkeypatch.setattr)  # the builders' own (token -> request mapping)
-    if hasattr(fs.FlashMLASparseImpl, "_convert_logical_to_physical_topk"):
-        monkeypatch.setattr(fs.FlashMLASparseImpl, "_convert_logical_to_physical_topk", convert_for_group)
-    if hasattr(fs, "triton_filter_and_convert_dcp_index"):  # 0.29.0+: the DCP path calls Triton directly
-        monkeypatch.setattr(fs, "triton_filter_and_convert_dcp_index", localize_standin)
-    monkeypatch.setattr(fs, "flash_mla_with_kvcache", kernel)
-    # The scheduler-metadata holder comes from the compiled extension's interface module.
-    monkeypatch.setattr(fs, "get_mla_metadata", lambda *a, **k: (object(), None))
-
-
-def localize_standin(req_id, block_table, token_indices, dcp_size, dcp_rank, cp_kv_cache_interleave_size=1,
-                     BLOCK_SIZE=64, BLOCK_STRIDE_ROWS=None, NUM_TOPK_TOKENS=2048, BLOCK_N=128,
-                     return_valid_counts=False, compact_valid_to_front=True):
-    """The documented contract of vLLM's Triton ``triton_filter_and_convert_dcp_index`` in torch:
-    global positions -> this rank's slots (see :func:`py_localize`), -1 elsewhere; with
-    ``compact_valid_to_front`` the valid slots first (order within them unspecified)."""
-    tok = token_indices.long()
-    il, n = cp_kv_cache_interleave_size, dcp_size
-    local = (tok // (n * il)) * il + tok % il
-    block = local // BLOCK_SIZE
-    valid = (tok >= 0) & ((tok // il) % n == dcp_rank) & (block < block_table.shape[1])
-    base = block_table.long()[req_id.long()[:, None], block.clamp(0, block_table.shape[1] - 1)]
-    out = torch.where(valid, base * (BLOCK_STRIDE_ROWS or BLOCK_SIZE) + local % BLOCK_SIZE, -1)
-    if compact_valid_to_front:
-        out = torch.gather(out, 1, torch.argsort((~valid).int(), dim=1, stable=True))
-    out = out.to(torch.int32)
-    return (out, valid.sum(1, dtype=torch.int32)) if return_valid_counts else out
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,601 @@
+"""GLM-5's own attention under DCP on CPU ranks: what every claim of the series is judged on.
+
+The patch tests before this harness drove the functions our patches change (``MLAAttention.
+forward_impl`` on a layer built without ``__init__``); since vLLM 0.29.0 GLM-5 does not run that
+function. This harness runs what the release runs for ``GlmMoeDsaForCausalLM``:
+
+- :func:`resolve`: the release's own model registry entry for the architecture, imported as on
+  CUDA (the module's platform branch taken with ``current_platform.is_cuda()`` true), and the
+  attention class that model's decoder layer builds (:data:`PATHS`; a model class it does not know
+  is refused, naming it);
+- that class built by its real ``__init__`` on ``world`` ranks over gloo (TP = DCP = ``world``;
+  1 is the reference) with the backend Hopper picks for the ``fp8_ds_mla`` cache (FlashMLA-sparse),
+  ``kv_b_proj`` loaded through its ``weight_loader`` from one global weight, and vLLM's real
+  ``process_weights_after_loading`` (so the manager, its workspace and ``W_UV`` are the release's);
+- its DCP section as the model enters it (:data:`PATHS`): 0.28.0's ``deepseek_v2`` wrapper calls
+  ``MLAAttention.forward_impl``; 0.29.0+'s ``DeepseekV32Attention`` its own
+  ``_sparse_indexer_and_attn`` (indexer, query gather, ``forward_mqa``, combine, ``W_UV``).
+
+Replaced at their call boundary only: FlashMLA's sparse decode and its scheduler metadata, the
+index-conversion Triton kernels (``flashmla_standins``), the indexer op (it writes this step's
+top-k into ``topk_indices_buffer``, as the real op does), the direct A2A op (``kernel_contracts``:
+the release's own argument checks), the symmetric-memory allocation and direct query gather
+(``dcp_direct_harness``), the NCCL a2a pack kernels and the ag_rs correction kernel (torch). Not run:
+the projections, norms and RoPE before the attention (0.29.0+: fused Triton kernels), identical at
+every DCP size and touched by no patch: the harness hands the section the query and KV they give.
+
+Every rank writes one report (:func:`worker`): per run (transport, projection switch) the combine
+calls it saw (which op, the head dim it carried) and per case its output, saved as a tensor, or the
+error it raised. ``test_glm5_path.py`` compares DCP 2 against DCP 1.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import random
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ranks import fatal_report, spawn_ranks
+
+ARCH = "GlmMoeDsaForCausalLM"
+HEADS = 8  # attention heads of the test model (4 per rank at TP 2)
+NOPE, ROPE, LORA, V = 64, 64, 512, 256  # GLM-5's kv_lora_rank, rope and v_head_dim; a small nope
+TOPK = 128  # index_topk: a multiple of the index-conversion kernel's tile
+BLOCK = 64
+MTP = 5  # speculative tokens: MTP-5 verification steps are (1 + 5)-token decodes
+TRANSPORTS = ("ag_rs", "nccl_a2a", "direct_a2a")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One step: per request its query length and its length after the step; ``only`` picks, for
+    some rows, the positions their top-k may take (``"even"``/``"odd"``: owned by one rank at DCP 2,
+    interleave 1, so the other rank owns none of them)."""
+
+    query_lens: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    only: tuple[str | None, ...] = ()
+
+
+CASES: dict[str, Case] = {
+    "decode": Case((1, 1, 1), (300, 170, 37)),
+    "mtp5": Case((1 + MTP, 1 + MTP), (260, 400)),
+    "mixed": Case((1, 1 + MTP, 40), (300, 200, 240)),
+    "forced_mqa_prefill": Case((48,), (400,)),
+    "empty_rows": Case((1, 1, 1, 1), (300, 300, 200, 90), ("even", "odd", "even", None)),
+}
+
+# resolved model class -> (module of its attention class, the class, how the model enters its DCP section)
+PATHS: dict[str, tuple[str, str, str]] = {
+    "vllm.model_executor.models.deepseek_v2.GlmMoeDsaForCausalLM":
+        ("vllm.model_executor.models.deepseek_v2", "DeepseekV2MLAAttention", "forward_impl"),
+    "vllm.models.deepseek_v32.nvidia.model.DeepseekV32ForCausalLM":
+        ("vllm.models.deepseek_v32.attention", "DeepseekV32Attention", "sparse_indexer_and_attn"),
+}
+
+GLM5_CONFIG: dict[str, Any] = {
+    "architectures": [ARCH], "model_type": "glm_moe_dsa", "hidden_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "q_lora_rank": 64, "kv_lora_rank": LORA,
+    "qk_nope_head_dim": NOPE, "qk_rope_head_dim": ROPE, "v_head_dim": V, "index_topk": TOPK,
+    "index_head_dim": 128, "index_n_heads": 4, "intermediate_size": 512, "moe_intermediate_size": 128,
+    "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+    "vocab_size": 1024, "max_position_embeddings": 8192, "rope_theta": 10000, "torch_dtype": "bfloat16",
+    "rms_norm_eps": 1e-5, "num_nextn_predict_layers": 1,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# the model's path, from the release's registry
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelPath:
+    model_class: str  # module.qualname of what the registry resolves on CUDA
+    attention: type
+    entry: str  # "forward_impl" | "sparse_indexer_and_attn"
+
+    def describe(self) -> dict[str, str]:
+        return {"model_class": self.model_class,
+                "attention_class": f"{self.attention.__module__}.{self.attention.__qualname__}",
+                "entry": self.entry}
+
+
+def import_as_on_cuda(name: str):
+    """Import module ``name`` (fresh) with ``current_platform.is_cuda()`` true where that module's own
+    code asks, so its platform branch resolves as on a CUDA machine (what it imports asks the real
+    platform: their import-time capability probes need a GPU)."""
+    from vllm.platforms import current_platform
+
+    saved = current_platform.is_cuda
+    sys.modules.pop(name, None)
+    try:
+        current_platform.is_cuda = lambda: sys._getframe(1).f_globals.get("__name__") == name or saved()
+        return importlib.import_module(name)
+    finally:
+        current_platform.is_cuda = saved
+
+
+def resolve() -> ModelPath:
+    """The attention class GLM-5 runs on CUDA in the vLLM under test, from its own registry."""
+    import compat
+    from vllm.model_executor.models import registry
+
+    with compat.setup(f"the registry entry of {ARCH}"):
+        rel, cls_name = registry._VLLM_MODELS[ARCH]
+        module = import_as_on_cuda(registry._resolve_module_name(rel))
+        model = getattr(module, cls_name)
+    key = f"{model.__module__}.{model.__qualname__}"
+    if key not in PATHS:
+        raise compat.HarnessError(f"{ARCH} resolves to {key} in this release, which glm5_path.PATHS does not "
+                                  "describe (add its attention class and DCP entry there)")
+    mod_name, attn_name, entry = PATHS[key]
+    source = Path(sys.modules[model.__module__].__file__).read_text(encoding="utf-8")
+    if f"{attn_name}(" not in source and attn_name not in Path(importlib.import_module(mod_name).__file__).read_text(
+            encoding="utf-8"):
+        raise compat.HarnessError(f"{key}'s module no longer builds {attn_name}")
+    return ModelPath(key, getattr(importlib.import_module(mod_name), attn_name), entry)
+
+
+# --------------------------------------------------------------------------------------------
+# the config, the CPU environment, the module
+# --------------------------------------------------------------------------------------------
+def write_model_dir(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"config.json.{os.getpid()}"
+    tmp.write_text(json.dumps(GLM5_CONFIG))
+    os.replace(tmp, root / "config.json")
+    return root
+
+
+def make_vllm_config(model_dir: Path, world: int):
+    """TP = DCP = ``world`` serving the test model with the fp8_ds_mla cache and MTP-5."""
+    import compat
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
+
+    with compat.setup("the VllmConfig of the GLM-5 test model"):
+        model = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True, dtype="bfloat16",
+                            max_model_len=8192)
+        parallel = ParallelConfig(tensor_parallel_size=world, decode_context_parallel_size=world,
+                                  **({"dcp_comm_backend": "a2a"} if world > 1 else {}))
+        spec = SpeculativeConfig(method="mtp", num_speculative_tokens=MTP, target_model_config=model,
+                                 target_parallel_config=parallel)
+        return VllmConfig(model_config=model, parallel_config=parallel,
+                          cache_config=CacheConfig(cache_dtype="fp8_ds_mla", block_size=BLOCK),
+                          scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256,
+                                                           max_model_len=8192, is_encoder_decoder=False),
+                          device_config=DeviceConfig(device="cpu"), speculative_config=spec)
+
+
+class PrefillStandIn:
+    """The dense-MHA prefill backend (FlashAttention, CUDA only): built, cloned and given metadata as
+    vLLM does; the cases keep every prefill on the sparse MQA path, so running it is a harness error."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+
+    def clone(self) -> PrefillStandIn:  # each metadata builder takes its own copy
+        return self
+
+    def prepare_metadata(self, prefill_metadata: Any) -> None:
+        pass
+
+    def supports_quant_output(self, quant_key: Any) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        import compat
+
+        raise compat.HarnessError(f"the dense-MHA prefill backend was used ({name}): no case should take it")
+
+
+def install_cpu_env() -> None:
+    """What a CUDA machine gives vLLM's constructors, on CPU (kernels at their boundary, see the
+    module docstring); FlashMLA-sparse as the attention backend, as Hopper selects for fp8_ds_mla."""
+    import compat
+    import flashmla_standins as fk
+    import sparse_dcp_harness as h
+    import torch
+    from vllm.v1.worker import workspace
+
+    fs = compat.module("flashmla_sparse")
+    mla = compat.module("mla_attention")
+    torch.accelerator.empty_cache = lambda: None
+    torch.accelerator.synchronize = lambda *a, **k: None
+    h.no_pinned_memory(setattr)
+    fs.num_compute_units = lambda index=None: 132
+    fs.torch = h.UnpinnedTorch()
+    if not workspace.is_workspace_manager_initialized():
+        workspace.init_workspace_manager(torch.device("cpu"))
+    fk.cpu_kernels()
+    from vllm import _custom_ops as ops
+
+    def concat_mla_q(ql_nope, q_pe, out):  # the CUDA copy kernel: out = [ql_nope | q_pe]
+        out.copy_(torch.cat([ql_nope, q_pe], dim=-1))
+
+    ops.concat_mla_q = concat_mla_q
+    install_cpu_streams()
+    assert "fp8_ds_mla" in fs.FlashMLASparseBackend.supported_kv_cache_dtypes
+    mla.get_attn_backend = lambda *a, **k: fs.FlashMLASparseBackend
+    mla.get_mla_prefill_backend = lambda vllm_config: PrefillStandIn
+
+
+class CpuStream:
+    """A CUDA stream on a machine with one stream of work: waits are already satisfied."""
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def __enter__(self) -> CpuStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class CpuEvent:
+    """A CUDA event on one stream: recording orders nothing that is not ordered already."""
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+
+def install_cpu_streams() -> None:
+    """0.31.0+: the sparse index group converts top-k on a side stream with events; on CPU that is
+    the one stream (its Triton conversion is ``flashmla_standins``'s)."""
+    try:
+        ig = importlib.import_module("vllm.v1.attention.backends.mla.index_group")
+    except ImportError:
+        return
+    ig._create_side_stream = lambda device: CpuStream()
+    ig._create_event = CpuEvent
+    ig.current_stream = CpuStream
+
+
+def install_transports(rank_group: Any, calls: dict[str, int]) -> None:
+    """The DCP group's GPU-only exchanges over gloo: ``dcp_direct_harness``'s symmetric memory,
+    direct query gather and NCCL a2a pack kernels, the ag_rs correction kernel, and the direct A2A
+    op with the release's own argument checks (``kernel_contracts``)."""
+    import compat
+    import dcp_direct_harness as dh
+    import dcp_project_merge_harness as pm
+    import kernel_contracts as kc
+    import torch
+
+    dh._GROUP["dcp"] = rank_group
+    counts = dict.fromkeys(["direct_q_gather", "direct_a2a", "nccl_a2a", "nccl_all_gather"], 0)
+    dh._install_standins(counts)
+    pm._install_ag_rs_standin()
+    torch.ops._C.direct_dcp_a2a_lse_reduce = kc.direct_a2a_lse_reduce(
+        compat.vllm_version(), lambda: rank_group.device_group, calls)
+
+
+def set_transport(vllm_config: Any, transport: str) -> None:
+    """Pick the combine the manager built next uses: ag_rs, NCCL a2a, or the direct A2A."""
+    import compat
+
+    vllm_config.parallel_config.dcp_comm_backend = "ag_rs" if transport == "ag_rs" else "a2a"
+    os.environ["VLLM_USE_DIRECT_DCP_A2A"] = "1" if transport == "direct_a2a" else "0"
+    dcp = compat.module("dcp")
+    if hasattr(dcp, "get_direct_dcp_a2a_workspace"):
+        dcp.get_direct_dcp_a2a_workspace.cache_clear()
+
+
+def build_attention(path: ModelPath, vllm_config: Any, prefix: str, topk_buffer: Any) -> Any:
+    """``path.attention`` built the way the release's decoder layer builds it (under the model's dtype,
+    as vLLM's model loader builds the model)."""
+    import compat
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    cfg = vllm_config.model_config.hf_config
+    # the code under test: the patches' __init__ hunks (DCP support, the manager's sizing) act here
+    with (compat.exercising(f"{path.attention.__name__}.__init__ as the decoder layer calls it"),
+          set_default_torch_dtype(vllm_config.model_config.dtype)):
+        if path.entry == "forward_impl":  # 0.28.0: DeepseekV2DecoderLayer
+            return path.attention(
+                vllm_config=vllm_config, config=cfg, hidden_size=cfg.hidden_size,
+                num_heads=cfg.num_attention_heads, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim, q_lora_rank=cfg.q_lora_rank,
+                kv_lora_rank=cfg.kv_lora_rank, max_position_embeddings=cfg.max_position_embeddings,
+                cache_config=vllm_config.cache_config, quant_config=None, prefix=prefix,
+                topk_indices_buffer=topk_buffer, reduce_results=True)
+        return path.attention(vllm_config=vllm_config, config=cfg, prefix=prefix,  # DeepseekV32DecoderLayer
+                              topk_indices_buffer=topk_buffer, index_group_builder=None)
+
+
+def mla_layer(path: ModelPath, module: Any) -> Any:
+    """The ``MLAAttention`` inside the module (0.28.0: the wrapper's; 0.29.0+: the module itself)."""
+    return module.mla_attn.mla_attn if path.entry == "forward_impl" else module
+
+
+def global_kv_b_proj():
+    """The model's ``kv_b_proj`` weight, all heads ``[HEADS * (NOPE + V), LORA]`` (bf16)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1234)
+    return (torch.randn(HEADS * (NOPE + V), LORA, generator=gen) / math.sqrt(LORA)).to(torch.bfloat16)
+
+
+def load_weights(layer: Any) -> None:
+    """``kv_b_proj`` through its own ``weight_loader`` (this TP rank's rows), then vLLM's real
+    ``process_weights_after_loading``."""
+    import compat
+    import torch
+
+    with compat.setup("kv_b_proj's weight_loader"):
+        param = layer.kv_b_proj.weight
+        param.weight_loader(param, global_kv_b_proj())
+    with compat.exercising(f"{type(layer).__name__}.process_weights_after_loading"):
+        layer.process_weights_after_loading(torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------
+# one step's data, the same for every DCP size
+# --------------------------------------------------------------------------------------------
+@dataclass
+class Step:
+    q: Any  # [T, HEADS, NOPE + ROPE] bf16, after RoPE
+    kv: list[Any]  # per request [S, LORA + ROPE] float (the values the cache rows hold)
+    raw: list[Any]  # per request [S, 656] uint8 fp8_ds_mla rows
+    topk: Any  # [T, TOPK] int32 global positions within the request, -1 padded
+    req_ids: list[int]
+    positions: list[int]
+
+
+def make_step(name: str) -> Step:
+    import flashmla_standins as fk
+    import torch
+
+    case = CASES[name]
+    gen = torch.Generator().manual_seed(sum(map(ord, name)))
+    rng = random.Random(name)
+    kv = [torch.randn(s, LORA + ROPE, generator=gen) * 0.5 for s in case.seq_lens]
+    raw = [fk.quantize_fp8_ds_mla(x) for x in kv]
+    kv = [fk.dequantize_fp8_ds_mla(r) for r in raw]
+    rows, req_ids, positions = [], [], []
+    only = case.only or (None,) * len(case.seq_lens)
+    for r, (qlen, slen) in enumerate(zip(case.query_lens, case.seq_lens, strict=True)):
+        for pos in range(slen - qlen, slen):
+            cand = [t for t in range(pos + 1) if only[r] is None or t % 2 == (only[r] == "odd")]
+            picked = rng.sample(cand, min(TOPK, len(cand)))
+            row = picked + [-1] * (TOPK - len(picked))
+            rng.shuffle(row)
+            rows.append(row)
+            req_ids.append(r)
+            positions.append(pos)
+    q = (torch.randn(len(rows), HEADS, NOPE + ROPE, generator=gen) * 0.5).to(torch.bfloat16)
+    return Step(q, kv, raw, torch.tensor(rows, dtype=torch.int32), req_ids, positions)
+
+
+def reference(name: str):
+    """What attention computes for the step, in float64 from the same data (the check of the check):
+    the query absorbed through each head's ``W_UK``, softmax over the row's top-k, projected by
+    ``W_UV``: ``[T, HEADS * V]``."""
+    import torch
+
+    step = make_step(name)
+    w = global_kv_b_proj().double().view(HEADS, NOPE + V, LORA)
+    w_uk, w_uv = w[:, :NOPE], w[:, NOPE:]
+    q = step.q.double()
+    q_abs = torch.cat([torch.einsum("thp,hpl->thl", q[..., :NOPE], w_uk), q[..., NOPE:]], dim=-1)
+    out = torch.zeros(q.shape[0], HEADS, V, dtype=torch.float64)
+    for t, (req, row) in enumerate(zip(step.req_ids, step.topk.tolist(), strict=True)):
+        keys = step.kv[req][[i for i in row if i >= 0]].double()
+        probs = torch.softmax(q_abs[t] @ keys.T * (NOPE + ROPE) ** -0.5, dim=-1)
+        out[t] = torch.einsum("hl,hvl->hv", probs @ keys[:, :LORA], w_uv)
+    return out.reshape(q.shape[0], HEADS * V)
+
+
+def rank_cache(step: Step, rank: int, world: int):
+    """This rank's fp8_ds_mla cache ``[blocks, BLOCK, 656]`` (the tokens it owns at interleave 1, at
+    their local positions) and its block table (one row per request)."""
+    import torch
+
+    blocks = max(math.ceil(math.ceil(len(r) / world) / BLOCK) for r in step.raw)
+    table = (torch.arange(len(step.raw) * blocks, dtype=torch.int32).view(len(step.raw), blocks) + 1)
+    cache = torch.zeros(len(step.raw) * blocks + 2, BLOCK, 656, dtype=torch.uint8)
+    for req, raw in enumerate(step.raw):
+        for t in range(rank, raw.shape[0], world):
+            local = t // world
+            cache[table[req, local // BLOCK], local % BLOCK] = raw[t]
+    return cache, table
+
+
+def build_metadata(vllm_config: Any, layer_name: str, name: str, table: Any):
+    """The release's own ``FlashMLASparseMetadataBuilder`` for the step (global ``seq_lens``, this
+    rank's block table)."""
+    import compat
+    import sparse_dcp_harness as h
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    case = CASES[name]
+    with compat.setup("FlashMLASparseMetadataBuilder.build"):
+        spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=LORA + ROPE, dtype=torch.uint8,
+                                cache_dtype_str="fp8_ds_mla")
+        builder = compat.symbol("flashmla_sparse", "FlashMLASparseMetadataBuilder")(
+            spec, [layer_name], vllm_config, torch.device("cpu"))
+        qsl = torch.tensor([0, *torch.tensor(case.query_lens).cumsum(0).tolist()], dtype=torch.int32)
+        seq_lens = torch.tensor(case.seq_lens, dtype=torch.int32)
+        common = h.common_attention_metadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens,
+            num_reqs=len(case.seq_lens), num_actual_tokens=int(qsl[-1]), max_query_len=max(case.query_lens),
+            max_seq_len=max(case.seq_lens), block_table_tensor=table,
+            slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64), seq_lens_cpu_upper_bound=seq_lens.clone(),
+            _seq_lens_cpu=seq_lens.clone())
+        return builder.build(0, common)
+
+
+def run_step(path: ModelPath, module: Any, layer: Any, vllm_config: Any, name: str, rank: int, world: int):
+    """One step through the model's DCP section; this rank's output ``[T, heads_per_rank * V]``."""
+    import compat
+    import torch
+    from vllm.forward_context import set_forward_context
+
+    step = make_step(name)
+    heads = HEADS // world
+    q = step.q[:, rank * heads:(rank + 1) * heads].contiguous()
+    num_tokens = q.shape[0]
+    cache, table = rank_cache(step, rank, world)
+    layer.kv_cache = cache
+    metadata = build_metadata(vllm_config, layer.layer_name, name, table)
+    layer.impl.topk_indices_buffer[:num_tokens] = step.topk
+    new_kv = torch.stack([step.kv[r][p] for r, p in zip(step.req_ids, step.positions, strict=True)])
+    kv_c, k_pe = new_kv[:, :LORA].to(torch.bfloat16), new_kv[:, LORA:].to(torch.bfloat16)
+    output = torch.full((num_tokens, heads * V), float("nan"), dtype=torch.bfloat16)
+    slots = {layer.layer_name: torch.full((num_tokens,), -1, dtype=torch.int64)}
+    with set_forward_context({layer.layer_name: metadata}, vllm_config, slot_mapping=slots):
+        if path.entry == "forward_impl":
+            with compat.exercising("MLAAttention.forward_impl (deepseek_v2's GLM-5 attention)"):
+                layer.forward_impl(q, kv_c, k_pe.unsqueeze(1), cache, metadata, output=output)
+            return output
+        q_nope, q_pe = q.split([NOPE, ROPE], dim=-1)
+        ql_nope = torch.bmm(q_nope.transpose(0, 1), module.W_UK_T).transpose(0, 1)  # forward's own line
+        positions = torch.tensor(step.positions, dtype=torch.int64)
+        dummy = torch.zeros(num_tokens, 1)
+        with compat.exercising("DeepseekV32Attention._sparse_indexer_and_attn (GLM-5's attention)"):
+            module._sparse_indexer_and_attn(positions, torch.zeros(num_tokens, 64, dtype=torch.bfloat16), q_nope,
+                                            q_pe, dummy, None, dummy, kv_c, k_pe, ql_nope, q_pe, output)
+    return output
+
+
+def install_indexer(path: ModelPath, steps: dict[str, Any]) -> None:
+    """0.29.0+: the indexer op ``_sparse_indexer_and_attn`` calls writes the step's top-k (global
+    positions) into ``topk_indices_buffer``, as the real op does; ``run_step`` wrote it already, so
+    the stand-in checks the buffer it is given is the layer's and leaves it."""
+    if path.entry != "sparse_indexer_and_attn":
+        return
+    module = sys.modules[path.attention.__module__]
+
+    def sparse_attn_indexer(*args: Any, **kwargs: Any) -> None:
+        steps["indexer_calls"] = steps.get("indexer_calls", 0) + 1
+        steps["indexer_dcp"] = [kwargs.get("dcp_rank"), kwargs.get("dcp_world_size")]
+
+    module.sparse_attn_indexer = sparse_attn_indexer
+
+
+# --------------------------------------------------------------------------------------------
+# ranks
+# --------------------------------------------------------------------------------------------
+def runs_for(world: int) -> list[tuple[str, bool]]:
+    """(transport, projection switch) of each build: at DCP 1 one build (neither matters)."""
+    if world == 1:
+        return [("none", False)]
+    return [(t, p) for t in TRANSPORTS for p in (False, True)]
+
+
+def output_file(out_dir: Path | str, world: int, transport: str, project: bool, case: str, rank: int) -> Path:
+    return Path(out_dir, f"dcp{world}-{transport}-{'on' if project else 'off'}-{case}-rank{rank}.pt")
+
+
+def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_path: list[str],
+           cases: list[str]) -> None:
+    sys.path[:0] = [p for p in sys_path if p not in sys.path]
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    report: dict[str, Any] = {"rank": rank, "world": world, "runs": []}
+    try:
+        import compat
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed.parallel_state import (
+            get_dcp_group,
+            init_distributed_environment,
+            initialize_model_parallel,
+        )
+
+        vc = make_vllm_config(write_model_dir(Path(model_dir)), world)
+        with set_current_vllm_config(vc):
+            init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                                         distributed_init_method=f"tcp://127.0.0.1:{port}")
+            initialize_model_parallel(tensor_model_parallel_size=world, decode_context_model_parallel_size=world)
+            install_cpu_env()
+            path = resolve()
+            report["path"] = path.describe()
+            report["release"] = str(compat.vllm_version())
+            calls: dict[str, int] = {}
+            if world > 1:
+                install_transports(get_dcp_group(), calls)
+            seen: dict[str, Any] = {}
+            install_indexer(path, seen)
+            for i, (transport, project) in enumerate(runs_for(world)):
+                run: dict[str, Any] = {"transport": transport, "project": project, "cases": {}}
+                report["runs"].append(run)
+                if world > 1:
+                    set_transport(vc, transport)
+                os.environ["VLLM_DCP_PROJECT_BEFORE_MERGE"] = "1" if project else "0"
+                topk_buffer = torch.full((256, TOPK), -1, dtype=torch.int32)
+                module = build_attention(path, vc, f"model.layers.{i}.self_attn", topk_buffer)
+                layer = mla_layer(path, module)
+                load_weights(layer)
+                dims = spy_combines(layer)
+                run["manager_output_head_dim"] = getattr(layer.dcp_manager, "output_head_dim", None)
+                run["project_flag"] = bool(getattr(layer, "dcp_project_before_merge", False))
+                for name in cases:
+                    dims.clear()
+                    before = dict(calls)
+                    try:
+                        out = run_step(path, module, layer, vc, name, rank, world)
+                        torch.save(out, output_file(out_dir, world, transport, project, name, rank))
+                        result: dict[str, Any] = {"ok": True}
+                    except Exception as exc:
+                        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                                  "error_kind": getattr(type(exc), "overlay_failure", "behaviour")}
+                        cause = exc.__cause__ or exc.__context__
+                        if cause is not None:
+                            result["cause"] = f"{type(cause).__name__}: {cause}"
+                        result["where"] = traceback.format_exception(exc)[-12:]
+                    result["combines"] = list(dims)
+                    result["direct_a2a_calls"] = calls.get("direct_a2a", 0) - before.get("direct_a2a", 0)
+                    run["cases"][name] = result
+                    if world > 1:
+                        get_dcp_group().barrier()
+            report["indexer"] = seen
+    except Exception as exc:
+        report.update(fatal_report(exc))
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report, indent=1))
+
+
+def spy_combines(layer: Any) -> list[dict[str, Any]]:
+    """Record each call of the layer's DCP combines: which one and the head dim its partials carry."""
+    seen: list[dict[str, Any]] = []
+    manager = layer.dcp_manager
+    if manager is None:
+        return seen
+    for name in ("combine", "project_combine"):
+        inner = getattr(manager, name, None)
+        if inner is None:
+            continue
+
+        def spy(partial, *args: Any, _inner=inner, _name=name, **kwargs: Any):
+            seen.append({"op": _name, "head_dim": int(partial.shape[-1]),
+                         "bounds": kwargs.get("seq_lens") is not None})
+            return _inner(partial, *args, **kwargs)
+
+        setattr(manager, name, spy)
+    return seen
+
+
+def run_ranks(tmp: Path, world: int, cases: list[str] | None = None, timeout: float = 600) -> list[dict[str, Any]]:
+    """:func:`worker` on ``world`` gloo ranks; each rank's report (outputs under ``tmp``)."""
+    names = list(cases or CASES)
+    return spawn_ranks(worker, lambda r, port: (r, world, port, str(tmp / "model"), str(tmp), list(sys.path), names),
+                       tmp, world=world, timeout=timeout)

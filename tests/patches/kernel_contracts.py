@@ -148,3 +148,113 @@ def merge(outs: Any, lses: Any, is_lse_base_on_e: bool) -> Any:
     total = weights.sum(dim=0, keepdim=True)
     weights = torch.where(total > 0, weights / total.clamp_min(1e-30), torch.zeros_like(weights))
     return (outs.float() * weights[..., None]).sum(dim=0)
+
+
+# --------------------------------------------------------------------------------------------
+# The cases the stand-in and the real op are held to (one H200: ``test_kernel_contracts.py``)
+# --------------------------------------------------------------------------------------------
+# Every case but its own fault carries one more on purpose, the last check of the op: a
+# ``query_start_loc`` one boundary short. The op then refuses at that check at the latest, so it
+# never launches and no peer is touched; a case the op accepts answers with that check's message
+# (``SENTINEL``), which says every earlier check passed.
+SENTINEL = "query_start_loc must contain one boundary per sequence"
+TOKENS, HEADS, DIM, CAPACITY = 4, 8, 512, 8  # [T, world * heads per rank, kv_lora_rank], the workspace's T
+A2A_CASES: dict[str, dict[str, Any]] = {
+    "latent_partials_latent_workspace": {},
+    "projected_partials_projected_workspace": {"dim": 256, "combined_dim": 256},
+    # 0.33.0's projection on GLM-5's path: the workspace sized for v_head_dim, the latent merged
+    "latent_partials_projected_workspace": {"combined_dim": 256},
+    "over_capacity": {"tokens": CAPACITY + 1},
+    "strided_lse": {"lse_stride": 2},  # 0.28.0 requires packed LSE heads; 0.29.0+ reads the stride
+    "fp32_output": {"dtype": "float32"},
+    "heads_not_divisible": {"heads": 7},
+    "head_dim_not_multiple_of_8": {"dim": 12, "combined_dim": 12},
+    "non_contiguous_combined": {"combined_transposed": True},
+    "seq_lens_without_query_start_loc": {"query_start_loc": None},
+    "int64_seq_lens": {"bounds_dtype": "int64"},
+}
+
+
+def a2a_arguments(case: str, device: str = "cpu") -> dict[str, Any]:
+    """The op's arguments for ``case`` on ``device`` (keyword names of the stand-in's op)."""
+    import torch
+
+    spec = A2A_CASES[case]
+    dtype = getattr(torch, spec.get("dtype", "bfloat16"))
+    tokens, heads, dim = spec.get("tokens", TOKENS), spec.get("heads", HEADS), spec.get("dim", DIM)
+    world = 2
+    partial = torch.zeros(tokens, heads, dim, dtype=dtype, device=device)
+    stride = spec.get("lse_stride", 1)
+    lse = torch.zeros(tokens, heads * stride, dtype=torch.float32, device=device)[:, ::stride]
+    cdim = spec.get("combined_dim", dim)
+    combined = torch.zeros(tokens, heads // world, cdim, dtype=dtype, device=device)
+    if spec.get("combined_transposed"):
+        combined = torch.zeros(cdim, heads // world, tokens, dtype=dtype, device=device).transpose(0, 2)
+    bounds = getattr(torch, spec.get("bounds_dtype", "int32"))
+    seq_lens = torch.tensor([3, 5], dtype=bounds, device=device)
+    qsl = spec.get("query_start_loc", "short")
+    qsl = None if qsl is None else torch.tensor([0, tokens], dtype=torch.int32, device=device)  # one short
+    ptrs = torch.zeros(world, dtype=torch.int64, device=device)
+    return {
+        "partial_output": partial, "partial_lse": lse, "seq_lens": seq_lens, "query_start_loc": qsl,
+        "peer_output_ptrs": ptrs, "peer_lse_ptrs": ptrs.clone(), "peer_signal_ptrs": ptrs.clone(),
+        "received_output": torch.zeros(2, world, CAPACITY, heads // world, max(dim, cdim), dtype=dtype,
+                                       device=device),
+        "received_lse": torch.zeros(2, world, CAPACITY, heads // world, dtype=torch.float32, device=device),
+        "received_signal": torch.zeros(2, world, dtype=torch.int32, device=device),
+        "epoch": torch.zeros(1, dtype=torch.int64, device=device),
+        "combined_output": combined, "world_size": world, "rank": 0, "max_num_tokens": CAPACITY,
+        "is_lse_base_on_e": True,
+    }
+
+
+def stand_in_answer(version: Version, case: str) -> str:
+    """What :func:`check_a2a_arguments` of ``version`` says to ``case``: the refusal's message."""
+    a = a2a_arguments(case)
+    try:
+        check_a2a_arguments(version, a["partial_output"], a["partial_lse"], a["seq_lens"], a["query_start_loc"],
+                            a["combined_output"], a["world_size"], a["rank"], a["max_num_tokens"])
+    except KernelRefusal as exc:
+        return str(exc)
+    return "accepted"
+
+
+def real_answers(library: str) -> dict[str, str]:
+    """On a CUDA machine: what the compiled ``direct_dcp_a2a_lse_reduce`` in ``library`` (a release's
+    ``vllm/_C_stable_libtorch.abi3.so``) says to each case: the message of its refusal, as
+    ``STD_TORCH_CHECK`` words it (the file and line stripped)."""
+    import torch
+
+    torch.ops.load_library(library)
+    op = torch.ops._C.direct_dcp_a2a_lse_reduce
+    answers = {}
+    for case in A2A_CASES:
+        a = a2a_arguments(case, "cuda")
+        try:
+            op(*a.values())
+            torch.cuda.synchronize()
+            answers[case] = "accepted"  # launched: never expected (SENTINEL)
+        except RuntimeError as exc:
+            text = str(exc)
+            answers[case] = next((m for m in _MESSAGES if m in text), text.strip().splitlines()[-1][:300])
+    return answers
+
+
+_MESSAGES = (
+    "direct DCP A2A only supports FP16 and BF16 output", "partial LSE must be FP32, FP16, or BF16",
+    "expected output [T,H,D] and LSE [T,H]", "world_size must be greater than 1", "invalid rank",
+    "partial output must have packed heads and an aligned token stride", "partial LSE must have packed heads",
+    "token count exceeds symmetric buffer capacity", "attention heads must divide evenly across DCP ranks",
+    "LSE shape must match attention output", "head_dim must be divisible by 8 for 16-byte stores",
+    "combined output must match the contiguous CUDA input", "combined output has the wrong shape",
+    "invalid symmetric staging dtypes", "peer pointer tables must be int64",
+    "seq_lens and query_start_loc must be provided together", "seq_lens must be a contiguous 1-D int32 CUDA tensor",
+    "query_start_loc must be a contiguous 1-D int32 CUDA tensor", SENTINEL,
+)
+
+
+if __name__ == "__main__":  # python kernel_contracts.py LIBRARY: the real op's answers, as JSON
+    import json
+    import sys
+
+    print(json.dumps(real_answers(sys.argv[1])))

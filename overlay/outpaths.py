@@ -79,7 +79,11 @@ def check_own_folder(path: Path | str, what: str, *, holds: str, default: str) -
 
     Links are followed (a link into the repository is the repository); nothing is created.
     """
-    real = Path(path).resolve()  # '~' is a folder named so, as every writer reads it
+    try:
+        real = Path(path).resolve()  # '~' is a folder named so, as every writer reads it
+    except (OSError, RuntimeError):  # Python 3.11 and 3.12 raise RuntimeError for a loop, later ones OSError
+        raise OutPathError(f"{what} {str(path)!r}: a symbolic link that leads back to itself (a loop): name a folder "
+                           f"of its own (unset: {default})") from None
     repo = REPO.resolve()
     if real == repo:
         why = "is the repository"

@@ -64,7 +64,10 @@ def refuse_link_out(path: Path, folder: Path, error: type[OverlayError], rule: s
     """Raise ``error`` naming ``path`` when, its links followed (its own or a folder's on the way), it lies outside
     ``folder``; ``rule`` ends the line. Nothing is read: a ``series`` linked to ``/tmp/secret`` or
     ``~/.ssh/id_rsa`` never reaches a parser whose error line would quote its first line."""
-    real = path.resolve()
-    inside = folder.resolve()
+    try:
+        real = path.resolve()
+        inside = folder.resolve()
+    except (OSError, RuntimeError):  # Python 3.11 and 3.12 raise RuntimeError for a loop, later ones OSError
+        raise error(f"{path}: a symbolic link that leads back to itself (a loop): {rule}") from None
     if real != inside and inside not in real.parents:
         raise error(f"{path}: reached through a symbolic link out of {folder} (to {one_line(str(real))}): {rule}")

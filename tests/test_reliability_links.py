@@ -308,3 +308,15 @@ def test_a_patch_that_changes_a_files_mode_is_refused(
     line = _one_line(capsys, ["--patches", str(root), "build", "--dist", str(dist), "--base-wheel", str(wheel)])
     assert line == f"error: {message}"
     assert not any(dist.glob("*.whl"))
+
+
+def test_a_link_loop_under_patches_is_one_line(tmp_path: Path) -> None:
+    """Issue 42 cause 2, beside it: a ``series`` that is a link loop (``series -> loop -> series``) is one line, not
+    the ``RuntimeError: Symlink loop`` that following links raises."""
+    root, _ = _release(tmp_path, git_patch(tmp_path, {"vllm/a.py": A_PY}, {"vllm/a.py": A_PY + b"x = 1\n"}))
+    series = root / "0.28.0" / "series"
+    series.unlink()
+    series.symlink_to("loop")
+    (root / "0.28.0" / "loop").symlink_to("series")
+    with pytest.raises(SeriesError, match=r"^.*/series: a symbolic link that leads back to itself \(a loop\)"):
+        Series.load(root / "0.28.0")

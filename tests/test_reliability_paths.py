@@ -40,6 +40,17 @@ def test_a_cache_root_in_or_above_the_repository_is_refused(monkeypatch: pytest.
     assert "name a folder of its own" in line
 
 
+def test_a_cache_root_that_is_a_link_loop_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Beside cause 1: ``VLLM_OVERLAY_CACHE`` a link loop is one line, not ``RuntimeError: Symlink loop``."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    monkeypatch.setenv("VLLM_OVERLAY_CACHE", str(tmp_path / "a"))
+    with pytest.raises(OverlayError) as exc:
+        cache_dir()
+    assert str(exc.value) == (f"VLLM_OVERLAY_CACHE {str(tmp_path / 'a')!r}: a symbolic link that leads back to "
+                              "itself (a loop): name a folder of its own (unset: ~/.cache/vllm-overlay)")
+
+
 def test_a_cache_root_of_its_own_is_taken(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The check takes what a person means by a cache: a folder of its own anywhere else (unset: the
     default under the home folder)."""

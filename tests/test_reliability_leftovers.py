@@ -340,12 +340,11 @@ def test_a_killed_downloads_pip_temporaries_are_removed_by_the_next_run(
 def test_every_pip_the_tool_starts_gets_an_owned_temporary_folder() -> None:
     """Issue 42 cause 3, a guard: every module that starts pip (``-m pip``) gives it ``TMPDIR`` through
     ``overlay.atomic.child_tmpdir``, so what a killed pip leaves there is swept by the next run."""
-    left_alone = {"overlay/maintain/rebase/deps.py"}  # the rebase's dependency sets: see docs/reliability (cause 3)
     found = []
     for path in sorted((REPO / "overlay").rglob("*.py")):
         rel = path.relative_to(REPO).as_posix()
         text = path.read_text()
-        if re.search(r'"-m",\s*"pip"', text) and "child_tmpdir(" not in text and rel not in left_alone:
+        if re.search(r'"-m",\s*"pip"', text) and "child_tmpdir(" not in text:
             found.append(rel)
     assert found == []
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -293,7 +292,10 @@ def checkpoint_id(spec: TinyGlm5Spec, seed: int) -> str:
 
 
 def default_cache() -> Path:
-    return Path(os.environ.get("VLLM_OVERLAY_CACHE", Path.home() / ".cache" / "vllm-overlay")) / "checkpoints"
+    """``checkpoints/`` under the tool's one cache root (``fetch.cache_dir``: never inside the repository)."""
+    from overlay.build.fetch import cache_dir
+
+    return cache_dir() / "checkpoints"
 
 
 def write_config_and_tokenizer(folder: Path, spec: TinyGlm5Spec) -> None:

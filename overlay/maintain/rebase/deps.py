@@ -42,7 +42,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from overlay import digest
-from overlay.atomic import scratch, temp_dir
+from overlay.atomic import child_tmpdir, scratch, temp_dir
 from overlay.build.fetch import cache_dir
 from overlay.build.install import CPU_SKIP, requirements
 from overlay.build.pipeline import VERSION_PY
@@ -142,7 +142,9 @@ def stub_wheel(folder: Path, name: str, version: str, requires: tuple[str, ...])
 
 def _pip(args: list[str], what: str) -> None:
     cmd = [sys.executable, "-m", "pip", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, preexec_fn=bound_to_parent())
+    with child_tmpdir() as env:  # a killed install's pip-* temporaries go with the next run's sweep
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env,
+                              preexec_fn=bound_to_parent())
     if proc.returncode != 0:
         lines = [ln.strip() for ln in proc.stderr.strip().splitlines() if ln.strip()]
         errors = [ln for ln in lines if ln.startswith("ERROR")]

@@ -2,7 +2,8 @@
 
 The patch tests run against two trees: the installed patched wheel, and the unpatched
 base tree made here (the pinned wheel's text files, extracted once into
-``<cache>/trees/<version>-<sha256[:12]>/``). Putting that folder first on ``sys.path``
+``<cache>/trees/<version>-<sha256[:12]>/``), or that base with the patches before one
+(:func:`prefix_tree`: what a patch is judged without). Putting that folder first on ``sys.path``
 (``OVERLAY_VLLM_TREE``) makes ``import vllm`` resolve to the base.
 
 :func:`release_tree` does the same for any release: from its ``pin.toml`` where the repository
@@ -16,9 +17,12 @@ import os
 import shutil
 from pathlib import Path
 
+from overlay import digest
 from overlay.atomic import temp_dir
+from overlay.build.apply import apply_series
 from overlay.build.fetch import cache_dir, fetch_release, fetch_wheel
 from overlay.build.pins import Pin, load_pin, pin_dir
+from overlay.build.series import Patch
 from overlay.maintain.workspace import extract_text_tree
 
 
@@ -36,6 +40,38 @@ def pinned_tree(pin: Pin, *, cache: Path | None = None, wheel: Path | None = Non
     wheel = wheel or fetch_wheel(pin, cache=cache)
     with temp_dir(root, ".extract-", legacy=(f".{dest.name}-",)) as tmp:  # a killed run's: removed by the next
         extract_text_tree(wheel, tmp)
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not dest.is_dir():  # another process won the race: fine
+                raise
+    return dest
+
+
+def prefix_tree(patches_root: Path, version: str, patches: tuple[Patch, ...], *, cache: Path | None = None) -> Path:
+    """The base tree of ``version`` with ``patches`` applied in order: what a patch's tests run on
+    without it (the release plus the patches before it). Made once per content of those patches,
+    atomically, under ``<cache>/trees/``; the base tree itself when ``patches`` is empty."""
+    base = base_tree(patches_root, version, cache=cache)
+    if not patches:
+        return base
+    key = digest.of_text("\n".join(digest.of_bytes(p.raw) for p in patches))[:16]
+    dest = base.parent / f"{base.name}-prefix-{len(patches)}-{key}"
+    if dest.is_dir():
+        return dest
+
+    def read_base(path: str) -> bytes | None:
+        file = base / path
+        return file.read_bytes() if file.is_file() else None
+
+    applied = apply_series(patches, read_base, f"the {version} tree")
+    with temp_dir(base.parent, ".prefix-") as tmp:  # a killed run's: removed by the next
+        copy_tree(base, tmp)
+        for path, data in applied.changed.items():
+            (tmp / path).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / path).write_bytes(data)
+        for path in applied.deleted:
+            (tmp / path).unlink()
         try:
             os.replace(tmp, dest)
         except OSError:

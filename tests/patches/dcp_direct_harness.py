@@ -8,8 +8,9 @@ on. Only GPU-only pieces are replaced, at their call boundary:
 - symmetric-memory allocation / multicast probing (``_allocate``, ``_multicast_ptrs``,
   ``_symm_mem_spans_group``) -> plain CPU tensors;
 - the direct kernels ``torch.ops._C.direct_dcp_q_gather`` / ``direct_dcp_a2a_lse_reduce``
-  -> the same exchange over gloo, with the kernels' capacity check (``token count exceeds
-  symmetric ... buffer capacity``) and the A2A kernel's bounds contract;
+  -> the same exchange over gloo: the q-gather with its capacity check (``token count exceeds
+  symmetric q-gather buffer capacity``), the A2A op as ``kernel_contracts`` has it (the release's
+  own argument checks, held to the compiled op on one H200, and its row-to-sequence mapping);
 - the Triton pack/unpack kernels inside vLLM's NCCL ``dcp_a2a_lse_reduce`` -> torch code
   (the rest of that function, its LSE mask and its ``all_to_all_single``, runs for real).
 
@@ -55,6 +56,7 @@ def _bounds(num_tokens: int):
 
 def _install_standins(calls: dict[str, int]) -> None:
     import compat
+    import kernel_contracts as kc
     import torch
     import torch.distributed as dist
 
@@ -81,28 +83,7 @@ def _install_standins(calls: dict[str, int]) -> None:
         dist.all_gather(parts, local_query.contiguous(), group=_GROUP["dcp"].device_group)
         output.copy_(torch.cat(parts, dim=1))
 
-    def a2a_reduce(partial_output, partial_lse, seq_lens, query_start_loc, peer_out, peer_lse,
-                   peer_sig, recv_out, recv_lse, recv_sig, epoch, output, world_size, rank,
-                   max_num_tokens, is_lse_base_on_e):
-        calls["direct_a2a"] += 1
-        num_tokens = partial_output.shape[0]
-        if num_tokens > max_num_tokens:
-            raise RuntimeError("token count exceeds symmetric buffer capacity")
-        if seq_lens is not None and (query_start_loc.numel() != seq_lens.numel() + 1
-                                     or int(query_start_loc[-1]) != num_tokens):
-            raise RuntimeError("query_start_loc must contain one boundary per sequence")
-        lse = partial_lse.clone()
-        common.mask_dcp_empty_shards_(lse, seq_lens, query_start_loc)
-        output.copy_(_exchange(partial_output, lse, world_size, is_lse_base_on_e))
-
-    def _exchange(out, lse, world_size, base_e):
-        b, heads, d = out.shape
-        hpr = heads // world_size
-        send = torch.cat([out.float(), lse.float()[..., None]], -1).view(b, world_size, hpr, d + 1)
-        send = send.transpose(0, 1).contiguous()
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=_GROUP["dcp"].device_group)
-        return a2a._lse_weighted_combine(recv[..., :d], recv[..., d], is_lse_base_on_e=base_e)
+    a2a_reduce = kc.direct_a2a_lse_reduce(compat.vllm_version(), lambda: _GROUP["dcp"].device_group, calls)
 
     torch.ops._C.direct_dcp_q_gather = q_gather
     torch.ops._C.direct_dcp_a2a_lse_reduce = a2a_reduce

@@ -136,7 +136,8 @@ def direct_a2a_lse_reduce(version: Version, group: Callable[[], Any],
 
 def merge(outs: Any, lses: Any, is_lse_base_on_e: bool) -> Any:
     """The LSE-weighted merge of ``[N, T, H, D]`` partials (zero weight for ``-inf``; a row every
-    source left empty is zero), in float32 as the kernel accumulates."""
+    source left empty is zero), in float32 as the kernel accumulates. A source of zero weight is never
+    read, as in the kernel ("empty shards leave stale payloads"): its payload may be anything, NaN too."""
     import torch
 
     lses = lses.float()
@@ -147,7 +148,9 @@ def merge(outs: Any, lses: Any, is_lse_base_on_e: bool) -> Any:
     weights = torch.exp(lses - top)
     total = weights.sum(dim=0, keepdim=True)
     weights = torch.where(total > 0, weights / total.clamp_min(1e-30), torch.zeros_like(weights))
-    return (outs.float() * weights[..., None]).sum(dim=0)
+    zero = torch.zeros((), dtype=torch.float32)
+    weighted = torch.where(weights[..., None] > 0, outs.float() * weights[..., None], zero)
+    return weighted.sum(dim=0)
 
 
 # --------------------------------------------------------------------------------------------

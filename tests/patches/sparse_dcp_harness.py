@@ -9,9 +9,10 @@ collectives of a DCP group of ``dcp`` ranks (default 2; rank 0 here, the other r
 results simulated).
 
 The combine stand-in does what every transport does with the arguments it is given: the NCCL
-paths mask the LSE with vLLM's real ``mask_dcp_empty_shards_``; the direct A2A kernel checks
-that ``query_start_loc`` has one boundary per sequence and covers every row. The merge itself
-is vLLM's float reference ``_lse_weighted_combine``.
+paths mask the LSE with vLLM's real ``mask_dcp_empty_shards_``; the direct A2A kernel makes its
+argument checks and gives zero weight to rows of empty sequences as it finds them
+(``kernel_contracts``, held to the compiled op). The merge itself is vLLM's float reference
+``_lse_weighted_combine``.
 """
 
 from __future__ import annotations
@@ -269,12 +270,20 @@ class Recorder:
     peer_lses: list[torch.Tensor] = field(default_factory=list)
 
 
-def _check_direct_contract(num_rows: int, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> None:
-    """The direct A2A kernel's preconditions: one boundary per sequence, every row covered."""
-    if query_start_loc.numel() != seq_lens.numel() + 1 or seq_lens.numel() == 0:
-        raise ValueError("query_start_loc must contain one boundary per sequence")
-    if int(query_start_loc[-1]) != num_rows:
-        raise ValueError(f"query_start_loc covers {int(query_start_loc[-1])} of {num_rows} MQA rows")
+def _direct_mask(partial_output: torch.Tensor, lse: torch.Tensor, seq_lens: torch.Tensor,
+                 query_start_loc: torch.Tensor, dcp: int) -> None:
+    """What the direct A2A kernel does with the bounds it is given (``kernel_contracts``, held to the
+    compiled op on one H200): its argument checks, then a zero weight for the rows whose sequence (the
+    kernel's binary search of ``query_start_loc``; rows past the last boundary belong to the last
+    sequence) has no KV here. Nothing is refused for rows the bounds do not cover: the kernel has no
+    such check."""
+    import kernel_contracts as kc
+
+    num_tokens, heads, dim = partial_output.shape
+    combined = torch.empty(num_tokens, heads // dcp, dim, dtype=torch.bfloat16)
+    kc.check_a2a_arguments(compat.vllm_version(), partial_output.to(torch.bfloat16), lse, seq_lens,
+                           query_start_loc, combined, dcp, 0, max(num_tokens, 1))
+    lse[kc.empty_kv_rows(num_tokens, seq_lens, query_start_loc)] = float("-inf")
 
 
 def make_layer(vllm_config, layer_name: str, recorder: Recorder, seed: int = 0,
@@ -282,8 +291,8 @@ def make_layer(vllm_config, layer_name: str, recorder: Recorder, seed: int = 0,
     """An MLAAttention (sparse, DCP = ``dcp``, this is rank 0) running vLLM's real ``forward_impl``.
 
     ``transport`` picks the combine's contract: ``"nccl"`` (ag_rs / NCCL a2a: mask the LSE by
-    the given bounds) or ``"direct"`` (the direct A2A kernel: also require the bounds to have
-    one boundary per sequence and to cover every row).
+    the given bounds) or ``"direct"`` (the direct A2A kernel: its argument checks and its own
+    row-to-sequence mapping, ``kernel_contracts``).
 
     Built without ``__init__`` (that needs a TP group and CUDA kernels); it carries exactly
     the state ``forward_impl`` reads. The backend kernel and the DCP collectives are stand-ins.
@@ -341,10 +350,11 @@ def make_layer(vllm_config, layer_name: str, recorder: Recorder, seed: int = 0,
         recorder.combine_calls.append(
             {"seq_lens": seq_lens.clone(), "query_start_loc": query_start_loc.clone(),
              "rows": torch.tensor(partial_output.shape[0])})
-        if transport == "direct":
-            _check_direct_contract(partial_output.shape[0], seq_lens, query_start_loc)
         lse = partial_lse.clone()
-        common.mask_dcp_empty_shards_(lse, seq_lens, query_start_loc)  # what NCCL paths do
+        if transport == "direct":  # the kernel's own checks and its row -> sequence mapping
+            _direct_mask(partial_output, lse, seq_lens, query_start_loc, dcp)
+        else:
+            common.mask_dcp_empty_shards_(lse, seq_lens, query_start_loc)  # what NCCL paths do
         merged = a2a._lse_weighted_combine(
             torch.stack([partial_output, *recorder.peer_outs]).double(),
             torch.stack([lse, *recorder.peer_lses]).double(), is_lse_base_on_e=False)

@@ -3,8 +3,12 @@
 Sparse MLA with DCP sends prefill rows through the MQA kernel (no dense-MHA prefill backend,
 or a prefill longer than ``index_topk``). On 0.28.0 the combine is then given the decode-only
 ``seq_lens`` / ``query_start_loc``: the NCCL transports mask every prefill row's LSE to -inf
-(silently wrong rows), a pure-prefill batch crashes, and the direct A2A kernel's bounds do not
-cover the batch. Mixed, pure-prefill and FlashMLA-sparse MTP batches, both transport contracts.
+(silently wrong rows), and a pure-prefill batch (no decode bounds at all) is refused by the direct
+A2A kernel. Mixed batches are right on the direct kernel by accident (``kernel_contracts``: a row past
+the last boundary is the last sequence's) unless the last decode request holds no KV on this rank:
+then its prefill rows lose this rank's partial (``mixed_empty_last_decode``). Judged by the output
+alone, on the release plus the patches before this one: the NCCL cases and those direct ones fail,
+the other direct ones pass both ways. Mixed, pure-prefill and FlashMLA-sparse MTP batches.
 
 Which requests still take the forced path with MTP: under DCP with interleave 1 FlashMLA-sparse
 keeps (1 + k)-token MTP rows as decodes (``supports_dcp_with_varlen``), so an MTP step reaches
@@ -30,6 +34,10 @@ BATCHES = {
     "flashmla_mtp_interleave16": ("flashmla_sparse", "FlashMLASparseMetadata", [3, 3, 3], [70, 9, 130], 3, 0,
                                   16),
     "flashmla_mixed": ("flashmla_sparse", "FlashMLASparseMetadata", [1, 1, 1, 17], [3, 66, 2, 17], 1, 3, 1),
+    # the last decode request holds no KV on this rank: a prefill row the bounds leave out is the last
+    # sequence's to the direct kernel (its binary search), so it loses this rank's partial
+    "mixed_empty_last_decode": ("flashinfer_mla_sparse", "FlashInferMLASparseMetadata", [1, 1, 20], [90, 0, 40],
+                                1, 2, 1),
 }
 
 
@@ -54,7 +62,10 @@ def test_forced_mqa_rows_are_combined(configs, batch, transport):
     out, produced = h.run_forward(layer, md, num_tokens)
     (call,) = rec.combine_calls
     assert int(call["rows"]) == num_tokens  # the forced path: every row went through MQA
-    expected = h.expected_rows(layer, rec, produced["out"], produced["lse"])
+    lse = produced["lse"].clone()  # a request with no KV on this rank: its rows get none of this rank's partial
+    starts = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
+    for r, seq_len in enumerate(seq_lens):
+        if seq_len == 0:
+            lse[starts[r]:starts[r + 1]] = float("-inf")
+    expected = h.expected_rows(layer, rec, produced["out"], lse)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)  # base: prefill rows wrong
-    assert call["seq_lens"].tolist() == seq_lens
-    assert call["query_start_loc"].tolist() == [0, *torch.tensor(query_lens).cumsum(0).tolist()]

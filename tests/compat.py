@@ -112,6 +112,14 @@ class BehaviourFailure(AssertionError):
     overlay_failure = "behaviour"
 
 
+class OffModelPath(BehaviourFailure):
+    """The patch is there, but the path the model runs does not take it (the GLM-5 path harness,
+    ``tests/patches/glm5_path.py``): a behaviour failure that ``make rebase`` and the matrix also name
+    as "off the model's path"."""
+
+    overlay_failure = "off-path"
+
+
 @contextmanager
 def _region(what: str, error: type[Exception]) -> Iterator[None]:
     try:

@@ -92,6 +92,10 @@ def test_judge_tells_each_cell() -> None:
     assert judge(harness, None) == ("cannot run", True, "without it: TypeError: x (t)")
     assert judge(skipped, None) == ("cannot run", False, "without it: every test skipped: Triton only")
     assert judge(bug, harness)[:2] == ("cannot run", True)
+    off = TestRun("failed", passed=("ok",), failed=("t",), reasons=("compat.OffModelPath: not on the path",),
+                  kinds=("off-path",))
+    assert judge(bug, off) == ("off the model's path", True, "1 of 2 fail without it (t: assert 1 == 2); with the "
+                               "patch 1 find it off the path the model runs (t: compat.OffModelPath: not on the path)")
 
 
 def test_markdown_marks_red_cells() -> None:

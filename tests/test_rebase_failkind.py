@@ -77,6 +77,10 @@ def test_added_name_missing():
     compat.added("cp_utils", "not_there")
 
 
+def test_off_the_models_path():
+    raise compat.OffModelPath("the projection is in the tree but not on the path GLM-5 runs")
+
+
 def test_passes():
     pass
 
@@ -120,6 +124,7 @@ def test_each_failure_is_told_harness_or_behaviour(tmp_path: Path, tree: Path) -
         "test_setup_region": "harness",  # raised in vLLM, but inside compat.setup(...)
         "test_exercising_region": "behaviour",
         "test_added_name_missing": "behaviour",  # a name the patch adds is missing: the bug itself
+        "test_off_the_models_path": "off-path",  # in the tree, but the model's path does not take it
     }
     assert run.status == "failed" and run.passed == ("test_passes",)
     assert run.skipped == ("test_skipped",) and run.skip_reason == "not on this release"
@@ -130,7 +135,8 @@ def test_each_failure_is_told_harness_or_behaviour(tmp_path: Path, tree: Path) -
     assert where["test_setup_region"] == "helper.py:6"  # the harness line, not the region's re-raise
     assert where["test_own_error"].startswith("test_x.py:")
     assert run.behaviour_failed == ("test_code_raises", "test_assertion", "test_exercising_region",
-                                    "test_added_name_missing")
+                                    "test_added_name_missing", "test_off_the_models_path")
+    assert run.off_path_failed == ("test_off_the_models_path",)
     assert not run.cannot_run
     assert run.first_error() == f"KeyError: 'missing' (test_own_error, at {where['test_own_error']})"
 

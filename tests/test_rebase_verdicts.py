@@ -214,3 +214,45 @@ def test_each_verdict_of_the_rule_is_a_member_classify_compares(old: TestRun, ne
 
     verdict, *_ = behaviour_verdict(_runs(old, new), "tests/patches/test_x.py")
     assert verdict is Verdict[expected]
+
+
+OFF_PATH = TestRun("failed", passed=("test_bug",), failed=("test_on_glm5s_path",), summary="1 failed, 1 passed",
+                   reasons=("compat.OffModelPath: the switch is on and the merge GLM-5 runs is not projected",),
+                   kinds=("off-path",))
+
+
+def test_a_carried_patch_its_tests_find_off_the_models_path_is_not_kept_silently(tmp_path: Path) -> None:
+    """Issue 39 item 5: carried onto the target, the patch's tests with it there find it off the path GLM-5
+    runs (compat.OffModelPath): its own outcome, and REBASE.md names where its lines are and says no."""
+    def run(patch: Patch, tree: Path) -> TestRun:
+        if not _on_target(tree):
+            return BUG
+        return OFF_PATH if "a_30 = 'patched'" in (tree / "vllm/a.py").read_text() else BUG
+
+    root = tmp_path / "patches"
+    series_dir(root, {"p.patch": make_patch(tmp_path, "p", APPLIES)})
+    out = start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "work",
+                tests_dir=Path("tests/patches"), runner=run)
+    entry = json.loads((root / TO / "rebase.json").read_text())["patches"][0]
+    report = (root / TO / "REBASE.md").read_text()
+    assert out.done and entry["outcome"] == "off-model-path" and entry["carried"]
+    assert "1 of its tests find it off the path GLM-5 runs (`test_on_glm5s_path`)" in entry["evidence"]
+    assert entry["changes"] == ["vllm/a.py: <module>"]
+    assert "Changes (on the target): `vllm/a.py: <module>`." in report
+    assert "On GLM-5's path: no: 1 of its tests find it off the path GLM-5 runs (`test_on_glm5s_path`)." in report
+    assert "  - off the model's path there: `test_on_glm5s_path`" in report
+
+
+def test_a_carried_patch_its_tests_pass_with_is_kept(tmp_path: Path) -> None:
+    def run(patch: Patch, tree: Path) -> TestRun:
+        if not _on_target(tree):
+            return BUG
+        return PASSED if "a_30 = 'patched'" in (tree / "vllm/a.py").read_text() else BUG
+
+    root = tmp_path / "patches"
+    series_dir(root, {"p.patch": make_patch(tmp_path, "p", APPLIES)})
+    start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "work",
+          tests_dir=Path("tests/patches"), runner=run)
+    entry = json.loads((root / TO / "rebase.json").read_text())["patches"][0]
+    assert entry["outcome"] == "applied" and entry["behaviour"]["target-with-it"]["status"] == "passed"
+    assert "On GLM-5's path: not found off it" in (root / TO / "REBASE.md").read_text()

@@ -75,6 +75,8 @@ def off_path_notes(patches_root: Path, version: str) -> tuple[dict[str, list[str
             continue
         for entry in entries:
             why = entry.get(OFF_MODEL_PATH) if isinstance(entry, dict) else None
+            if not why and isinstance(entry, dict) and entry.get("outcome") == "off-model-path":
+                why = entry.get("evidence")  # the rebase's own outcome (state.OUTCOMES)
             name = entry.get("name") if isinstance(entry, dict) else None
             if not (isinstance(why, str) and why.strip() and isinstance(name, str)):
                 continue

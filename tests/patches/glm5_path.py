@@ -531,6 +531,9 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
             path = resolve()
             report["path"] = path.describe()
             report["release"] = str(compat.vllm_version())
+            # the projection patch is in the tree (its switch exists), whether or not this path takes it
+            report["has_projection"] = hasattr(compat.module("mla_attention").MLAAttention,
+                                               "use_dcp_project_before_merge")
             calls: dict[str, int] = {}
             if world > 1:
                 install_transports(get_dcp_group(), calls)

@@ -16,6 +16,7 @@ from overlay.build.series import Patch, Series
 from overlay.errors import KernelPatchError
 from overlay.git import git, git_text
 from overlay.interrupt import sigterm_as_interrupt
+from overlay.maintain.liveness import enclosing
 from overlay.maintain.rebase.report import write_release, write_report
 from overlay.maintain.rebase.resolve import NOTHING_LEFT, abort, pick, try_candidates
 from overlay.maintain.rebase.stale import sha256_of
@@ -142,6 +143,8 @@ def resume(work: Path, *, runner: TestRunner | None = None) -> Outcome:
         state.exported[patch.name] = head
     res.source_sha256 = sha256_of(patch.raw)
     res.candidates = state.pending.get("candidates", [])
+    if res.carried:
+        _on_model_path(work, patch, res, runner)
     state.results.append(asdict(res))
     state.index += 1
     state.pending = {}
@@ -224,6 +227,49 @@ class OldBaseError(RebaseError):
     """A patch's tests cannot run on the old base: the tool's own test environment or harness failed."""
 
 
+def _on_model_path(work: Path, patch: Patch, res: Result, runner: TestRunner | None) -> None:
+    """A carried patch, on the target with it (``HEAD``): the classes and methods its lines are in
+    (``res.changes``), and its tests run there; those that find it in the tree but off the path GLM-5
+    runs (``compat.OffModelPath``, the GLM-5 path harness) make it ``off-model-path``, never kept
+    silently: it would change nothing GLM-5 runs."""
+    res.changes = changed_methods(work, "HEAD")
+    if runner is None:
+        return
+    with scratch("overlay-rebase-trees-") as tmp:  # a killed run's removed by the next
+        run = runner(patch, tree_at(work, "HEAD", Path(tmp) / "with-it"))
+    if run is None:
+        return
+    res.behaviour["target-with-it"] = run.to_dict()
+    off = run.off_path_failed
+    if off:
+        res.outcome = "off-model-path"
+        res.evidence += (f"; with it on the target, {len(off)} of its tests find it off the path GLM-5 runs "
+                         f"(`{off[0]}`): it changes nothing GLM-5 runs there")
+
+
+def changed_methods(work: Path, rev: str) -> list[str]:
+    """``path: Class.method, ...`` for each Python file commit ``rev`` changes: where its added lines are."""
+    out = git_text(["diff", "-U0", "--no-color", f"{rev}~1", rev, "--", "*.py"], work)
+    added: dict[str, list[int]] = {}
+    path = ""
+    for line in out.splitlines():
+        if line.startswith("+++ "):
+            path = line[6:] if line.startswith("+++ b/") else ""
+        elif line.startswith("@@") and path:
+            m = re.match(r"@@ -\S+ \+(\d+)(?:,(\d+))? @@", line)
+            if m and (count := int(m.group(2) or 1)):
+                added.setdefault(path, []).extend(range(int(m.group(1)), int(m.group(1)) + count))
+    found = []
+    for path, numbers in sorted(added.items()):
+        text = git(["show", f"{rev}:{path}"], work).stdout.decode(errors="replace")
+        try:
+            names = enclosing(text, numbers)
+        except SyntaxError:
+            names = ["(does not parse)"]
+        found.append(f"{path}: {', '.join(names)}")
+    return found
+
+
 def _run(work: Path, state: State, series: Series, runner: TestRunner | None) -> Outcome:
     """Classify every patch from ``state.index`` on; a conflict is set aside and the run goes on.
 
@@ -254,6 +300,8 @@ def _run(work: Path, state: State, series: Series, runner: TestRunner | None) ->
         depends = _rests_on(work, state, series, i, [j for j, _ in aside if j < i], res.outcome)
         if depends:
             res.evidence += "; " + depends
+        if res.carried and not any(j == i for j, _ in aside):
+            _on_model_path(work, patch, res, runner)
         results.append(res)
         # What is known so far, in the worktree after every patch: a run killed mid-way (a test
         # run can take minutes per patch) leaves the classification of the patches it got through.

@@ -30,7 +30,7 @@ import pytest
 
 PROPERTY = "overlay-failure"
 AT = "overlay-failure-at"  # file:line of the innermost frame of test code, where there is one
-KINDS = ("harness", "behaviour")
+KINDS = ("harness", "behaviour", "off-path")  # off-path: a behaviour failure on the model's path
 _NEEDS_GPU = re.compile(r"requires a CUDA|not compiled with CUDA|No CUDA GPUs are available|Found no NVIDIA driver|"
                         r"no pinned memory allocator|CUDA driver initialization failed|"
                         r"platform may not support current_stream")
@@ -178,7 +178,9 @@ RULES: tuple[Rule, ...] = (
     Rule((("raised inside `with compat.setup(\"...\"):` (harness code that calls vLLM: configs, metadata, "
            "stand-ins)", "harness"),
           ("raised inside `with compat.exercising(\"...\"):`, or `compat.added(owner, name)` of a name the patch "
-           "adds", "behaviour")),
+           "adds", "behaviour"),
+          ("`compat.OffModelPath`: the patch is in the tree but the path the model runs does not take it (the GLM-5 "
+           "path harness)", "off-path")),
          lambda f: _marked(f.exc)),
     Rule((("a fixture (setup/teardown), a test file that does not import (a test-only name)", "harness"),),
          _if("harness", lambda f: f.when != "call")),

@@ -13,6 +13,9 @@ it") and, when they do not pass there, on the tree with it. A cell is one of
     also needs them to fail on the old base (:func:`overlay.maintain.rebase.verdict.behaviour_verdict`);
 ``passes with the patch``
     its tests fail without it by behaviour and pass with it;
+``off the model's path``
+    with the patch some of its tests find it in the tree but off the path the model runs
+    (``compat.OffModelPath``: the GLM-5 path harness; red): it changes nothing the model runs there;
 ``fails``
     they fail by behaviour with the patch too (red), or the patch does not merge onto the
     release (explained: the rebase's job, not the tests');
@@ -44,7 +47,7 @@ from overlay.maintain.rebase.testrun import TestRun, TestRunner, test_file
 from overlay.maintain.replay import am, in_progress, unmerged
 from overlay.maintain.trees import copy_tree
 
-VERDICTS = ("passes without it", "passes with the patch", "fails", "cannot run")
+VERDICTS = ("passes without it", "passes with the patch", "off the model's path", "fails", "cannot run")
 
 
 @dataclass
@@ -168,6 +171,10 @@ def judge(without: TestRun, with_patch: TestRun | None, note: str = "") -> tuple
         return "passes with the patch", False, f"{first}; {len(with_patch.passed)} pass with it" + _skips(with_patch)
     if _blocked(with_patch):
         return "cannot run", with_patch.status != "skipped", "with the patch: " + with_patch.first_error()
+    if with_patch.off_path_failed:
+        off = with_patch.off_path_failed
+        return "off the model's path", True, (f"{first}; with the patch {len(off)} find it off the path the model "
+                                              f"runs ({_first_behaviour(with_patch)})")
     return "fails", True, f"{first}; with the patch {len(with_patch.behaviour_failed)} still fail " \
                           f"({_first_behaviour(with_patch)})"
 
@@ -179,7 +186,7 @@ def _blocked(run: TestRun) -> bool:
 
 def _first_behaviour(run: TestRun) -> str:
     for test, kind, why in zip(run.failed, run.kinds, run.reasons, strict=False):
-        if kind == "behaviour":
+        if kind in ("behaviour", "off-path"):
             return f"{test}: {why}"
     return run.summary
 

@@ -67,7 +67,8 @@ def write_report(dest: Path, state: State, results: list[Result], work: Path, *,
         "pending": pending or [],
         "patches": [{"name": r.name, "outcome": r.outcome, "evidence": r.evidence, "carried": r.carried,
                      "still_needed": r.still_needed, "absorbed": r.absorbed, "behaviour": r.behaviour,
-                     "conflicts": r.conflicts, "candidates": r.candidates, "source_sha256": r.source_sha256}
+                     "conflicts": r.conflicts, "candidates": r.candidates, "source_sha256": r.source_sha256,
+                     "changes": r.changes}
                     for r in results],
     }
     if unclassified is not None:
@@ -129,12 +130,16 @@ def report_markdown(state: State, results: list[Result], *, work: Path | None = 
             lines += ["Still needed: " + ", ".join(f"`{s}`" for s in r.still_needed) + ".", ""]
         if r.absorbed:
             lines += ["Already upstream: " + ", ".join(f"`{s}`" for s in r.absorbed) + ".", ""]
+        if r.changes:
+            lines += ["Changes (on the target): " + "; ".join(f"`{c}`" for c in r.changes) + ".", "",
+                      f"On GLM-5's path: {on_model_path(r)}.", ""]
         for label, raw in r.behaviour.items():
             run = TestRun.from_dict(raw)
             lines.append(f"- its tests on the {label.replace('-', ' ')}: {describe(run)}")
-            if label == "target":
+            if label in ("target", "target-with-it"):
                 for test, kind, why in list(zip(run.failed, run.kinds, run.reasons, strict=False))[:5]:
-                    said = "cannot run there (harness error)" if kind == "harness" else "still failing there"
+                    said = {"harness": "cannot run there (harness error)",
+                            "off-path": "off the model's path there"}.get(kind, "still failing there")
                     lines.append(f"  - {said}: `{test}`: {why}")
         for c in r.conflicts:
             lines.append(f"- conflict: {ConflictHunk(**c).describe()}")
@@ -150,6 +155,21 @@ def report_markdown(state: State, results: list[Result], *, work: Path | None = 
     lines += proven_in_an_engine(state.to_version, engine_runs(Path(state.patches_root).parent / "docs" / "engine",
                                                                state.to_version))
     return "\n".join(lines).rstrip() + "\n"
+
+
+def on_model_path(r: Result) -> str:
+    """Whether GLM-5 runs the carried patch on the target, as its tests with it there say."""
+    raw = r.behaviour.get("target-with-it")
+    if not raw:
+        return "not judged (no test run with it on the target)"
+    run = TestRun.from_dict(raw)
+    if run.off_path_failed:
+        return (f"no: {len(run.off_path_failed)} of its tests find it off the path GLM-5 runs "
+                f"(`{run.off_path_failed[0]}`)")
+    if run.status == "passed":
+        return ("not found off it: its tests pass with it there (only the GLM-5 path harness's tests, "
+                "`tests/patches/*__glm5_path.py`, judge the path)")
+    return f"its tests with it there: {describe(run)}"
 
 
 def engine_runs(root: Path, version: str) -> list[dict[str, object]]:

@@ -24,6 +24,9 @@ OUTCOMES: dict[str, str] = {
                       "the target with it and the later patches still merge"),
     "conflict": "set aside: needs a person",
     "conflict-resolved": "conflicted; resolved by a person",
+    "off-model-path": ("carried, but off the model's path: with it, its tests find it in the tree but not on the "
+                       "path GLM-5 runs in this release (it changes nothing GLM-5 runs); needs a person to carry "
+                       "it onto that path"),
     "contradicted": ("set aside: needs a person; its tests contradict the target's own behaviour, so they "
                      "cannot vouch for carrying it"),
 }
@@ -50,11 +53,12 @@ class Result:
     evidence: str
     still_needed: list[str] = field(default_factory=list)
     absorbed: list[str] = field(default_factory=list)
-    behaviour: dict[str, dict] = field(default_factory=dict)  # "old-base" / "target" -> TestRun
+    behaviour: dict[str, dict] = field(default_factory=dict)  # "old-base" / "target" / "target-with-it" -> TestRun
     conflicts: list[dict] = field(default_factory=list)
     carried: bool = False  # the patch is in the new series
     candidates: list[dict] = field(default_factory=list)  # resolution attempts (rebase_resolve.Attempt)
     source_sha256: str = ""  # the source patch file this result was classified from
+    changes: list[str] = field(default_factory=list)  # carried: "path: Class.method, ..." its lines are in
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:

@@ -38,7 +38,7 @@ class TestRun:
     failed: tuple[str, ...] = ()
     summary: str = ""
     reasons: tuple[str, ...] = ()  # per failed test, the first line of its failure message
-    kinds: tuple[str, ...] = ()  # per failed test, "harness" or "behaviour" (failkind)
+    kinds: tuple[str, ...] = ()  # per failed test, "harness", "behaviour" or "off-path" (failkind)
     where: tuple[str, ...] = ()  # per failed test, file:line of the innermost test-code frame, or ""
     skipped: tuple[str, ...] = ()  # tests skipped, with the first reason in skip_reason
     skip_reason: str = ""
@@ -65,8 +65,13 @@ class TestRun:
 
     @property
     def behaviour_failed(self) -> tuple[str, ...]:
-        """Tests that failed by an assertion about what the code did."""
-        return self._of("behaviour")
+        """Tests that failed by an assertion about what the code did (off the model's path included)."""
+        return tuple(t for t, k in zip(self.failed, self.kinds, strict=False) if k in ("behaviour", "off-path"))
+
+    @property
+    def off_path_failed(self) -> tuple[str, ...]:
+        """Tests that found the patch in the tree but off the path the model runs (``compat.OffModelPath``)."""
+        return self._of("off-path")
 
     @property
     def harness_failed(self) -> tuple[str, ...]:
@@ -244,7 +249,7 @@ def _run_of(rc: int, summary: str, tail: list[str], c: _Cases) -> TestRun:
     """The status of a run from pytest's exit code and the JUnit cases (see ``STATUSES``)."""
     if rc in (0, 1, 2, 5) and (c.passed or c.failed or c.skipped or rc == 5):
         if c.failed:
-            status = "failed" if "behaviour" in c.kinds else "harness"
+            status = "failed" if {"behaviour", "off-path"} & set(c.kinds) else "harness"
         elif c.passed:
             status = "passed"
         else:

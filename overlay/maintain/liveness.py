@@ -88,7 +88,7 @@ def _read(tree: Path, path: str) -> bytes | None:
 
 def _blame(repo: Path, path: str) -> list[tuple[int, str]]:
     """(final line number, commit) of every line of ``path`` at HEAD."""
-    out = git_text(["blame", "--porcelain", "HEAD", "--", path], repo)
+    out = git_text(["blame", "-M", "--porcelain", "HEAD", "--", path], repo)  # -M: moved lines keep their author
     found = []
     for row in out.splitlines():
         parts = row.split()

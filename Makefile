@@ -148,9 +148,9 @@ regress: $(TOOL_STAMP) ## differential vs a reference, long context, GSM8K, late
 	@out=$(call q,REGRESS_OUT); rm -f "$$out/verdict" "$$out/verdict.json"; \
 	$(if $(ATTACH_TIMEOUT),REGRESS_ATTACH_TIMEOUT=$(call q,ATTACH_TIMEOUT) )$(OVERLAY) regress --profile $(if $(PROFILE),$(call q,PROFILE),glm5.2-fp8-tp8-dcp8) --out "$$out"$(if $(BASE_URL), --base-url $(call q,BASE_URL))$(if $(REF_URL), --ref-url $(call q,REF_URL))$(call qw,ARGS) || { rc=$$?; echo "make regress: verdict $$(cat "$$out/verdict" 2>/dev/null || echo harness) (overlay regress exit $$rc); details in $$out/verdict.json" >&2; exit $$rc; }
 
-.PHONY: engine-check engine-variants engine-checkpoint engine-plot regress-verdicts
-engine-check: ## GPUs: real vLLM engine, tiny GLM-5 checkpoint, every DCP case vs DCP 1; VLLM= given: the installed build must be that release [OUT=engine-check TP=2 CASES= TIMEOUT=420 PARALLEL=1 VARIANTS= VARIANT= EXPECT= VLLM=]
-	$(call q,PYTHON) -m overlay engine-check --out $(if $(OUT),$(call q,OUT),engine-check) --tp $(if $(TP),$(call q,TP),2)$(if $(CASES), --cases $(call q,CASES))$(if $(TIMEOUT), --timeout $(call q,TIMEOUT))$(if $(PARALLEL), --parallel $(call q,PARALLEL))$(if $(VARIANTS), --variants $(call q,VARIANTS))$(if $(VARIANT), --variant $(call q,VARIANT))$(if $(EXPECT), --expect $(call q,EXPECT))$(if $(filter command line environment,$(origin VLLM)), --vllm $(call q,VLLM))
+.PHONY: engine-check engine-variants engine-checkpoint engine-plot regress-verdicts liveness-lines
+engine-check: ## GPUs: real vLLM engine, tiny GLM-5 checkpoint, every DCP case vs DCP 1; VLLM= given: the installed build must be that release; COVERAGE=1: patch liveness per case [OUT=engine-check TP=2 CASES= TIMEOUT=420 PARALLEL=1 VARIANTS= VARIANT= EXPECT= VLLM= COVERAGE= LIVENESS=]
+	$(call q,PYTHON) -m overlay engine-check --out $(if $(OUT),$(call q,OUT),engine-check) --tp $(if $(TP),$(call q,TP),2)$(if $(CASES), --cases $(call q,CASES))$(if $(TIMEOUT), --timeout $(call q,TIMEOUT))$(if $(PARALLEL), --parallel $(call q,PARALLEL))$(if $(VARIANTS), --variants $(call q,VARIANTS))$(if $(VARIANT), --variant $(call q,VARIANT))$(if $(EXPECT), --expect $(call q,EXPECT))$(if $(filter command line environment,$(origin VLLM)), --vllm $(call q,VLLM))$(if $(COVERAGE), --coverage)$(if $(LIVENESS), --liveness $(call q,LIVENESS))
 
 .PHONY: bench-engine
 bench-engine: ## GPUs: vllm serve of the tiny GLM-5 (TP2 x DCP2), VLLM_DCP_PROJECT_BEFORE_MERGE 1 vs 0 plus a twin of 1 (the null), judged per cell with an interval and verdict [OUT=bench-engine BATCHES=1,8,64 CONTEXTS=4096,16384,65536 CELLS= REPEATS=5 CELL_SECONDS=10 DECODE=128 TRANSPORT=direct BUDGET= PLOT=engine.json REANALYZE=engine.json ARGS=]
@@ -165,6 +165,9 @@ engine-checkpoint: ## the tiny GLM-5 checkpoint engine-check and bench-engine se
 engine-plot: $(TOOL_STAMP) ## one PNG of engine-check results side by side [RESULTS="a/results.json b/results.json" OUT=engine.png]
 	@test -n $(call q,RESULTS) || { echo "usage: make engine-plot RESULTS='DIR/results.json ...' [OUT=engine.png]" >&2; exit 1; }
 	$(OVERLAY) engine-plot$(call qw,RESULTS) --out $(if $(OUT),$(call q,OUT),engine.png)
+
+liveness-lines: $(TOOL_STAMP) ## the lines each patch of the series adds, as JSON: engine-check COVERAGE=1's LIVENESS= file [OUT=.device/liveness.json]
+	$(OVERLAY) liveness-lines --vllm $(call q,VLLM) --out $(if $(OUT),$(call q,OUT),.device/liveness.json)
 
 regress-verdicts: $(TOOL_STAMP) ## did each regress run under ROOT reach its expected verdict? [ROOT=runs EXPECT="full=pass minus-x=regression:differential"]
 	@test -n $(call q,ROOT) -a -n $(call q,EXPECT) || { echo "usage: make regress-verdicts ROOT=DIR EXPECT='NAME=pass NAME=regression:CHECK ...'" >&2; exit 1; }

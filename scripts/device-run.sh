@@ -10,7 +10,10 @@
 #   - a file split into parts (x.part-00, ...) is reassembled once all its parts are in,
 #   - kernels/<path>.xz are decompressed into $SITE/<path> (vllm/_C_stable_libtorch.abi3.so ...),
 #   - tree/vllm-tree.tar.xz (vLLM's Python tree and dist-info) is unpacked into $SITE,
-#   - wheels/*.whl are collected in $STAGE/wheels.
+#   - wheels/*.whl are collected in $STAGE/wheels,
+#   - the files beside manifest.json that the manifest names (`beside`: liveness.json, the lines each patch
+#     added) are copied into $STAGE; COMMAND then runs with OVERLAY_LIVENESS=$STAGE/liveness.json
+#     (engine-check --coverage's default --liveness).
 # Once every carry named in the manifest has arrived, all collected wheels are installed into
 # $SITE with ONE `pip install --no-index --no-deps --target` (pip --target replaces whole
 # top-level folders such as nvidia/ that several wheels share: never in batches), a stamp is
@@ -117,6 +120,14 @@ for carry in manifest["carries"]:
     folder = dest / carry["name"]
     if not folder.is_dir() or (stage / "arrived" / carry["name"]).exists():
         continue
+    for name, entry in sorted(manifest.get("beside", {}).items()):
+        src = folder / Path(name).name
+        if (stage / src.name).is_file():
+            continue
+        if not src.is_file() or sha256(src) != entry["sha256"]:
+            sys.exit(f"error: {src}: missing, or its sha256 differs from the manifest")
+        shutil.copyfile(src, stage / src.name)
+        say(f"{src.name} -> {stage}")
     for piece in carry["pieces"]:
         src = folder / piece["path"]
         entry = files[piece["file"]]
@@ -191,5 +202,6 @@ site.addsitedir(sys.argv[1])
 print(":".join(p for p in sys.path if p not in before and p != sys.argv[1]))' "$SITE")
 export PYTHONPATH=$SITE${pth_paths:+:$pth_paths}${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -f "$STAGE/liveness.json" ]; then export OVERLAY_LIVENESS=$STAGE/liveness.json; fi
 [ $# -gt 0 ] && exec "$@"
 echo "[device-run] staged into $SITE (every carry in)" >&2

@@ -1000,3 +1000,67 @@ def test_a_cache_folder_that_is_a_file_stops_the_staging_first(rig: StageRig, su
     assert exc.value.exit_code == 2 and rig.resolves == 0
     msg = str(exc.value)
     assert msg.startswith("device-stage cache folder (VLLM_OVERLAY_CACHE) ") and "is a file" in msg, msg
+
+
+# --- the liveness lines beside the manifest (engine-check --coverage on the device) -------------------
+
+LIVENESS = b'{"format": 1, "lines": {}}\n'
+
+
+def test_the_liveness_lines_travel_in_every_carry(rig: StageRig) -> None:
+    dest = rig.tmp / "out" / "small"
+    manifest = ds.stage(rig.wheel("0.28.0+a"), dest, device_packages=rig.packages, name="engine", cache=rig.cache,
+                        limit=48 * 1024, beside={"liveness.json": LIVENESS}).manifest
+    folders = sorted(dest.glob("carry-*"))
+    assert len(folders) == len(manifest["carries"]) >= 2
+    assert all((f / "liveness.json").read_bytes() == LIVENESS for f in folders)
+    assert (dest / "liveness.json").read_bytes() == LIVENESS
+    assert manifest["beside"] == {"liveness.json": {"sha256": hashlib.sha256(LIVENESS).hexdigest(),
+                                                    "size": len(LIVENESS)}}
+    assert all(sum(p.stat().st_size for p in f.rglob("*") if p.is_file()) <= 48 * 1024 for f in folders)
+    assert "beside the manifest in every carry: liveness.json" in ds.format_summary(manifest)
+    assert "beside" not in rig.stage("0.28.0+b")  # none given: the manifest as before
+
+
+def test_device_run_keeps_the_liveness_lines_for_engine_check(tmp_path: Path) -> None:
+    files, _ = ds.stage_vllm(_tiny_vllm(tmp_path), tmp_path / "xz")
+    dest = tmp_path / "out" / "engine"
+    manifest = ds.write_carries(dest, "engine", files, limit=32 * 1024, beside={"liveness.json": LIVENESS})
+    names = [c["name"] for c in manifest["carries"]]
+    probe = "import os; print(os.environ['OVERLAY_LIVENESS']); print(open(os.environ['OVERLAY_LIVENESS']).read())"
+    first = _device_run(tmp_path, dest, names[:1])
+    assert first.returncode == 0, first.stderr
+    last = _device_run(tmp_path, dest, names[1:], sys.executable, "-c", probe)  # a call that did not carry it
+    assert last.returncode == 0, last.stderr
+    assert last.stdout.splitlines()[:2] == [str(tmp_path / "stage" / "liveness.json"), LIVENESS.decode().strip()]
+    (dest / names[0] / "liveness.json").write_bytes(b"{}\n")  # a corrupted copy, in a fresh staging
+    shutil.rmtree(tmp_path / "stage")
+    bad = _device_run(tmp_path, dest, names[:1])
+    assert bad.returncode == 1 and "liveness.json: missing, or its sha256 differs from the manifest" in bad.stderr
+
+
+def test_device_stage_stages_the_lines_of_the_series_own_wheel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The real attribution of a tiny release (its base wheel in the cache, one patch), for the wheel the
+    series builds only: another wheel's lines would count other statements."""
+    from overlay.build.pipeline import series_wheel
+    from overlay.engine.liveness_lines import staged_lines
+    from tests.wheelkit import BASE_FILES
+
+    base = make_wheel(tmp_path, BASE_FILES)
+    root = make_release(tmp_path, base, patches={"fix.patch": good_patch(tmp_path)})
+    cache = tmp_path / "cache"
+    (cache / "wheels").mkdir(parents=True)
+    shutil.copyfile(base, cache / "wheels" / base.name)
+    monkeypatch.setenv("VLLM_OVERLAY_CACHE", str(cache))
+    own = series_wheel(root, "0.28.0")
+    beside = staged_lines(root, "0.28.0", tmp_path / "dist" / own.filename)
+    doc = json.loads(beside["liveness.json"])
+    assert doc == {"format": 1, "release": "0.28.0", "vllm": own.version, "series": ["fix.patch"],
+                   "lines": {"fix.patch": {"vllm/a.py": [6], "vllm/new.py": [1]}}}
+    assert "liveness.json: vllm 0.28.0+ovl" in capsys.readouterr().err
+    assert staged_lines(root, "0.28.0", tmp_path / "vllm-0.28.0+ovlother-cp38-abi3-manylinux_2_28_x86_64.whl") == {}
+    assert "liveness.json not staged: vllm-0.28.0+ovlother" in capsys.readouterr().err
+    out = tmp_path / "lines" / "liveness.json"  # the same file without staging: overlay liveness-lines
+    assert main(["--patches", str(root), "liveness-lines", "--vllm", "0.28.0", "--out", str(out)]) == 0
+    assert out.read_bytes() == beside["liveness.json"]

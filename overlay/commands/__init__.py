@@ -32,7 +32,7 @@ Where each verb lives (``tests/test_commands.py`` holds this table to the parser
 - ``rebase.py``: rebase, rebase-continue, cherry-pick, patch-tests-matrix
 - ``checks.py``: upstream-tests, patch-lint
 - ``device.py``: device-stage
-- ``engine.py``: engine-check, engine-variants, engine-checkpoint, engine-plot
+- ``engine.py``: engine-check, engine-variants, engine-checkpoint, engine-plot, liveness-lines
 - ``kernels.py``: kernel-sources, kernel-toolchain, kernels
 """
 

@@ -1,5 +1,6 @@
 """The real engine on GPUs: ``engine-check`` (every DCP case against DCP 1), ``engine-variants`` (the
-seed-bug trees it must catch), ``engine-checkpoint`` (the tiny GLM-5 it serves) and ``engine-plot``.
+seed-bug trees it must catch), ``engine-checkpoint`` (the tiny GLM-5 it serves), ``engine-plot``, and
+``liveness-lines`` (the lines each patch adds, which ``engine-check --coverage`` counts).
 
 Those of them in :data:`overlay.commands.DEVICE_VERBS` run on the GPU device machine with its system
 Python (``python3 -m overlay engine-check``), the others in the venv: nothing here imports more than
@@ -37,6 +38,12 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     ap.add_argument("--vllm", dest="release", metavar="RELEASE",
                     help="the release whose build the engines must import (e.g. 0.33.0): refused in one line when "
                          "the installed vllm (or --tree's) is another (default: whichever is installed)")
+    ap.add_argument("--coverage", action="store_true",
+                    help="run every engine under coverage.py: per case and patch, how many of its added statements "
+                         "ran; a patch the case declares (Case.acts) that ran none fails it")
+    ap.add_argument("--liveness", type=Path, metavar="FILE",
+                    help="with --coverage: the lines each patch added (overlay liveness-lines; default "
+                         "$OVERLAY_LIVENESS, which scripts/device-run.sh sets to the staged one)")
     ap.set_defaults(handler=cmd_engine_check)
 
     text = "the seed-bug variant trees (the series minus each fix, stock) that engine-check must catch"
@@ -69,6 +76,13 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("results", type=Path, nargs="+")
     sp.add_argument("--out", type=Path, required=True)
     sp.set_defaults(handler=cmd_engine_plot)
+
+    text = ("the lines each patch of a release's series adds (git blame of the series replayed), as JSON: what "
+            "engine-check --coverage counts (--liveness)")
+    sp = sub.add_parser("liveness-lines", help=text, description=text)
+    add_vllm(sp)
+    sp.add_argument("--out", type=Path, required=True, help="the JSON file to write")
+    sp.set_defaults(handler=cmd_liveness_lines)
 
 
 def cmd_engine_check(ns: argparse.Namespace) -> int:
@@ -130,4 +144,16 @@ def cmd_engine_plot(ns: argparse.Namespace) -> int:
         except (OSError, ValueError) as exc:
             raise OverlayError(f"{path}: cannot read engine-check results ({exc})") from None
     print(draw(docs, ns.out), file=sys.stdout)
+    return 0
+
+
+def cmd_liveness_lines(ns: argparse.Namespace) -> int:
+    from overlay.atomic import write_file
+    from overlay.engine.liveness_lines import dump, lines_doc, summary
+    from overlay.outpaths import check_file
+
+    check_file(ns.out, "--out").parent.mkdir(parents=True, exist_ok=True)
+    doc = lines_doc(root(ns), ns.vllm)
+    write_file(ns.out, dump(doc))
+    print(f"{summary(doc)} -> {ns.out}")
     return 0

@@ -1,5 +1,6 @@
 """Carries: the staged files split into pieces and packed into folders of at most the carry limit,
-each with a copy of the manifest; the device calls that bring them."""
+each with a copy of the manifest (and of the small files that travel beside it); the device calls that
+bring them."""
 
 from __future__ import annotations
 
@@ -99,17 +100,23 @@ def _piece_sha(file: StagedFile, piece: Piece) -> str:
 
 
 def write_carries(dest: Path, name: str, files: Sequence[StagedFile], *, limit: int = CARRY_LIMIT,
-                  extra: Mapping[str, object] | None = None) -> dict:
-    """Pack ``files`` into ``dest/carry-NN/`` (replacing ``dest``) and write the manifests; return it."""
+                  extra: Mapping[str, object] | None = None, beside: Mapping[str, bytes] | None = None) -> dict:
+    """Pack ``files`` into ``dest/carry-NN/`` (replacing ``dest``) and write the manifests; return it.
+
+    ``beside`` (file name -> content: ``liveness.json``) travels in every carry next to the manifest, which
+    records each one's sha256 and size under ``beside``."""
     paths = [f.path for f in files]
     if len(set(paths)) != len(paths):
         raise DeviceStageError("two staged files share a path")
+    beside = dict(beside or {})
+    extra = {**(extra or {}), **({"beside": {n: {"sha256": digest.of_bytes(data), "size": len(data)}
+                                             for n, data in sorted(beside.items())}} if beside else {})}
     sized = [(f.path, f.size) for f in sorted(files, key=lambda f: f.path)]
     reserve = min(MANIFEST_RESERVE, limit // 4)
     for _ in range(8):  # the manifest travels in every carry: keep room for it, grow the room if needed
-        capacity = limit - reserve
+        capacity = limit - reserve - sum(len(data) for data in beside.values())
         carries = pack(split_pieces(sized, capacity), capacity)
-        manifest = build_manifest(name, files, carries, limit, extra or {})
+        manifest = build_manifest(name, files, carries, limit, extra)
         text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
         if len(text.encode()) <= reserve:
             break
@@ -125,10 +132,14 @@ def write_carries(dest: Path, name: str, files: Sequence[StagedFile], *, limit: 
                 out.parent.mkdir(parents=True, exist_ok=True)
                 _copy_range(by_path[piece.file].source, out, piece.offset, piece.size)
             (folder / "manifest.json").write_text(text)
+            for file, data in beside.items():
+                (folder / file).write_bytes(data)
             total = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
             if total > limit:
                 raise DeviceStageError(f"{carry_name(i)} holds {total} bytes, over the limit {limit}")
         (tmp / "manifest.json").write_text(text)
+        for file, data in beside.items():
+            (tmp / file).write_bytes(data)
     return manifest
 
 

@@ -143,8 +143,10 @@ def torch_preflight(wheel: Path, version: str, requires: Iterable[str], device: 
 
 def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: int = CARRY_LIMIT,
           cache: Path | None = None, resolver_python: str | None = None, jobs: int = 2,
-          full: bool = False, resolution_cache: bool = True, extras: Sequence[str] = ()) -> StageResult:
-    """Resolve, fetch and compress everything, then write the carries and manifest under ``dest``.
+          full: bool = False, resolution_cache: bool = True, extras: Sequence[str] = (),
+          beside: Mapping[str, bytes] | None = None) -> StageResult:
+    """Resolve, fetch and compress everything, then write the carries and manifest under ``dest``;
+    ``beside`` (name -> content: the liveness lines file) travels in every carry next to the manifest.
 
     The resolution is cached under ``cache/device-resolutions/<key>.json`` (:func:`resolution_key`);
     ``resolution_cache=False`` resolves again (and refreshes the cached one).
@@ -202,7 +204,7 @@ def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: i
                     "device_version": device.get(w.name), "required_by": resolution.required_by.get(w.name, [])}
                    for w in resolution.wheels],
     }
-    manifest = write_carries(dest, name, files, limit=limit, extra=extra)
+    manifest = write_carries(dest, name, files, limit=limit, extra=extra, beside=beside)
     seconds = time.monotonic() - start
     log(f"wrote {len(manifest['carries'])} carries under {dest} ({seconds:.0f} s)")
     return StageResult(dest, manifest, seconds)
@@ -284,6 +286,8 @@ def format_summary(manifest: Mapping) -> str:
         lines.append(f"dropped device pin {d['name']}=={d['device_version']}: {d['reason']}")
     for pkg, built in sorted(manifest.get("resolution", {}).get("built_from_sdist", {}).items()):
         lines.append(f"built from its sdist (pure Python): {pkg}: {built}")
+    for file, entry in sorted(manifest.get("beside", {}).items()):
+        lines.append(f"beside the manifest in every carry: {file} ({entry['size'] / 1024:.1f} KiB)")
     return "\n".join(lines)
 
 

@@ -1,11 +1,12 @@
 """The engine check: run the cases of ``engine.workload`` as real vLLM engines, compare, report.
 
 ``overlay engine-check --out DIR [--model DIR] [--tp 2] [--cases a,b] [--timeout S]
-[--budget S] [--parallel N] [--variants DIR] [--tree DIR] [--expect KIND[:REGEX]]`` on a GPU
-machine where the patched vLLM imports (the device: ``scripts/device-run.sh``). Each case runs
-in its own process group (``engine.run_case``) under a timeout, with the test-only ``deep_gemm``
-stand-in (``tests/engine/standin``) first on ``PYTHONPATH`` and NVLink multicast off. The DCP 1
-reference and spread runs come first; the tolerance is derived from them
+[--budget S] [--parallel N] [--variants DIR] [--tree DIR] [--expect KIND[:REGEX]]
+[--coverage [--liveness FILE]]`` on a GPU machine where the patched vLLM imports (the device:
+``scripts/device-run.sh``). Each case runs in its own process group (``engine.run_case``) under
+a timeout, with the test-only ``deep_gemm`` stand-in (``tests/engine/standin``) first on
+``PYTHONPATH`` and NVLink multicast off. The DCP 1 reference and spread runs come first; the
+tolerance is derived from them
 (``engine.compare.derive_tolerance``); every other case must match the reference within it,
 greedy tokens included, and must not crash or hang.
 
@@ -14,6 +15,10 @@ core compiling: N engines start in about the time of one). Every engine reserves
 ``KV_CACHE_BYTES`` instead of profiling free memory (another engine's allocations would be
 counted as its own), listens on its own port range, and keeps its torch.compile cache in its
 slot's folder (two engines never write one cache entry at once).
+
+``--coverage`` runs every engine under coverage.py and reports, per case and patch, how many of the
+patch's added statements ran; a patch a case declares (``Case.acts``) that ran none fails it
+(``engine.liveness_run``; ``--liveness FILE``: the lines each patch added, ``engine.liveness_lines``).
 
 ``--variants DIR`` (``engine.variants``' output) adds, after the production shape, one job per
 seed-bug variant: that variant's case on the variant's tree, expected to fail the way its bug
@@ -42,6 +47,10 @@ from typing import IO, Any
 from overlay.engine.compare import FLOOR, SAFETY, compare, derive_tolerance
 from overlay.engine.env import PORT_BASE, PORT_STRIDE, REPO, SAFE_ENV, STANDIN, error_line, strip_log_prefix
 from overlay.engine.inputs import EngineCheckError, check_inputs, lay_variant, load_variants
+from overlay.engine.liveness_run import KILL_GRACE_S, SITE, Measure
+from overlay.engine.liveness_run import problems as liveness_problems
+from overlay.engine.liveness_run import start as start_measure
+from overlay.engine.liveness_run import table as liveness_table
 from overlay.engine.workload import Case, cases
 from overlay.outpaths import check_dir
 
@@ -65,7 +74,8 @@ class Job:
         return rec | kw
 
 
-def child_env(case: Case, tree: Path | None, slot: int = 0, cache: Path | None = None) -> dict[str, str]:
+def child_env(case: Case, tree: Path | None, slot: int = 0, cache: Path | None = None,
+              coverage: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env.update(case.env)
     env.update(SAFE_ENV)
@@ -74,6 +84,9 @@ def child_env(case: Case, tree: Path | None, slot: int = 0, cache: Path | None =
         paths.insert(0, str(tree))
         # a variant's source differs from the series': never share compiled graphs with it
         env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+    if coverage is not None:  # --coverage: its sitecustomize first, COVERAGE_PROCESS_START (engine.liveness_run)
+        paths.insert(0, str(SITE))
+        env.update(coverage)
     env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
     env.setdefault("PYTHONUNBUFFERED", "1")
     # Start-up: the CUDA-graph memory estimate took 93 s of a cold 268 s start on two H200s
@@ -146,7 +159,7 @@ class _Running:
         return self.fatal_at is not None and time.monotonic() - self.fatal_at > grace
 
 
-def _start(job: Job, model: Path, out: Path, timeout: float, slot: int) -> _Running:
+def _start(job: Job, model: Path, out: Path, timeout: float, slot: int, measure: Measure | None = None) -> _Running:
     case_file = out / f"{job.name}.case.json"
     case_file.write_text(json.dumps(job.case.to_dict()))
     result_file = out / f"{job.name}.json"
@@ -155,15 +168,16 @@ def _start(job: Job, model: Path, out: Path, timeout: float, slot: int) -> _Runn
            "--out", str(result_file)]
     print(f"[engine-check] {job.name}: starting in slot {slot} (timeout {timeout:.0f} s)", flush=True)
     log = (out / f"{job.name}.log").open("w")
-    env = child_env(job.case, job.tree, slot, out.parent / f"{out.name}-cache")
+    env = child_env(job.case, job.tree, slot, out.parent / f"{out.name}-cache",
+                    measure.env(job.name) if measure else None)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
     now = time.monotonic()
     return _Running(job, proc, log, slot, now, now + timeout, log_path=out / f"{job.name}.log")
 
 
-def _finish(run: _Running, out: Path, timeout: float) -> dict[str, Any]:
+def _finish(run: _Running, out: Path, timeout: float, measure: Measure | None = None) -> dict[str, Any]:
     rc = run.proc.poll()
-    _kill_group(run.proc)  # the engine's workers too, whether it finished or timed out
+    _kill_group(run.proc, KILL_GRACE_S if measure else 0)  # the engine's workers too, finished or timed out
     run.log.close()
     wall = round(time.monotonic() - run.t0, 1)
     text = (out / f"{run.job.name}.log").read_text(errors="replace")
@@ -178,18 +192,22 @@ def _finish(run: _Running, out: Path, timeout: float) -> dict[str, Any]:
     else:
         status, why = "ok", ""
     print(f"[engine-check] {run.job.name}: {status} in {wall} s{': ' + why if why else ''}", flush=True)
-    return run.job.record(status=status, error=why, wall_s=wall, rc=rc, graphs=graph_mode(text))
+    record = run.job.record(status=status, error=why, wall_s=wall, rc=rc, graphs=graph_mode(text))
+    if measure is not None:
+        measure.finish(run.job.name, run.job.case.acts, run.job.tree is not None, record)
+    return record
 
 
 def run_jobs(jobs: list[Job], model: Path, out: Path, *, timeout: float, parallel: int = 1, budget: float = 0,
              reuse: Path | None = None, on_change: Callable[[list[dict[str, Any]]], None] | None = None,
-             poll_s: float = 1.0) -> list[dict[str, Any]]:
+             poll_s: float = 1.0, measure: Measure | None = None) -> list[dict[str, Any]]:
     """Run ``jobs`` at most ``parallel`` at a time, started in order; return their records in job order.
 
     With a ``budget`` (seconds), the run ends within it: a job is not started ("out of budget")
     when it could not end in time, judged by the slowest job so far (capped at the timeout), and
     a job still running at the budget is stopped and recorded as skipped (inconclusive). ``on_change`` gets the records
-    (in job order, unfinished ones left out) whenever a job ends.
+    (in job order, unfinished ones left out) whenever a job ends. ``measure`` (``--coverage``) runs each
+    job under coverage.py and records its patch liveness.
     """
     done: dict[str, dict[str, Any]] = {}
     pending = list(jobs)
@@ -214,7 +232,7 @@ def run_jobs(jobs: list[Job], model: Path, out: Path, *, timeout: float, paralle
             if budget and now - t_start + min(timeout, typical) > budget:
                 done[job.name] = job.record(status="skipped", error="out of budget", wall_s=0)
                 continue
-            run = _start(job, model, out, timeout, free.pop(0))
+            run = _start(job, model, out, timeout, free.pop(0), measure)
             if budget:  # the whole run ends within its budget: a late job is cut there
                 run.deadline = min(run.deadline, t_start + budget)
             running.append(run)
@@ -224,7 +242,7 @@ def run_jobs(jobs: list[Job], model: Path, out: Path, *, timeout: float, paralle
                 running.remove(run)
                 free.append(run.slot)
                 free.sort()
-                done[run.job.name] = _finish(run, out, timeout)
+                done[run.job.name] = _finish(run, out, timeout, measure)
                 changed()
         if running:
             time.sleep(poll_s)
@@ -254,8 +272,17 @@ def variant_jobs(variants: Path, tp: int, out: Path, release: str | None = None)
     return jobs
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: subprocess.Popen, grace: float = 0) -> None:
+    """SIGKILL the job's process group; with ``grace``, SIGTERM first and up to ``grace`` seconds for it to
+    end (coverage.py saves its data on SIGTERM)."""
+    deadline = time.monotonic() + grace
     try:
+        if grace > 0:
+            os.killpg(proc.pid, signal.SIGTERM)
+            while time.monotonic() < deadline:
+                proc.poll()  # the leader, reaped: a zombie would count as the group's
+                os.killpg(proc.pid, 0)
+                time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
@@ -296,6 +323,8 @@ def judge(records: list[dict[str, Any]], out: Path, expect: str | None) -> dict[
         r["generate_s"] = docs.get(name, {}).get("generate_s")
         if r is ref_rec:
             r["verdict"] = "reference"
+            if (lost := liveness_problems(r)):  # --coverage: a patch it declares ran none of its lines
+                r["problems"], r["verdict"], failed = lost, "fail", True
             continue
         base = r["case"].get("compare_to") or _name(ref_rec)
         # another workload's reference (the long cases'): nothing of the first to compare it with
@@ -316,6 +345,7 @@ def judge(records: list[dict[str, Any]], out: Path, expect: str | None) -> dict[
         if resolved is not None:
             r["resolved"] = resolved
         problems += resolve_problems(r["case"].get("resolves") or {}, resolved) if r["status"] == "ok" else []
+        problems += liveness_problems(r)
         wanted_graphs = r["case"].get("graphs")
         seen_graphs = (r.get("graphs") or {}).get("mode")
         if r["status"] == "ok" and wanted_graphs and seen_graphs is not None and seen_graphs != wanted_graphs:
@@ -406,7 +436,7 @@ def report(out: Path, summary: dict[str, Any], records: list[dict[str, Any]], me
     doc = {"meta": meta, "summary": summary, "cases": records}
     (out / "results.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     lines = [f"# Engine check: {summary.get('verdict', '?')}", ""]
-    for k in ("model", "tree", "vllm", "torch", "gpus", "parallel", "started", "wall_s"):
+    for k in ("model", "tree", "vllm", "torch", "gpus", "parallel", "started", "wall_s", "liveness"):
         if meta.get(k):
             lines.append(f"- {k}: `{meta[k]}`")
     if "tolerance" in summary:
@@ -430,6 +460,7 @@ def report(out: Path, summary: dict[str, Any], records: list[dict[str, Any]], me
             note = f"graphs {graphs}; {note}"
         lines.append(f"| {_name(r)} | {role} | {r['status']} | {r.get('verdict', '')} | {dl} "
                      f"| {r.get('startup_s') or ''} | {r.get('generate_s') or ''} | {note[:300]} |")
+    lines += liveness_table(records)
     (out / "REPORT.md").write_text("\n".join(lines) + "\n")
 
 
@@ -451,6 +482,8 @@ class CheckOptions:
     variants: Path | None = None
     expect: str | None = None
     release: str | None = None  # the release the engines must import (--vllm); None: whichever is installed
+    coverage: bool = False  # --coverage: patch liveness per case (engine.liveness_run)
+    liveness: Path | None = None  # --liveness: the lines file (None: $OVERLAY_LIVENESS)
 
 
 def run_check(ns: CheckOptions) -> int:
@@ -469,11 +502,6 @@ def run_check(ns: CheckOptions) -> int:
         raise EngineCheckError(f"engine-check --vllm {ns.release}: the engines would import vllm {release or '(none)'} "
                                f"({where}); install or stage the {ns.release} build first")
 
-    from overlay.engine.checkpoint import TinyGlm5Spec, checkpoint_id, default_cache, generate
-
-    spec = TinyGlm5Spec()
-    model = ns.model or default_cache() / checkpoint_id(spec, 0)
-    generate(model, spec, 0)
     todo = cases(ns.tp, release or None)
     if ns.cases:
         wanted = ns.cases.split(",")
@@ -486,9 +514,17 @@ def run_check(ns: CheckOptions) -> int:
     if ns.variants:
         # after the references, the production shape and the first spread run: the variants
         jobs[4:4] = variant_jobs(ns.variants, ns.tp, ns.out, release or None)
+    measure = start_measure(ns.liveness, ns.out, [(j.name, a) for j in jobs for a in j.case.acts]) \
+        if ns.coverage else None
+    from overlay.engine.checkpoint import TinyGlm5Spec, checkpoint_id, default_cache, generate
+
+    spec = TinyGlm5Spec()
+    model = ns.model or default_cache() / checkpoint_id(spec, 0)
+    generate(model, spec, 0)
     meta = {"model": str(model), "tree": str(ns.tree or ""), "vllm": release, "torch": torch_under_test(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "parallel": ns.parallel}
+            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "parallel": ns.parallel,
+            **({"liveness": str(measure.lines.path)} if measure else {})}
     t0 = time.monotonic()
 
     def progress(records: list[dict[str, Any]]) -> None:
@@ -496,7 +532,7 @@ def run_check(ns: CheckOptions) -> int:
         report(ns.out, judge(live, ns.out, ns.expect), records, meta | {"wall_s": round(time.monotonic() - t0)})
 
     records = run_jobs(jobs, model, ns.out, timeout=ns.timeout, parallel=ns.parallel, budget=ns.budget,
-                       reuse=ns.reuse, on_change=progress)
+                       reuse=ns.reuse, on_change=progress, measure=measure)
     summary = judge([r for r in records if r["status"] != "skipped"], ns.out, ns.expect)
     report(ns.out, summary, records, meta | {"wall_s": round(time.monotonic() - t0)})
     print(f"[engine-check] verdict: {summary['verdict']} ({ns.out / 'REPORT.md'})", flush=True)
@@ -506,7 +542,7 @@ def run_check(ns: CheckOptions) -> int:
 def rejudge(out: Path, expect: str | None) -> int:
     """Judge the records of ``out/results.json`` again (another tolerance rule), rewrite the report."""
     doc = json.loads((out / "results.json").read_text())
-    keep = ("case", "name", "variant", "expect", "status", "error", "wall_s", "rc", "reused", "graphs")
+    keep = ("case", "name", "variant", "expect", "status", "error", "wall_s", "rc", "reused", "graphs", "liveness")
     records = [{k: r[k] for k in keep if k in r} for r in doc["cases"]]
     for r in records:  # the graphs its log shows, read again (the rule may have changed since)
         log = out / f"{_name(r)}.log"

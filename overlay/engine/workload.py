@@ -16,11 +16,15 @@ options a GLM-5 user leaves unset (``GLM5_DCP_DEFAULTS``), so it runs TP2 x DCP2
 with our profiles' explicit settings (which leave query replication to it) and with the query
 all-gather named explicitly, each judged against its DCP 1 reference and on what the engine
 resolved (``Case.resolves``).
+
+Each case also names the patches that must act in it (``Case.acts``, from :data:`ACTS`): under
+``engine-check --coverage`` a named patch none of whose added statements ran fails the case.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -59,6 +63,8 @@ PROFILE_SETTINGS: dict[str, dict[str, Any]] = {
                                                           "VLLM_DCP_PROJECT_BEFORE_MERGE": "1"}},
     "tiny-glm5-tp2-dcp2-agrs-mtp5": {"backend": "ag_rs", "env": {"VLLM_DCP_PROJECT_BEFORE_MERGE": "1"}},
 }
+# The release cases() is written for when none is named (patches/DEFAULT: tests/engine/test_liveness_run.py).
+DEFAULT_RELEASE = "0.28.0"
 # A fixed KV cache per GPU instead of vLLM's free-memory profiling: engines of the check run side
 # by side on the same GPUs (``engine.check --parallel``), and a profile would count the others'
 # allocations as its own. 2 GiB holds about 600k tokens of this checkpoint (fp8_ds_mla 656 B +
@@ -107,6 +113,10 @@ class Case:
     # {"dcp_comm_backend": "a2a", "dcp_q_replicate": True}; {} not judged
     resolves: dict[str, Any] = field(default_factory=dict)
     release: str = ""  # the release whose build the case is written for ("": any)
+    # the patches (file names in the release's series) that must act here: engine-check --coverage fails the
+    # case when one ran none of its added statements (:data:`ACTS`). Not an engine setting, so neither in
+    # to_dict nor compared: run_case and --reuse see the case as before.
+    acts: tuple[str, ...] = field(default=(), compare=False)
 
     def engine_kwargs(self, model: str) -> dict[str, Any]:
         kw: dict[str, Any] = {
@@ -174,13 +184,60 @@ def _dcp(name: str, *, backend: str = "a2a", direct: bool = True, project: bool 
                 interleave=interleave, graphs=graphs, prompt_lens=LONG_PROMPT_LENS if long else PROMPT_LENS)
 
 
+def _piecewise_mtp(c: Case) -> bool:
+    """MTP in graphs under DCP with interleave > 1: where flashmla-sparse-dcp-spec-cudagraphs reports
+    single-token decodes (and spec decoding falls back to PIECEWISE); elsewhere it returns the release's
+    own support."""
+    return c.dcp > 1 and c.interleave > 1 and c.mtp and not c.eager
+
+
+def _v1_runner(c: Case) -> bool:
+    return c.env.get("VLLM_USE_V2_MODEL_RUNNER") == V1_RUNNER_ENV["VLLM_USE_V2_MODEL_RUNNER"]
+
+
+# Which patches must act in a case of a release's build (``Case.acts``): patch file name -> whether it must
+# in that case, from what each patch changes. The rest are reported only. The names must be in the
+# release's series (tests/engine/test_liveness_run.py; engine-check --coverage refuses one that is not).
+ACTS: dict[str, dict[str, Callable[[Case], bool]]] = {
+    "0.28.0": {
+        # FlashMLA-sparse's DCP decode (LSE, top-k localized to the rank's shard): every DCP > 1 engine
+        "flashmla-sparse-dcp.patch": lambda c: c.dcp > 1,
+        "flashmla-sparse-dcp-spec-cudagraphs.patch": _piecewise_mtp,
+        # MLAAttention's __init__ decides the projection (on, or off by VLLM_DCP_PROJECT_BEFORE_MERGE=0)
+        # and forward_impl's DCP merge takes it: every DCP > 1 engine
+        "dcp-project-before-merge.patch": lambda c: c.dcp > 1,
+        # every request asks for prompt logprobs; 0.28.0 runs the V1 runner, whose sample_tokens it changes
+        "spec-decode-prompt-logprobs-graph-pool.patch": lambda c: c.mtp,
+    },
+    "0.33.0": {
+        # the stop-gap (issue 39 item 1): MLAAttention.__init__'s class-flag check runs for every attention
+        # layer, at DCP 1 too (there it leaves the projection off; at DCP > 1 DeepseekV32Attention opts out)
+        "dcp-project-before-merge.patch": lambda c: True,
+        "flashmla-sparse-dcp-spec-cudagraphs.patch": _piecewise_mtp,
+        # the V1 runner only: Model Runner V2 (0.33.0's default) has its own sample path
+        "spec-decode-prompt-logprobs-graph-pool.patch": lambda c: c.mtp and _v1_runner(c),
+    },
+}
+
+
+def declared_acts(case: Case, release: str | None) -> tuple[str, ...]:
+    """The patches that must act in ``case`` on ``release``'s build (None: ``DEFAULT_RELEASE``), by
+    :data:`ACTS`; none for a release it does not list."""
+    return tuple(name for name, applies in ACTS.get(release or DEFAULT_RELEASE, {}).items() if applies(case))
+
+
 def cases(tp: int = 2, release: str | None = None) -> list[Case]:
     """Every case for TP ``tp`` (DCP = TP), references first, then by value, for the build of
     ``release`` (None: the default pin's, 0.28.0); a release with :func:`release_cases` runs those
-    first after the references, then the others, each judged on what it resolved there too.
+    first after the references, then the others, each judged on what it resolved there too. Each
+    names the patches that must act in it (:func:`declared_acts`).
 
     With ``tp == 1`` only the DCP 1 cases remain (a one-GPU machine cannot run DCP).
     """
+    return [replace(c, acts=declared_acts(c, release)) for c in _ordered(tp, release)]
+
+
+def _ordered(tp: int, release: str | None) -> list[Case]:
     generic = _cases(tp)
     runners = runner_cases(release, tp)
     if runners:

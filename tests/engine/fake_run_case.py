@@ -4,7 +4,8 @@ Same arguments; writes ``<out>.env.json`` (the environment it ran with: port, ca
 PYTHONPATH), then behaves as the case's env asks: ``FAKE_WAIT_FOR=NAME`` waits (up to ``FAKE_WAIT_S``, 20 s)
 until job NAME has started (proves two jobs ran at once), ``FAKE_HANG=1`` never ends,
 ``FAKE_CRASH_HANG=MSG`` logs a fatal worker error and never ends,
-``FAKE_CRASH=MSG`` prints MSG and exits 1; otherwise writes a minimal run output. Like the engine it
+``FAKE_CRASH=MSG`` prints MSG and exits 1; otherwise writes a minimal run output, after calling
+``run(case)`` of the module ``FAKE_VLLM_RUN`` names (a fake ``vllm`` engine under ``--coverage``). Like the engine it
 stands for, it logs the capture of FULL decode graphs for a case that asks for them, and records the
 settings it ``resolved``: what ``GLM5_DCP_DEFAULTS`` of the case's release makes of the options the
 case leaves unset, and the model runner (V2 on a ``V2_RUNNER_DEFAULT`` release unless
@@ -59,6 +60,8 @@ def main() -> int:
         print(msg, flush=True)
         return 1
     case = json.loads(ns.case.read_text())
+    if module := os.environ.get("FAKE_VLLM_RUN"):
+        __import__("importlib").import_module(module).run(case)
     if case.get("graphs") == "FULL":
         print("Capturing CUDA graphs (decode, FULL): 100%|##| 20/20 [00:02<00:00]", flush=True)
     doc = {"requests": [{"prompt_len": 2, "prompt_logprobs": [None, -1.0], "tokens": [5], "top": [[[5, -0.1]]]}],

@@ -1,0 +1,109 @@
+"""The liveness lines file: which lines of the patched tree each patch of a series added, for the engine check.
+
+``engine-check --coverage`` counts, per case and patch, how many of the patch's added statements ran
+(``engine.liveness_run``). Which lines a patch added comes from ``overlay.maintain.liveness.attribution``
+(git blame of the series replayed onto the release's files), which needs git and the series: it is made
+where they are and read where the engines run (the GPU device has neither). One JSON document::
+
+    {"format": 1, "release": "0.28.0", "vllm": "0.28.0+ovl...", "series": ["a.patch", ...],
+     "lines": {"a.patch": {"vllm/x.py": [12, 13, ...]}, ...}}
+
+``vllm`` is the version of the wheel the series builds (``make build``): the check refuses a file made for
+another build than the engines import, whose line numbers would count other statements.
+
+- :func:`lines_doc` (CPU): the document for a release's series (``overlay liveness-lines``);
+- :func:`staged_lines` (CPU): the file ``make device-stage`` puts beside the manifest, when the staged
+  wheel is the series' own;
+- :func:`load_lines` (anywhere): the document read back and checked against the build the engines
+  import and the patches the cases declare.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from overlay.engine.inputs import EngineCheckError
+
+FILE = "liveness.json"  # its name in the stage, beside manifest.json
+ENV = "OVERLAY_LIVENESS"  # scripts/device-run.sh sets it to the unpacked file: engine-check's default --liveness
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Lines:
+    """A liveness lines document, read back (:func:`load_lines`)."""
+
+    path: Path
+    release: str
+    vllm: str
+    series: tuple[str, ...]
+    lines: dict[str, dict[str, list[int]]]
+
+
+def lines_doc(patches_root: Path, version: str, *, cache: Path | None = None) -> dict[str, object]:
+    """The lines document of release ``version``'s series (its base tree extracted once into the cache,
+    the series replayed with git)."""
+    from overlay.build.pipeline import series_wheel
+    from overlay.maintain.liveness import attribution, attribution_json
+    from overlay.maintain.trees import base_tree
+
+    target = series_wheel(patches_root, version)
+    lines = attribution(base_tree(patches_root, version, cache=cache), target.series.patches)
+    return {"format": FORMAT, "release": version, "vllm": target.version,
+            "series": [p.name for p in target.series.patches], "lines": json.loads(attribution_json(lines))}
+
+
+def dump(doc: dict[str, object]) -> bytes:
+    return (json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n").encode()
+
+
+def summary(doc: dict[str, object]) -> str:
+    lines = doc["lines"]
+    assert isinstance(lines, dict)
+    count = sum(len(v) for files in lines.values() for v in files.values())
+    files = len({f for files in lines.values() for f in files})
+    return f"{FILE}: vllm {doc['vllm']}, {len(lines)} patch(es), {count} added line(s) in {files} file(s)"
+
+
+def staged_lines(patches_root: Path, version: str, wheel: Path) -> dict[str, bytes]:
+    """``{FILE: document}`` for ``make device-stage`` when ``wheel`` is the one release ``version``'s series
+    builds; else nothing, said on stderr (the lines of another series would count other statements)."""
+    from overlay.build.pipeline import series_wheel
+
+    expected = series_wheel(patches_root, version).filename
+    if wheel.name != expected:
+        print(f"[device-stage] {FILE} not staged: {wheel.name} is not the wheel of patches/{version}/series "
+              f"({expected}); engine-check --coverage then needs --liveness FILE", file=sys.stderr, flush=True)
+        return {}
+    doc = lines_doc(patches_root, version)
+    print(f"[device-stage] {summary(doc)} (engine-check --coverage)", file=sys.stderr, flush=True)
+    return {FILE: dump(doc)}
+
+
+def load_lines(path: Path, installed: str, declared: Iterable[tuple[str, str]] = ()) -> Lines:
+    """The document at ``path``, refused in one line when it is not one, when it was made for another build
+    than ``installed`` (the vLLM version the engines import), or when a case of ``declared`` (case, patch)
+    names a patch its series does not hold."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise EngineCheckError(f"--liveness {path}: cannot read a liveness lines file ({exc}); "
+                               "overlay liveness-lines writes one") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("lines"), dict):
+        raise EngineCheckError(f"--liveness {path}: not a liveness lines file of format {FORMAT} "
+                               "(overlay liveness-lines writes one)")
+    if doc.get("vllm") != installed:
+        raise EngineCheckError(f"--liveness {path}: made for vllm {doc.get('vllm')}, the engines import "
+                               f"{installed or '(none)'}: its line numbers are another build's (make it for "
+                               "this build: overlay liveness-lines, or make device-stage)")
+    series = tuple(doc.get("series") or ())
+    for case, patch in declared:
+        if patch not in series:
+            raise EngineCheckError(f"case {case} declares {patch}, which is not in the series of vllm "
+                                   f"{doc['vllm']} ({path})")
+    return Lines(path, str(doc.get("release", "")), str(doc["vllm"]), series,
+                 {p: {f: list(v) for f, v in files.items()} for p, files in doc["lines"].items()})

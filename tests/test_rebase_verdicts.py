@@ -221,21 +221,27 @@ OFF_PATH = TestRun("failed", passed=("test_bug",), failed=("test_on_glm5s_path",
                    kinds=("off-path",))
 
 
-def test_a_carried_patch_its_tests_find_off_the_models_path_is_not_kept_silently(tmp_path: Path) -> None:
-    """Issue 39 item 5: carried onto the target, the patch's tests with it there find it off the path GLM-5
-    runs (compat.OffModelPath): its own outcome, and REBASE.md names where its lines are and says no."""
+def _carried(tmp_path: Path, with_it: TestRun) -> tuple[dict, str]:
+    """Rebase an applying patch whose tests fail on the old base and on the target without it, and give
+    ``with_it`` on the target with it; its rebase.json entry and REBASE.md."""
     def run(patch: Patch, tree: Path) -> TestRun:
         if not _on_target(tree):
             return BUG
-        return OFF_PATH if "a_30 = 'patched'" in (tree / "vllm/a.py").read_text() else BUG
+        return with_it if "a_30 = 'patched'" in (tree / "vllm/a.py").read_text() else BUG
 
     root = tmp_path / "patches"
     series_dir(root, {"p.patch": make_patch(tmp_path, "p", APPLIES)})
     out = start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "work",
                 tests_dir=Path("tests/patches"), runner=run)
-    entry = json.loads((root / TO / "rebase.json").read_text())["patches"][0]
-    report = (root / TO / "REBASE.md").read_text()
-    assert out.done and entry["outcome"] == "off-model-path" and entry["carried"]
+    assert out.done
+    return json.loads((root / TO / "rebase.json").read_text())["patches"][0], (root / TO / "REBASE.md").read_text()
+
+
+def test_a_carried_patch_its_tests_find_off_the_models_path_is_not_kept_silently(tmp_path: Path) -> None:
+    """Issue 39 item 5: carried onto the target, the patch's tests with it there find it off the path GLM-5
+    runs (compat.OffModelPath): its own outcome, and REBASE.md names where its lines are and says no."""
+    entry, report = _carried(tmp_path, OFF_PATH)
+    assert entry["outcome"] == "off-model-path" and entry["carried"]
     assert "1 of its tests find it off the path GLM-5 runs (`test_on_glm5s_path`)" in entry["evidence"]
     assert entry["changes"] == ["vllm/a.py: <module>"]
     assert "Changes (on the target): `vllm/a.py: <module>`." in report
@@ -244,15 +250,6 @@ def test_a_carried_patch_its_tests_find_off_the_models_path_is_not_kept_silently
 
 
 def test_a_carried_patch_its_tests_pass_with_is_kept(tmp_path: Path) -> None:
-    def run(patch: Patch, tree: Path) -> TestRun:
-        if not _on_target(tree):
-            return BUG
-        return PASSED if "a_30 = 'patched'" in (tree / "vllm/a.py").read_text() else BUG
-
-    root = tmp_path / "patches"
-    series_dir(root, {"p.patch": make_patch(tmp_path, "p", APPLIES)})
-    start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "work",
-          tests_dir=Path("tests/patches"), runner=run)
-    entry = json.loads((root / TO / "rebase.json").read_text())["patches"][0]
+    entry, report = _carried(tmp_path, PASSED)
     assert entry["outcome"] == "applied" and entry["behaviour"]["target-with-it"]["status"] == "passed"
-    assert "On GLM-5's path: not found off it" in (root / TO / "REBASE.md").read_text()
+    assert "On GLM-5's path: not found off it" in report

@@ -48,13 +48,13 @@ def lines_doc(patches_root: Path, version: str, *, cache: Path | None = None) ->
     """The lines document of release ``version``'s series (its base tree extracted once into the cache,
     the series replayed with git)."""
     from overlay.build.pipeline import series_wheel
-    from overlay.maintain.liveness import attribution, attribution_json
+    from overlay.maintain.liveness import attribution
     from overlay.maintain.trees import base_tree
 
     target = series_wheel(patches_root, version)
     lines = attribution(base_tree(patches_root, version, cache=cache), target.series.patches)
     return {"format": FORMAT, "release": version, "vllm": target.version,
-            "series": [p.name for p in target.series.patches], "lines": json.loads(attribution_json(lines))}
+            "series": [p.name for p in target.series.patches], "lines": lines}
 
 
 def dump(doc: dict[str, object]) -> bytes:

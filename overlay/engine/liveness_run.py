@@ -3,7 +3,7 @@
 A case that passes says nothing of a patch whose lines never ran in it. With ``--coverage`` every engine
 process of a job runs under coverage.py, measuring the ``vllm`` package only, and after the job its data
 files are combined and held against the liveness lines file (``engine.liveness_lines``): per patch, its
-added statements inside function bodies (:func:`body_statements`: a ``def``, an import or a class
+added statements inside function bodies (``liveness.body_statements``: a ``def``, an import or a class
 attribute runs at import, in every case, and would make every patch look live) and how many of them ran
 (``overlay.maintain.liveness.liveness``), in the job's record (``liveness``) and in REPORT.md as a table
 case x patch, ``ran/added``. A case declares the patches that must act in it (``workload.Case.acts``); a
@@ -32,7 +32,6 @@ less overhead than the default C tracer.
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import os
 import shutil
@@ -78,41 +77,18 @@ def combine(folder: Path) -> Path:
     return data_file
 
 
-def body_statements(source: str) -> set[int]:
-    """The lines of ``source`` on which a statement inside a function's body starts (docstrings excepted):
-    what runs when the code is called. A module's or class's own statements run at import."""
-    from overlay.maintain.liveness import statements
-
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return set()
-    found = {sub.lineno for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-             for child in node.body for sub in ast.walk(child) if isinstance(sub, ast.stmt)}
-    return found & statements(source)
-
-
-def in_bodies(lines: Lines, tree: Path) -> dict[str, dict[str, list[int]]]:
-    """``lines.lines`` in series order, each patch's lines cut to :func:`body_statements` of ``tree``'s file."""
-    cache: dict[str, set[int]] = {}
-    out: dict[str, dict[str, list[int]]] = {}
-    for patch in (*lines.series, *(p for p in lines.lines if p not in lines.series)):
-        out[patch] = {}
-        for path, numbers in lines.lines.get(patch, {}).items():
-            if path not in cache:
-                file = tree / path
-                cache[path] = body_statements(file.read_text(encoding="utf-8")) if file.is_file() else set()
-            out[patch][path] = sorted(set(numbers) & cache[path])
-    return out
+def in_series_order(lines: Lines) -> dict[str, dict[str, list[int]]]:
+    """``lines.lines`` with the series' patches first, in series order (the file's keys are sorted)."""
+    return {p: lines.lines.get(p, {}) for p in (*lines.series, *(p for p in lines.lines if p not in lines.series))}
 
 
 def job_liveness(lines: Lines, data_file: Path, tree: Path) -> dict[str, Any]:
     """Each patch's added statements in function bodies of ``tree`` (holding the ``vllm/`` that ran) and
     how many of them ``data_file`` saw run; with how many files of the package were measured at all."""
-    from overlay.maintain.liveness import executed, liveness
+    from overlay.maintain.liveness import body_statements, executed, liveness
 
     ran = executed(data_file) if data_file.is_file() else {}
-    live = liveness(in_bodies(lines, tree), tree, ran)
+    live = liveness(in_series_order(lines), tree, ran, counted=body_statements)
     return {"measured_files": len(ran), "tree": str(tree), "patches": [p.to_dict() for p in live]}
 
 

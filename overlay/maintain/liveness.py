@@ -13,15 +13,14 @@ many of its added Python statements ran:
   ran from: an installed tree, ``/tmp/site``, a rebase's release tree);
 - :func:`liveness`: the three together, one :class:`Live` per patch.
 
-The attribution is JSON (:func:`attribution_json`), so it is computed where git and the series are and
-read where the run happened (the GPU device has neither).
+The attribution is plain data (JSON as ``overlay.engine.liveness_lines`` writes it), so it is computed where
+git and the series are and read where the run happened (the GPU device has neither).
 """
 
 from __future__ import annotations
 
 import ast
-import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,11 +96,6 @@ def _blame(repo: Path, path: str) -> list[tuple[int, str]]:
     return found
 
 
-def attribution_json(lines: Mapping[str, Mapping[str, list[int]]]) -> str:
-    return json.dumps({p: {f: sorted(v) for f, v in sorted(files.items())} for p, files in lines.items()},
-                      indent=1, sort_keys=True) + "\n"
-
-
 def statements(source: str) -> set[int]:
     """The lines on which a statement starts (docstrings excepted): what can run."""
     try:
@@ -116,6 +110,19 @@ def statements(source: str) -> set[int]:
         if isinstance(node, ast.stmt) and not _is_docstring(node):
             found.add(node.lineno)
     return found
+
+
+def body_statements(source: str) -> set[int]:
+    """:func:`statements` inside a function's body: what runs when the code is called. A module's or a
+    class's own statements (a ``def``, an import, a class attribute) run at import, in every run, and
+    would make every patch look live."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    found = {sub.lineno for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+             for child in node.body for sub in ast.walk(child) if isinstance(sub, ast.stmt)}
+    return found & statements(source)
 
 
 def _is_docstring(node: ast.AST) -> bool:
@@ -145,9 +152,11 @@ def executed(data_file: Path) -> dict[str, set[int]]:
     return ran
 
 
-def liveness(lines: Mapping[str, Mapping[str, list[int]]], tree: Path, ran: Mapping[str, set[int]]) -> list[Live]:
-    """Per patch (series order): its added statements in ``tree`` (the patched tree that ran, holding
-    ``vllm/``) and how many of them are in ``ran``."""
+def liveness(lines: Mapping[str, Mapping[str, list[int]]], tree: Path, ran: Mapping[str, set[int]], *,
+             counted: Callable[[str], set[int]] = statements) -> list[Live]:
+    """Per patch (in ``lines``' order): its added lines in ``tree`` (the patched tree that ran, holding
+    ``vllm/``) that ``counted`` keeps of the file (statements; :func:`body_statements` for a run where
+    import-time lines say nothing), and how many of them are in ``ran``."""
     cache: dict[str, set[int]] = {}
     result = []
     for patch, files in lines.items():
@@ -155,7 +164,7 @@ def liveness(lines: Mapping[str, Mapping[str, list[int]]], tree: Path, ran: Mapp
         for path, numbers in files.items():
             if path not in cache:
                 source = tree / path
-                cache[path] = statements(source.read_text(encoding="utf-8")) if source.is_file() else set()
+                cache[path] = counted(source.read_text(encoding="utf-8")) if source.is_file() else set()
             added = cache[path] & set(numbers)
             if added:
                 per_file[path] = (len(added), len(added & ran.get(path, set())))

@@ -17,6 +17,7 @@ from overlay.engine import check, liveness_run
 from overlay.engine.inputs import EngineCheckError
 from overlay.engine.liveness_lines import FORMAT, Lines, load_lines
 from overlay.engine.workload import ACTS, DEFAULT_RELEASE, Case, cases
+from overlay.maintain import liveness
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -312,4 +313,4 @@ def test_only_statements_in_function_bodies_count() -> None:
               '        """Doc."""\n        z = 3\n        if z:\n            return os.sep\n\n        def inner():\n'
               '            return 4\n\n        return inner\n')
     # the module's and the class's own statements (import, X, class, y, def m) run at import
-    assert liveness_run.body_statements(source) == {14, 15, 16, 18, 19, 21}
+    assert liveness.body_statements(source) == {14, 15, 16, 18, 19, 21}

@@ -31,7 +31,7 @@ from packaging.version import Version
 # relative); a lost partial, a row merged with the wrong weight or a wrong head is of the order of
 # the output itself.
 REL_TOL = 3e-2
-RUNS = [(t, p) for t, p in g.runs_for(2)]
+RUNS = g.runs_for(2)
 
 
 def _ranks(tmp: Path, world: int) -> tuple[Path, list[dict[str, Any]]]:

@@ -89,7 +89,7 @@ lint: $(TOOL_STAMP) ## ruff on the tool, and patch-lint
 patch-lint: $(TOOL_STAMP) ## the lines the series adds, through the release's own ruff check + ruff format; exit 0 clean, 1 findings [VLLM=0.28.0]
 	$(OVERLAY) patch-lint --vllm $(call q,VLLM)
 
-status: $(TOOL_STAMP) ## each patch: subject, origin, kind, files, applies [VLLM=0.28.0]
+status: $(TOOL_STAMP) ## each patch: subject, origin, kind, files, applies; per release and patch: rebased, on GLM-5's path, proven in an engine [VLLM=0.28.0]
 	$(OVERLAY) status --vllm $(call q,VLLM)
 
 workspace: $(TOOL_STAMP) ## git tree .work/<VLLM> of the base + one commit per patch, to edit patches
@@ -174,7 +174,7 @@ regress-verdicts: $(TOOL_STAMP) ## did each regress run under ROOT reach its exp
 	$(OVERLAY) regress-verdicts -- $(call q,ROOT)$(call qw,EXPECT)
 
 .PHONY: workspace-plan
-workspace-plan: $(TOOL_STAMP) ## direct DCP q-gather/A2A workspace capacity and bytes per GPU, both sizing modes [PROFILE= ARGS=]
+workspace-plan: $(TOOL_STAMP) ## direct DCP q-gather/A2A workspace capacity and bytes, and the gathered W_UV, per GPU [PROFILE= ARGS=]
 	$(OVERLAY) workspace-plan$(if $(PROFILE), --profile $(call q,PROFILE))$(call qw,ARGS)
 
 .PHONY: device-stage

@@ -23,6 +23,7 @@ from overlay.build.archive import TAR_MTIME
 from overlay.cli import main
 from overlay.device import staging
 from overlay.errors import OverlayError
+from tests import factskit
 from tests.wheelkit import good_patch, make_release, make_wheel
 
 REPO = Path(__file__).resolve().parent.parent
@@ -484,6 +485,8 @@ def _tiny_vllm(dest: Path, version: str = "0.28.0+ovltest") -> Path:
         "vllm/third_party/deep_gemm/_C.cpython-312-x86_64-linux-gnu.so": b"dg",
         "vllm/third_party/deep_gemm/__init__.py": b"",
         "vllm/_other_C.abi3.so": b"other",
+        # what the release facts read (a 0.28.0-shaped tree): the staging refuses a release without them
+        **{path: text.encode() for path, text in factskit.tree("0.28.0").files.items() if path != "vllm/_version.py"},
     })
     return make_wheel(dest, files, version=version)
 
@@ -604,6 +607,23 @@ def test_resolution_key_covers_what_the_resolution_depends_on() -> None:
         ds.resolution_key(["a>=1", "b"], {"x": "1.0", "y": "2.0"}, ds.Resolver("python3", "CPython 3.11.9", False)),
     }
     assert key not in others and len(others) == 7
+
+
+def test_stage_records_the_release_facts_and_refuses_a_release_without_them(
+        rig: StageRig, capsys: pytest.CaptureFixture[str]) -> None:
+    """The manifest carries the release facts the device's engine check will pick its cases by; a wheel whose
+    release they cannot describe stops before anything is resolved, in one line naming what is missing."""
+    manifest = rig.stage("0.28.0+a")
+    assert manifest["release_facts"] == factskit.facts("0.28.0").to_dict()
+    assert "release facts: GLM-5's model class: " in capsys.readouterr().err
+    bare = rig.tmp / "bare"
+    bare.mkdir()
+    wheel = make_wheel(bare, {"vllm/__init__.py": b""}, version="0.35.0")
+    with pytest.raises(ds.DeviceStageError) as err:
+        ds.stage(wheel, rig.tmp / "out-bare", device_packages=rig.packages, name="engine", cache=rig.cache)
+    assert str(err.value).startswith(f"device-stage: {wheel}: vllm 0.35.0: the release facts cannot describe it: "
+                                     "GLM-5's path: vllm/model_executor/models/registry.py: not in the tree; ")
+    assert "\n" not in str(err.value) and rig.resolves == 1 and not (rig.tmp / "out-bare").exists()
 
 
 def test_stage_reuses_the_resolution_after_a_patch_edit(rig: StageRig, capsys: pytest.CaptureFixture[str]) -> None:

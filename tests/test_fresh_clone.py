@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from overlay.build.pins import Pin
+from tests import factskit
 from tests.rebasekit import lines, make_patch
 from tests.wheelkit import make_wheel
 
@@ -91,8 +92,13 @@ def _plain_wheel(dest: Path, name: str, version: str, files: dict[str, str], met
 
 
 def _release_wheel(index: Path, version: str, files: dict[str, str]) -> Path:
+    """A release wheel: ``files`` in a tree whose release facts can be read (the rebase refuses one
+    whose cannot), FROM in 0.28.0's shape and TO in 0.33.0's."""
     folder = index / f".{version}"
     folder.mkdir()
+    shape = factskit.SHAPES["0.28.0" if version == FROM else "0.33.0"]
+    described = {k: v for k, v in factskit.files(version, **shape).items() if k != "vllm/_version.py"}
+    files = {**described, **files}
     made = make_wheel(folder, {k: v.encode() for k, v in files.items()}, version,
                       requires=("ovlweb[standard]==1.0",))
     return made.rename(index / made.name)

@@ -133,6 +133,13 @@ def test_pin_file_not_utf8(tmp_path: Path) -> None:
         pytest.param({"q_padded_heads": 8}, r"--q-padded-heads .* at least DCP x heads per rank \(64\)",
                      id="padded"),
         pytest.param({"tp": "8"}, r"--tp \(tp\) must be a positive integer, got '8'", id="type"),
+        pytest.param({"v_head_dim": 0}, r"^--v-head-dim \(v_head_dim\) must be a positive integer, got 0$",
+                     id="v-head-dim"),
+        pytest.param({"num_layers": -78}, r"^--num-layers \(num_layers\) must be a positive integer, got -78$",
+                     id="layers"),
+        pytest.param({"project_before_merge": "0"},
+                     r"^--project-before-merge \(project_before_merge\) must be true or false, got '0'$",
+                     id="projection"),
     ],
 )
 def test_workspace_plan_rejects_nonsense(overrides: dict, message: str) -> None:

@@ -13,6 +13,8 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
 from overlay.build.pins import default_version
 from overlay.build.series import Series
 from overlay.engine.variants import EXPECT, NO_VARIANT
@@ -25,8 +27,12 @@ ARCHITECTURE = (REPO / "docs" / "ARCHITECTURE.md").read_text()
 REBASE_GUIDE = (REPO / "docs" / "rebase" / "README.md").read_text()
 
 
+VERSION = default_version(REPO / "patches")
+SERIES_FILE = f"patches/{VERSION}/series"
+
+
 def series_names() -> list[str]:
-    series = Series.load(REPO / "patches" / default_version(REPO / "patches"))
+    series = Series.load(REPO / "patches" / VERSION)
     return [p.name.removesuffix(".patch") for p in series.patches]
 
 
@@ -35,29 +41,79 @@ def section(text: str, heading: str) -> str:
 
 
 # -- the patches: patches/<default>/series ------------------------------------------------------
+# Every place a patch must reach, derived from ``series``: a patch missing from one fails naming the
+# place. Its own tests (``tests/patches/test_<patch>.py``) are held by tests/test_patches_against_base.py.
 
-def test_the_readme_series_table_is_the_series_in_order() -> None:
-    rows = re.findall(r"(?m)^\| `([a-z0-9-]+)` \|", section(README, "## The series"))
-    assert rows == series_names()
+def readme_series_rows() -> list[str]:
+    return re.findall(r"(?m)^\| `([a-z0-9-]+)` \|", section(README, "## The series"))
 
 
-def test_the_architecture_problem_list_names_every_patch_once() -> None:
+def problem_items() -> list[list[str]]:
+    """The series patches each numbered item of ARCHITECTURE's problem list names."""
     problem = section(ARCHITECTURE, "## The problem")
     items = re.findall(r"(?ms)^\d+\. .*?(?=^\d+\. |^\s*$)", problem)
-    named = [n for item in items for n in re.findall(r"`([a-z0-9-]+)`", item) if n in series_names()]
-    plus = re.search(r"One patch per item[^\n]*\n?[^\n]*plus `([a-z0-9-]+)`", problem)
-    assert plus, "the problem list's 'plus' line"
-    assert sorted([*named, plus[1]]) == sorted(series_names()), named
-    assert len(named) == len(items) == len(set(named))  # one patch per item
+    names = set(series_names())
+    return [[n for n in re.findall(r"`([a-z0-9-]+)`", item) if n in names] for item in items]
 
 
-def test_every_patch_has_a_seed_bug_variant_or_says_why_not() -> None:
-    """A fix missing from ``EXPECT`` gets no variant, and ``make engine-variants`` would not say so."""
+def problem_plus() -> str | None:
+    """The patch the problem list adds after its items ("One patch per item ..., plus `<patch>`")."""
+    plus = re.search(r"One patch per item[^\n]*\n?[^\n]*plus `([a-z0-9-]+)`", section(ARCHITECTURE, "## The problem"))
+    return plus[1] if plus else None
+
+
+def build_guide_counts() -> list[int]:
+    """The patch counts of the build guide's example output (``(0.28.0+ovl..., 8 patch(es), 0.38 s)``)."""
+    text = (REPO / "docs" / "build" / "README.md").read_text()
+    return [int(n) for n in re.findall(r"\((?:[^,()]+), (\d+) patch\(es\)", text)]
+
+
+PLACES = {
+    "README.md's series table (## The series)": lambda p: p in readme_series_rows(),
+    "docs/ARCHITECTURE.md's problem list (an item, or its 'plus' line)":
+        lambda p: p == problem_plus() or any(p in item for item in problem_items()),
+    "overlay/engine/variants.py's EXPECT (or NO_VARIANT, saying why)":
+        lambda p: f"{p}.patch" in EXPECT or f"{p}.patch" in NO_VARIANT,
+}
+
+
+@pytest.mark.parametrize("patch", series_names())
+def test_every_patch_reaches_every_place(patch: str) -> None:
+    """A fix missing from ``EXPECT`` got no seed-bug variant, and ``make engine-variants`` did not say so."""
+    missing = [place for place, has in PLACES.items() if not has(patch)]
+    assert not missing, f"{SERIES_FILE}: {patch} is missing from " + "; ".join(missing)
+
+
+def test_the_build_guides_example_counts_the_series() -> None:
+    counts, n = build_guide_counts(), len(series_names())
+    assert counts, "docs/build/README.md: no example build line '(<version>, N patch(es), ...)' found"
+    assert set(counts) == {n}, f"docs/build/README.md's example says {counts} patch(es); {SERIES_FILE} has {n}"
+
+
+def test_the_readme_series_table_is_the_series_in_order() -> None:
+    rows, names = readme_series_rows(), series_names()
+    stale = [r for r in rows if r not in names]
+    assert not stale, f"README.md's series table names {stale}, not in {SERIES_FILE}"
+    assert rows == [n for n in names if n in rows], f"README.md's series table is not in {SERIES_FILE}'s order"
+
+
+def test_the_architecture_problem_list_names_one_patch_per_item() -> None:
+    items, plus = problem_items(), problem_plus()
+    assert plus, "docs/ARCHITECTURE.md's problem list: no 'One patch per item ..., plus `<patch>`' line"
+    not_one = [i for i, named in enumerate(items) if len(named) != 1]
+    assert not not_one, f"docs/ARCHITECTURE.md's problem items {not_one} do not name exactly one patch of the series"
+    named = [n for item in items for n in item] + [plus]
+    assert len(named) == len(set(named)), f"docs/ARCHITECTURE.md's problem list names a patch twice: {named}"
+
+
+def test_the_seed_bug_variants_name_only_patches_of_the_series() -> None:
     patches = {f"{n}.patch" for n in series_names()}
     fixes = set(EXPECT) - {"stock"}
-    assert fixes.isdisjoint(NO_VARIANT), fixes & set(NO_VARIANT)
-    assert fixes | set(NO_VARIANT) == patches, (patches - fixes - set(NO_VARIANT), (fixes | set(NO_VARIANT)) - patches)
-    assert all(why.strip() for why in NO_VARIANT.values())
+    both = sorted(fixes & set(NO_VARIANT))
+    assert not both, f"overlay/engine/variants.py: {both} both in EXPECT and in NO_VARIANT"
+    stale = sorted((fixes | set(NO_VARIANT)) - patches)
+    assert not stale, f"overlay/engine/variants.py's EXPECT / NO_VARIANT name {stale}, not in {SERIES_FILE}"
+    assert all(why.strip() for why in NO_VARIANT.values()), "variants.py: a NO_VARIANT entry without its why"
 
 
 # -- the rebase outcomes: overlay.maintain.rebase.state.OUTCOMES --------------------------------
@@ -99,8 +155,6 @@ def test_the_package_docstrings_point_to_the_one_list() -> None:
 
 
 def test_a_result_with_an_unknown_outcome_is_refused() -> None:
-    import pytest
-
     from overlay.maintain.rebase.state import Result
 
     with pytest.raises(ValueError, match="not an outcome"):

@@ -54,18 +54,34 @@ def packages() -> dict[str, set[str]]:
     return out
 
 
-def layout_rows() -> dict[str, set[str]]:
-    """The README Layout's ``overlay/...`` rows -> the module names they give (backticked words)."""
+def layout_rows(readme: str | None = None) -> dict[str, set[str]]:
+    """The README Layout's ``overlay/...`` rows -> the module names they give (backticked words). A row
+    whose first cell is empty continues the row above (the README keeps its lines short)."""
     import re
 
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "README.md").read_text() if readme is None else readme
     section = readme.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
-    rows = {}
+    rows: dict[str, set[str]] = {}
+    current = None
     for line in section.splitlines():
-        m = re.match(r"\| `(overlay/[a-z_/]*)` \| (.*) \|$", line)
-        if m:
-            rows[m[1]] = set(re.findall(r"`([a-z_0-9]+/?|__main__)`", m[2])) - {"__init__"}
+        cells = line.split("|")
+        if not line.startswith("|") or len(cells) != 4:
+            continue
+        first = cells[1].strip()
+        if first:  # a new row: an overlay package's, or another path's
+            path = re.fullmatch(r"`(overlay/[a-z_/]*)`", first)
+            current = path[1] if path else None
+            if current:
+                rows[current] = set()
+        if current:
+            rows[current] |= set(re.findall(r"`([a-z_0-9]+/?|__main__)`", cells[2])) - {"__init__"}
     return rows
+
+
+def test_a_layout_row_may_continue_on_the_next_lines() -> None:
+    readme = ("\n## Layout\n\n| path | holds |\n| --- | --- |\n| `overlay/a/` | `x`, `y` |\n| | and `z` |\n"
+              "| `scripts/` | `s.sh` |\n| | `t` |\n\n## Next\n")
+    assert layout_rows(readme) == {"overlay/a/": {"x", "y", "z"}}
 
 
 def test_the_readme_layout_names_every_package_and_module() -> None:

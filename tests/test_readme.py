@@ -3,7 +3,8 @@
 A newcomer reads the README's "Make targets" table and "Where to look" table; ``make help`` lists
 the Makefile's targets; the Makefile calls the CLI's verbs. A target added without a README row, a
 README row for a target that went, a verb the Makefile calls that the CLI lacks, or a guide the
-README points to that is not there, fails here.
+README points to that is not there, fails here; so does a file the "Extending" list names that is not
+there, and a README line over 200 characters (a cell that wants its guide).
 """
 
 from __future__ import annotations
@@ -68,16 +69,28 @@ def test_a_target_named_with_digits_is_listed_and_needs_its_row(tmp_path: Path) 
     assert "k8s-check2" in readme_table_targets(README.replace(first, "| `k8s-check2` | `make k8s-check2` |\n" + first))
 
 
-def test_the_extending_table_names_real_files_and_symbols() -> None:
+def test_the_extending_list_names_real_files_and_symbols() -> None:
+    """Each extension point starts with its one place; every file (and ``file:SYMBOL``) the list names is there."""
     section = README.split("## Extending", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| ---")][1:]
-    assert len(rows) >= 5
-    for row in rows:
-        where = row.split("|")[2]
-        path, _, symbol = re.search(r"`([^`]+)`", where).group(1).partition(":")
+    points = re.findall(r"(?m)^- \*\*([^*]+)\*\*: [^`\n]*`([^`]+)`", section)
+    assert len(points) >= 10 and {"a patch", "a regress profile", "a regress check"} <= {p for p, _ in points}
+    named = re.findall(r"`((?:overlay|tests|docs|patches|scripts)/[^`<>*\s]*)`", section)
+    assert [p for p, where in points if where not in named] == [], "an extension point's first file is its place"
+    for where in named:
+        path, _, symbol = where.partition(":")
         assert (REPO / path).exists(), f"README Extending: {path} is not there"
         if symbol:
             assert re.search(rf"\b{re.escape(symbol)}\b", (REPO / path).read_text()), f"{path} has no {symbol}"
+
+
+LONGEST = 200  # characters: a longer line is a table cell (or a paragraph) that wants its guide
+
+
+def test_no_readme_line_is_longer_than_200_characters() -> None:
+    """A newcomer reads the README in an editor and a diff as well as rendered: a table cell of 900 characters
+    was a guide's paragraph in the wrong place (move it to the guide its row links to)."""
+    long = [(n, len(line)) for n, line in enumerate(README.splitlines(), 1) if len(line) > LONGEST]
+    assert long == [], f"README.md lines (number, length) over {LONGEST} characters: {long}"
 
 
 def test_the_guides_the_readme_points_to_exist() -> None:

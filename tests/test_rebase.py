@@ -335,9 +335,16 @@ def test_make_rebase_takes_a_prepared_pin_instead_of_the_index(tmp_path: Path,
                         lambda pin: fetched.append(pin.version) or tmp_path / pin.wheel)
     monkeypatch.setattr(overlay.build.fetch, "fetch_release", lambda v: pytest.fail("asked the index"))
     given: list[Pin] = []
-    monkeypatch.setattr(overlay.maintain.rebase.release, "start", lambda root, frm, pin, *a, **k: given.append(pin))
+    facts: list[dict] = []
+    monkeypatch.setattr(overlay.maintain.rebase.release, "start",
+                        lambda root, frm, pin, *a, **k: given.append(pin) or facts.append(k["facts"]))
+    from tests import factskit  # the two wheels' release facts: 0.28.0's shape, then 0.33.0's
+
+    shapes = iter(["0.28.0", "0.33.0"])
+    monkeypatch.setattr(overlay.maintain.rebase.release, "release_facts_of", lambda wheel: factskit.facts(next(shapes)))
     overlay.maintain.rebase.release.rebase_release(root, FROM, TO, work_root=tmp_path / "w", run_tests=False)
     assert fetched == [FROM, TO] and given == [TARGET_PIN]
+    assert [facts[0]["from"]["release"], facts[0]["to"]["release"]] == ["0.28.0", "0.33.0"]
 
 
 def test_fetch_release_trusts_the_index_digest(tmp_path: Path) -> None:

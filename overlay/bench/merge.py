@@ -6,12 +6,13 @@ dimensions, token count and transport, both orders run through the patched vLLM'
 
 - baseline (vLLM 0.28.0's order): the transport merges the latent partials
   ``[T, 2 * heads, kv_lora_rank]``, then ``MLAAttention._v_up_proj`` projects this rank's heads;
-- optimized (dcp-project-before-merge): ``MLAAttention._dcp_project_and_merge`` projects every
-  gathered head through the DCP-gathered ``W_UV`` and the transport merges
-  ``[T, 2 * heads, v_head_dim]``, through the transport's fused ``project_combine``
-  (``cp_lse_ag_out_rs_project``, ``dcp_a2a_project_lse_reduce``,
-  ``MLADCPManager._project_combine_direct_a2a``): the projection lands in the layout the
-  transport sends and the merge writes this rank's heads into the output.
+- optimized (dcp-project-before-merge): ``MLADCPManager.project_combine`` projects every
+  gathered head through the DCP-gathered ``W_UV`` with one batched matmul and the transport's
+  own combine merges ``[T, 2 * heads, v_head_dim]`` (ag_rs merges first below its measured
+  bound); with ``VLLM_DCP_PROJECT_FUSED=1`` in the environment (dcp-project-before-merge-fused)
+  the transport's fused Triton function takes it where it applies (``project_reduce_scatter``,
+  ``project_all_to_all``, ``project_direct``): the projection lands in the layout the transport
+  sends and the merge writes this rank's heads into the output. ``merge.json`` says which.
 
 Transports: ``ag_rs`` (``cp_lse_ag_out_rs``), ``nccl_a2a`` (``dcp_a2a_lse_reduce``) and
 ``direct_a2a`` (vLLM's symmetric-memory kernel, when it loads). Each is timed under CUDA-graph
@@ -50,33 +51,51 @@ TOKENS = [1, 16, 128, 768, 8192]
 TRANSPORTS = ["ag_rs", "nccl_a2a", "direct_a2a"]
 
 
+def fused_from_env() -> bool:
+    """Whether the optimized order takes dcp-project-before-merge-fused's kernels (vLLM's switch)."""
+    return os.environ.get("VLLM_DCP_PROJECT_FUSED", "0") == "1"
+
+
 def _transport_fns(transport: str, group: Any, device: Any, heads: int, kv_lora_rank: int, v_head_dim: int,
                    max_tokens: int) -> tuple[Any, Any] | None:
-    """(vLLM's combine of ``kv_lora_rank``-wide partials, the patch's fused project-and-merge) of
-    ``transport`` (``MLADCPManager.project_combine``), or None where the transport is unavailable."""
+    """(vLLM's combine of ``kv_lora_rank``-wide partials, the patch's ``project_combine`` over the
+    same transport sized for ``v_head_dim``), or None where the transport is unavailable. The
+    manager is vLLM's own class with the state its ``__init__`` gives each transport."""
     import functools
 
     import torch
     from vllm.v1.attention.ops import dcp_utils
-    from vllm.v1.attention.ops.common import cp_lse_ag_out_rs, cp_lse_ag_out_rs_project
-    from vllm.v1.attention.ops.dcp_alltoall import dcp_a2a_lse_reduce, dcp_a2a_project_lse_reduce
+    from vllm.v1.attention.ops.common import cp_lse_ag_out_rs
+    from vllm.v1.attention.ops.dcp_alltoall import dcp_a2a_lse_reduce
 
+    project_fns = {}
+    if fused_from_env():
+        from vllm.v1.attention.ops import dcp_project
+
+        project_fns = {"ag_rs": dcp_project.project_reduce_scatter, "nccl_a2a": dcp_project.project_all_to_all}
+    manager = dcp_utils.MLADCPManager.__new__(dcp_utils.MLADCPManager)
+    manager.group, manager.fused_project_combine = group, None
+    manager.project_first_min_tokens = dcp_utils._AG_RS_PROJECT_FIRST_MIN_TOKENS if transport == "ag_rs" else 0
     if transport in ("ag_rs", "nccl_a2a"):
-        combine, project = ((cp_lse_ag_out_rs, cp_lse_ag_out_rs_project) if transport == "ag_rs"
-                            else (dcp_a2a_lse_reduce, dcp_a2a_project_lse_reduce))
-        return (functools.partial(combine, cp_group=group, is_lse_base_on_e=True),
-                functools.partial(project, cp_group=group, is_lse_base_on_e=True))
+        combine = functools.partial(cp_lse_ag_out_rs if transport == "ag_rs" else dcp_a2a_lse_reduce,
+                                    cp_group=group, is_lse_base_on_e=True)
+        manager.combine = combine
+        if transport in project_fns:
+            manager.fused_project_combine = functools.partial(project_fns[transport], cp_group=group,
+                                                              is_lse_base_on_e=True)
+        return combine, manager.project_combine
     os.environ["VLLM_USE_DIRECT_DCP_A2A"] = "1"
     latent_ws, projected_ws = (
         dcp_utils.get_direct_dcp_a2a_workspace(group, device, max_tokens, heads, dim, torch.bfloat16, 1)
         for dim in (kv_lora_rank, v_head_dim))
     if latent_ws is None or projected_ws is None:
         return None
-    manager = SimpleNamespace(group=group)
-    return (functools.partial(dcp_utils.MLADCPManager._combine_direct_a2a, manager, latent_ws,
-                              is_lse_base_on_e=True),
-            functools.partial(dcp_utils.MLADCPManager._project_combine_direct_a2a,
-                              manager, projected_ws, is_lse_base_on_e=True))
+    manager.combine = functools.partial(manager._combine_direct_a2a, projected_ws, is_lse_base_on_e=True)
+    if fused_from_env():
+        manager.fused_project_combine = functools.partial(manager._fused_project_direct, projected_ws,
+                                                          is_lse_base_on_e=True)
+    return (functools.partial(manager._combine_direct_a2a, latent_ws, is_lse_base_on_e=True),
+            manager.project_combine)
 
 
 def _stepper(fn: Any, group: Any, graph: bool, inner: int = 10) -> Any:
@@ -167,8 +186,8 @@ def _steps(layer: Any, base_combine: Any, partial: Any, lse: Any, seq_lens: Any 
         MLAAttention._v_up_proj(layer, merged, out=out_base)
 
     def optimized() -> None:  # the patch: project every gathered head, then merge
-        MLAAttention._dcp_project_and_merge(layer, partial, lse_o, seq_lens=seq_lens,
-                                            query_start_loc=query_start_loc, out=out_opt)
+        layer.project_combine(partial, lse_o, layer.W_UV_dcp, out=out_opt, seq_lens=seq_lens,
+                              query_start_loc=query_start_loc)
 
     return baseline, optimized, out_base, out_opt
 
@@ -276,17 +295,18 @@ def _worker(rank: int, world: int, port: int, tokens: list[int], replays: int, o
                     notes.append(f"{model} {transport}: not available here")
                     continue
                 base_combine, project_combine = fns
-                # _dcp_project_and_merge takes the manager's fused project_combine when it has one.
+                # the layer's state _v_up_proj reads, and the manager's project_combine forward_impl calls
                 layer = SimpleNamespace(
                     num_heads=heads, kv_lora_rank=lora, v_head_dim=v, W_UV=w_uv, W_UV_dcp=w_uv_dcp,
                     is_aiter_triton_fp4_bmm_enabled=False, is_aiter_triton_fp8_bmm_enabled=False,
-                    dcp_row_valid_counts=None, dcp_manager=SimpleNamespace(project_combine=project_combine))
+                    project_combine=project_combine)
                 for n in tokens:
                     rows.append(_measure(at, layer, base_combine, model, transport, n, notes))
                     group.barrier()
     if rank == 0:
         Path(out_file).write_text(json.dumps({
             "world": world, "replays": replays, "models": MODELS, "tokens": tokens, "bounds": bounds, "rows": rows,
+            "fused": fused_from_env(),
             "notes": notes, "gpu": torch.cuda.get_device_name(0),
             "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")},
         }, indent=1))

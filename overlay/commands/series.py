@@ -1,4 +1,5 @@
-"""The series itself: ``status`` (each patch, does it apply), ``workspace`` and ``export`` (patches as commits)."""
+"""The series itself: ``status`` (each patch, does it apply; per release and patch, what is proven), ``workspace``
+and ``export`` (patches as commits)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from overlay.commands.common import add_vllm, root
 
 
 def configure_parser(sub: argparse._SubParsersAction) -> None:
-    text = "each patch: subject, origin, kind, files, applies to the pinned base"
+    text = ("each patch: subject, origin, kind, files, applies to the pinned base; then per release and patch: "
+            "rebased, on GLM-5's path, proven in an engine (where, DCP size, when)")
     sp = sub.add_parser("status", help=text, description=text)
     add_vllm(sp)
     sp.add_argument("--json", action="store_true")
@@ -33,13 +35,18 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
+    from overlay.maintain.engine_records import records_root
+    from overlay.maintain.proven import format_proven, proven
     from overlay.maintain.status import format_table, series_status
 
     rows = series_status(root(ns), ns.vllm)
+    records = records_root(root(ns))
+    releases, unnamed = proven(root(ns), records)
     if ns.json:
-        print(json.dumps([r.to_dict() for r in rows], indent=2))
+        print(json.dumps({"release": ns.vllm, "patches": [r.to_dict() for r in rows],
+                          "proven": [r.to_dict() for r in releases], "records_naming_no_build": unnamed}, indent=2))
     else:
-        sys.stdout.write(format_table(rows, ns.vllm))
+        sys.stdout.write(format_table(rows, ns.vllm) + format_proven(releases, unnamed, records))
     return 0 if all(r.applies for r in rows) else 1
 
 

@@ -1,4 +1,4 @@
-"""``overlay workspace-plan``: the direct DCP workspaces' capacity and bytes per GPU for a serving shape."""
+"""``overlay workspace-plan``: the direct DCP workspaces' capacity and bytes, and the gathered W_UV, per GPU."""
 
 from __future__ import annotations
 
@@ -8,20 +8,26 @@ import sys
 
 from overlay.commands.common import add_vllm
 
-HELP = ("capacity (tokens) and bytes per GPU of the direct DCP q-gather and A2A workspaces, "
-        "both sizing modes, from flags or a regress profile")
+HELP = ("capacity (tokens) and bytes per GPU of the direct DCP q-gather and A2A workspaces and of the "
+        "DCP-gathered W_UV (project-before-merge), from flags or a regress profile")
 
 
 def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("workspace-plan", help=HELP, description=HELP)
     add_vllm(sp)
-    sp.add_argument("--profile", help="regress profile name or YAML: TP, DCP, batching, speculation "
-                                      "from its serve arguments (flags override)")
+    sp.add_argument("--profile", help="regress profile name or YAML: TP, DCP, batching, speculation from its "
+                                      "serve arguments, the projection from its env (flags override)")
     sp.add_argument("--tp", type=int, help="tensor parallel size (default 8)")
     sp.add_argument("--dcp", type=int, help="decode context parallel size (default 8)")
     sp.add_argument("--num-heads", type=int, help="attention heads of the model (default 64, GLM-5)")
     sp.add_argument("--kv-lora-rank", type=int, help="default 512")
     sp.add_argument("--rope-dim", type=int, help="qk_rope_head_dim (default 64)")
+    sp.add_argument("--v-head-dim", type=int, help="v_head_dim (default 256, GLM-5)")
+    sp.add_argument("--num-layers", type=int,
+                    help="MLA layers, each with its own W_UV_dcp (default 78, GLM-5; an MTP draft's layer is one more)")
+    sp.add_argument("--project-before-merge", action=argparse.BooleanOptionalAction, default=None,
+                    help="VLLM_DCP_PROJECT_BEFORE_MERGE (default on): the A2A output at v_head_dim and W_UV "
+                         "gathered over DCP; off: at kv_lora_rank, no gathered W_UV")
     sp.add_argument("--max-num-seqs", type=int,
                     help="default 128 (the seed's setup; a profile without the flag: vLLM's 1024)")
     sp.add_argument("--speculative-tokens", type=int, help="num_speculative_tokens (default 0)")
@@ -44,7 +50,8 @@ def cmd_workspace_plan(ns: argparse.Namespace) -> int:
     try:
         config = build_config(
             ns.profile, tp=ns.tp, dcp=ns.dcp, num_heads=ns.num_heads, kv_lora_rank=ns.kv_lora_rank,
-            qk_rope_head_dim=ns.rope_dim, max_num_seqs=ns.max_num_seqs,
+            qk_rope_head_dim=ns.rope_dim, v_head_dim=ns.v_head_dim, num_layers=ns.num_layers,
+            project_before_merge=ns.project_before_merge, max_num_seqs=ns.max_num_seqs,
             speculative_tokens=ns.speculative_tokens, parallel_drafting=ns.parallel_drafting,
             max_num_batched_tokens=ns.max_num_batched_tokens,
             cudagraph_capture_size=ns.cudagraph_capture_size, num_ubatches=ns.num_ubatches,

@@ -44,6 +44,7 @@ from overlay.device.settings import (
 from overlay.device.torch_abi import EXPORTS_DIR, TorchCheck
 from overlay.device.torch_abi import check as torch_check
 from overlay.outpaths import check_dir
+from overlay.releases.facts import ReleaseFacts, ReleaseFactsError, release_facts
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,8 @@ def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: i
     device = read_device_packages(device_packages)
     torch, home = torch_preflight(wheel, version, requires, device)
     log(torch.line(home))
+    facts = release_facts_of(wheel)
+    log(f"release facts: {facts.summary()}")
     not_needed = {} if full else NOT_NEEDED
     requirements, skipped = device_requirements(requires, not_needed=not_needed)
     extra_reqs, extra_skipped = extra_device_requirements(extras)
@@ -183,6 +186,7 @@ def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: i
     sizes = {f.path: f.size for f in staged_wheels}
     extra = {
         "vllm": {"wheel": wheel.name, "version": version, "sha256": sha256_file(wheel)},
+        "release_facts": facts.to_dict(),
         "left_out": left_out,
         "torch": torch.to_dict(home),
         "resolution": {
@@ -208,6 +212,15 @@ def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: i
     seconds = time.monotonic() - start
     log(f"wrote {len(manifest['carries'])} carries under {dest} ({seconds:.0f} s)")
     return StageResult(dest, manifest, seconds)
+
+
+def release_facts_of(wheel: Path) -> ReleaseFacts:
+    """The release facts of the wheel's tree (what the engine check on the device picks its cases by): a
+    release they cannot describe stops the staging here, in one line, not after a trip to the device."""
+    try:
+        return release_facts(wheel)
+    except ReleaseFactsError as exc:
+        raise DeviceStageError(f"device-stage: {exc}") from None
 
 
 def _check_paths(wheel: Path, dest: Path, cache: Path) -> None:

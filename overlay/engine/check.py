@@ -6,9 +6,8 @@
 ``scripts/device-run.sh``). Each case runs in its own process group (``engine.run_case``) under
 a timeout, with the test-only ``deep_gemm`` stand-in (``tests/engine/standin``) first on
 ``PYTHONPATH`` and NVLink multicast off. The DCP 1 reference and spread runs come first; the
-tolerance is derived from them
-(``engine.compare.derive_tolerance``); every other case must match the reference within it,
-greedy tokens included, and must not crash or hang.
+tolerance is derived from them and every other case must match the reference within it, greedy
+tokens included, and must not crash or hang (``engine.verdict``: each case's verdict, the report).
 
 ``--parallel N`` runs up to N engines at once on the same GPUs (start-up is mostly one CPU
 core compiling: N engines start in about the time of one). Every engine reserves a fixed
@@ -44,15 +43,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from overlay.engine.compare import FLOOR, SAFETY, compare, derive_tolerance
 from overlay.engine.env import PORT_BASE, PORT_STRIDE, REPO, SAFE_ENV, STANDIN, error_line, strip_log_prefix
 from overlay.engine.inputs import EngineCheckError, check_inputs, lay_variant, load_variants
 from overlay.engine.liveness_run import KILL_GRACE_S, SITE, Measure
-from overlay.engine.liveness_run import problems as liveness_problems
 from overlay.engine.liveness_run import start as start_measure
-from overlay.engine.liveness_run import table as liveness_table
+from overlay.engine.verdict import judge, record_name, report
 from overlay.engine.workload import Case, cases
 from overlay.outpaths import check_dir
+from overlay.releases.facts import ReleaseFacts, ReleaseFactsError, release_facts
+from overlay.releases.source import importable_tree
 
 RUN_CASE = "overlay.engine.run_case"  # the module each job runs (python -m)
 
@@ -249,18 +248,18 @@ def run_jobs(jobs: list[Job], model: Path, out: Path, *, timeout: float, paralle
     return [done[j.name] for j in jobs]
 
 
-def variant_jobs(variants: Path, tp: int, out: Path, release: str | None = None) -> list[Job]:
+def variant_jobs(variants: Path, tp: int, out: Path, facts: ReleaseFacts | None = None) -> list[Job]:
     """One job per seed-bug variant of ``variants/variants.json`` and case it names (``jobs``: several)
-    that this machine can show, among the cases of ``release``'s build."""
+    that this machine can show, among the cases of the build whose release ``facts`` describe."""
     manifest = load_variants(variants)
-    by_name = {c.name: c for c in cases(tp, release)}
+    by_name = {c.name: c for c in cases(tp, facts)}
     jobs: list[Job] = []
     for variant, v in manifest["variants"].items():
         for shown in v.get("jobs") or [v]:
             if not shown.get("case"):
                 print(f"[engine-check] {variant}: not shown here ({shown['symptom']})", flush=True)
                 continue
-            if shown["case"] not in by_name and tp < 2 and shown["case"] in {c.name for c in cases(2, release)}:
+            if shown["case"] not in by_name and tp < 2 and shown["case"] in {c.name for c in cases(2, facts)}:
                 print(f"[engine-check] {variant}: not shown at --tp {tp} ({shown['case']} needs DCP 2)", flush=True)
                 continue
             if shown["case"] not in by_name:
@@ -289,96 +288,6 @@ def _kill_group(proc: subprocess.Popen, grace: float = 0) -> None:
     proc.wait()
 
 
-def _name(record: dict[str, Any]) -> str:
-    return record.get("name") or record["case"]["name"]
-
-
-def judge(records: list[dict[str, Any]], out: Path, expect: str | None) -> dict[str, Any]:
-    """Tolerance from the spread runs, then a verdict per case (``pass`` / ``fail`` / ``expected-fail`` /
-    ``expected-pass``: a variant whose fix does nothing on this build).
-
-    A record with its own ``expect`` (a variant job) must fail that way; ``expect`` here applies
-    to every other checked case (a run on one variant tree).
-    """
-    docs = {_name(r): json.loads((out / f"{_name(r)}.json").read_text()) for r in records if r["status"] == "ok"}
-    ref_rec = next((r for r in records if r["case"]["role"] == "reference" and not r.get("variant")), None)
-    summary: dict[str, Any] = {"safety": SAFETY, "floor": FLOOR, "expect": expect}
-    if ref_rec is None or ref_rec["status"] != "ok":
-        summary["verdict"] = "harness"
-        summary["why"] = f"reference did not run: {ref_rec['error'] if ref_rec else 'not in the case list'}"
-        for r in records:
-            r["verdict"] = "n/a"
-        return summary
-    ref = docs[_name(ref_rec)]
-    spreads = [docs[_name(r)] for r in records if r["case"]["role"] == "spread" and r["status"] == "ok"]
-    tol, spread = derive_tolerance(ref, spreads)
-    summary |= {"tolerance": tol.to_dict(), "spread": spread, "spread_runs": len(spreads)}
-    # other references (``compare_to``): a case is compared with the run that differs from it
-    # only in what the case tests (the MTP cases with DCP 1 + MTP)
-    refs = {_name(r): r for r in records if r["case"]["role"] == "reference" and not r.get("variant")}
-    failed = False
-    for r in records:
-        name, role = _name(r), r["case"]["role"]
-        r["startup_s"] = docs.get(name, {}).get("startup_s")
-        r["generate_s"] = docs.get(name, {}).get("generate_s")
-        if r is ref_rec:
-            r["verdict"] = "reference"
-            if (lost := liveness_problems(r)):  # --coverage: a patch it declares ran none of its lines
-                r["problems"], r["verdict"], failed = lost, "fail", True
-            continue
-        base = r["case"].get("compare_to") or _name(ref_rec)
-        # another workload's reference (the long cases'): nothing of the first to compare it with
-        own_workload = r["case"].get("prompt_lens") != ref_rec["case"].get("prompt_lens")
-        problems: list[str]
-        if r["status"] == "ok" and role == "reference" and own_workload and not r["case"].get("compare_to"):
-            problems = []
-        elif r["status"] != "ok":
-            problems = [f"{r['status']}: {r['error']}"]
-        elif base not in refs or refs[base]["status"] != "ok":
-            problems = [f"its reference {base} did not run"]
-        else:
-            d = compare(docs[base], docs[name], tol)
-            r["diff"] = d.to_dict()
-            r["spec_decode"] = docs[name].get("spec_decode") or {}
-            problems = d.problems(tol)
-        resolved = docs.get(name, {}).get("resolved")
-        if resolved is not None:
-            r["resolved"] = resolved
-        problems += resolve_problems(r["case"].get("resolves") or {}, resolved) if r["status"] == "ok" else []
-        problems += liveness_problems(r)
-        wanted_graphs = r["case"].get("graphs")
-        seen_graphs = (r.get("graphs") or {}).get("mode")
-        if r["status"] == "ok" and wanted_graphs and seen_graphs is not None and seen_graphs != wanted_graphs:
-            problems.append(f"graphs: expected {wanted_graphs} decode graphs, the log shows "
-                            f"{seen_graphs or 'no capture'}")
-        r["problems"] = problems
-        wanted = r.get("expect") if r.get("variant") else (expect if role == "check" else None)
-        if role == "reference" and not r.get("variant"):
-            # a second reference (DCP 1 + MTP) is judged against the first too: MTP moved the first
-            # request's prompt logprobs at DCP 1 before spec-decode-prompt-logprobs-graph-pool
-            r["verdict"] = "reference" if r["status"] == "ok" and not problems else "fail"
-        elif r.get("variant") or (wanted and role == "check"):
-            label = "expected-pass" if wanted == "pass" else "expected-fail"
-            r["verdict"] = label if wanted and _matches(wanted, r) else "fail"
-        elif role == "spread":
-            r["verdict"] = "spread" if r["status"] == "ok" else "fail"
-        else:
-            r["verdict"] = "fail" if problems else "pass"
-        failed |= r["verdict"] == "fail"
-    summary["verdict"] = "fail" if failed else "pass"
-    return summary
-
-
-def resolve_problems(wanted: dict[str, Any], resolved: dict[str, Any] | None) -> list[str]:
-    """What a case's engine resolved differently from what the case says it runs (``Case.resolves``)."""
-    if not wanted:
-        return []
-    if resolved is None:
-        return ["resolved: the run recorded no resolved settings"]
-    return [f"resolved: {key}={resolved.get(key)!r}, the case runs {value!r}"
-            for key, value in wanted.items() if resolved.get(key) != value]
-
-
 def release_under_test(tree: Path | None = None) -> str:
     """The vLLM release the engines import, ``x.y.z``: ``tree``'s ``vllm/_version.py``, else the
     installed distribution's version; "" when neither says."""
@@ -396,6 +305,30 @@ def release_under_test(tree: Path | None = None) -> str:
         return version("vllm").split("+")[0]
     except (ImportError, PackageNotFoundError):
         return ""
+
+
+def series_under_test(tree: Path | None = None) -> list[dict[str, str]]:
+    """The patches the build the engines import carries (its ``vllm/_overlay.json``: name and sha256, the
+    record of which version of each patch the run judged); [] for a vLLM without one."""
+    where = tree or importable_tree()
+    try:
+        doc = json.loads((where / "vllm" / "_overlay.json").read_text(encoding="utf-8")) if where else {}
+    except (OSError, ValueError):
+        return []
+    return [{"name": str(p.get("name")), "sha256": str(p.get("sha256"))} for p in doc.get("patches") or []
+            if isinstance(p, dict)]
+
+
+def facts_under_test(tree: Path | None = None) -> ReleaseFacts:
+    """The release facts of the vLLM the engines import (``tree``, else the importable one), which pick
+    the cases; a release they cannot describe is refused in one line naming what is missing."""
+    where = tree or importable_tree()
+    if where is None:
+        raise EngineCheckError("engine-check: no vllm to check (none importable, no --tree)")
+    try:
+        return release_facts(where)
+    except ReleaseFactsError as exc:
+        raise EngineCheckError(f"engine-check: {exc}") from None
 
 
 def torch_under_test(version: Callable[[str], str] | None = None,
@@ -418,50 +351,6 @@ def torch_under_test(version: Callable[[str], str] | None = None,
         lines = []
     pins = [m[1] for ln in lines if (m := re.match(r"torch\s*==\s*([\w.]+)\s*$", ln))]
     return f"{have} (vllm pins {pins[0]})" if pins and pins[0] != have else have
-
-
-def _matches(expect: str, record: dict[str, Any]) -> bool:
-    kind, _, pattern = expect.partition(":")
-    if kind == "pass":  # the fix does nothing on this build: without it the case still passes
-        return record["status"] == "ok" and not record["problems"]
-    if kind == "crash":
-        return record["status"] == "crashed" and bool(re.search(pattern, record["error"] or ""))
-    if kind == "mismatch":
-        return record["status"] == "ok" and bool(record["problems"])
-    raise ValueError(f"--expect: unknown kind {kind!r} (crash:REGEX, mismatch or pass)")
-
-
-def report(out: Path, summary: dict[str, Any], records: list[dict[str, Any]], meta: dict[str, Any]) -> None:
-    """``results.json`` (machines) and ``REPORT.md`` (people), rewritten after every case."""
-    doc = {"meta": meta, "summary": summary, "cases": records}
-    (out / "results.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    lines = [f"# Engine check: {summary.get('verdict', '?')}", ""]
-    for k in ("model", "tree", "vllm", "torch", "gpus", "parallel", "started", "wall_s", "liveness"):
-        if meta.get(k):
-            lines.append(f"- {k}: `{meta[k]}`")
-    if "tolerance" in summary:
-        t, sp = summary["tolerance"], summary["spread"]
-        lines.append(f"- tolerance (nats; max({SAFETY:g} x the DCP 1 spread, floor {FLOOR:g}), from "
-                     f"{summary['spread_runs']} spread run(s)): context <= index_topk, every logprob "
-                     f"{t['dense']:.4g} (spread {sp['dense_max_abs']:.4g}); beyond, median {t['sparse_q50']:.4g} "
-                     f"(spread {sp['sparse_q50']:.4g}) and 90th percentile {t['sparse_q90']:.4g} "
-                     f"(spread {sp['sparse_q90']:.4g})")
-    if summary.get("why"):
-        lines.append(f"- {summary['why']}")
-    lines += ["", "| case | role | status | verdict | dense max / sparse median / sparse p90 (nats) | start s | gen s "
-                  "| note |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in records:
-        d = r.get("diff") or {}
-        dl = f"{d['dense_max_abs']:.3g} / {d['sparse_q50']:.3g} / {d['sparse_q90']:.3g}" if d else ""
-        role = f"variant, expect {r['expect']}" if r.get("variant") else r["case"]["role"]
-        note = "; ".join(r.get("problems") or []) or r["case"].get("note", "")
-        graphs = (r.get("graphs") or {}).get("mode")
-        if graphs:
-            note = f"graphs {graphs}; {note}"
-        lines.append(f"| {_name(r)} | {role} | {r['status']} | {r.get('verdict', '')} | {dl} "
-                     f"| {r.get('startup_s') or ''} | {r.get('generate_s') or ''} | {note[:300]} |")
-    lines += liveness_table(records)
-    (out / "REPORT.md").write_text("\n".join(lines) + "\n")
 
 
 @dataclass
@@ -502,7 +391,8 @@ def run_check(ns: CheckOptions) -> int:
         raise EngineCheckError(f"engine-check --vllm {ns.release}: the engines would import vllm {release or '(none)'} "
                                f"({where}); install or stage the {ns.release} build first")
 
-    todo = cases(ns.tp, release or None)
+    facts = facts_under_test(ns.tree)
+    todo = cases(ns.tp, facts)
     if ns.cases:
         wanted = ns.cases.split(",")
         unknown = sorted(set(wanted) - {c.name for c in todo})
@@ -513,7 +403,7 @@ def run_check(ns: CheckOptions) -> int:
     jobs = [Job(c, c.name, tree=ns.tree if c.role == "check" else None) for c in todo]
     if ns.variants:
         # after the references, the production shape and the first spread run: the variants
-        jobs[4:4] = variant_jobs(ns.variants, ns.tp, ns.out, release or None)
+        jobs[4:4] = variant_jobs(ns.variants, ns.tp, ns.out, facts)
     measure = start_measure(ns.liveness, ns.out, [(j.name, a) for j in jobs for a in j.case.acts]) \
         if ns.coverage else None
     from overlay.engine.checkpoint import TinyGlm5Spec, checkpoint_id, default_cache, generate
@@ -521,7 +411,8 @@ def run_check(ns: CheckOptions) -> int:
     spec = TinyGlm5Spec()
     model = ns.model or default_cache() / checkpoint_id(spec, 0)
     generate(model, spec, 0)
-    meta = {"model": str(model), "tree": str(ns.tree or ""), "vllm": release, "torch": torch_under_test(),
+    meta = {"model": str(model), "tree": str(ns.tree or ""), "vllm": release, "release_facts": facts.to_dict(),
+            "series": series_under_test(ns.tree), "torch": torch_under_test(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "parallel": ns.parallel,
             **({"liveness": str(measure.lines.path)} if measure else {})}
@@ -545,7 +436,7 @@ def rejudge(out: Path, expect: str | None) -> int:
     keep = ("case", "name", "variant", "expect", "status", "error", "wall_s", "rc", "reused", "graphs", "liveness")
     records = [{k: r[k] for k in keep if k in r} for r in doc["cases"]]
     for r in records:  # the graphs its log shows, read again (the rule may have changed since)
-        log = out / f"{_name(r)}.log"
+        log = out / f"{record_name(r)}.log"
         if log.is_file():
             r["graphs"] = graph_mode(log.read_text(errors="replace"))
     summary = judge([r for r in records if r["status"] != "skipped"], out, expect)
@@ -566,9 +457,10 @@ def _reuse(job: Job, earlier: Path, out: Path, model: Path) -> dict[str, Any] | 
         print(f"[engine-check] {job.name}: not reused: {earlier} ran another checkpoint", flush=True)
         return None
     for rec in doc.get("cases", []):
-        if rec["case"] == job.case.to_dict() and rec["status"] == "ok" and (earlier / f"{_name(rec)}.json").exists():
+        saved = earlier / f"{record_name(rec)}.json"
+        if rec["case"] == job.case.to_dict() and rec["status"] == "ok" and saved.exists():
             if earlier.resolve() != out.resolve():
-                (out / f"{job.name}.json").write_bytes((earlier / f"{_name(rec)}.json").read_bytes())
+                (out / f"{job.name}.json").write_bytes(saved.read_bytes())
             print(f"[engine-check] {job.name}: reused from {earlier}", flush=True)
             return job.record(status="ok", error="", wall_s=rec.get("wall_s", 0), rc=0, reused=str(earlier))
     return None

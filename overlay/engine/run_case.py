@@ -58,6 +58,8 @@ def _resolved(llm: Any) -> dict[str, Any]:
         out[key] = getattr(parallel, key, None)
     try:
         out["use_v2_model_runner"] = bool(config.use_v2_model_runner)
+    except AttributeError:
+        out["use_v2_model_runner"] = None  # no choice of runner (0.34.0 removed Model Runner V1)
     except Exception as e:
         out["use_v2_model_runner"] = repr(e)
     return out

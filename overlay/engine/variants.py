@@ -75,10 +75,10 @@ RELEASE_EXPECT: dict[str, dict[str, tuple[tuple[str, str, str | None], ...]]] = 
             ("mismatch", "under VLLM_USE_V2_MODEL_RUNNER=0 MTP moves prompt logprobs: computed from drafter "
                          "output in the CUDA-graph pool, as on 0.28.0", "ref-dcp1-mtp-v1"),
         ),
-        # 0.29.0+ falls back to NCCL above the direct workspace itself; the patch is the opt-in sizing
+        # 0.29.0+ falls back to NCCL above the direct workspace itself
         "dcp-direct-a2a-fallback.patch": (
             ("pass", "0.33.0 falls back to the NCCL collectives above the direct A2A workspace itself: "
-                     "without the opt-in all-tokens sizing, the same numbers", "dcp-defaults-sizing-mnbt-graph-mtp"),
+                     "without the patch, the same numbers", "dcp-defaults-graph-mtp"),
         ),
     },
 }
@@ -94,6 +94,7 @@ def expectations(version: str, key: str) -> tuple[tuple[str, str, str | None], .
 NO_VARIANT: dict[str, str] = {
     "flashmla-sparse-dcp.patch": "the capability every DCP run needs: without it nothing runs, which is stock",
     "dcp-project-before-merge.patch": "the optimization: exact by construction, no bug to bring back",
+    "dcp-project-before-merge-fused.patch": "the optimization's opt-in kernels, off by default: no bug to bring back",
 }
 
 

@@ -11,11 +11,13 @@ A case is one engine configuration; ``CASES`` lists them in the order of their v
 production shape first, after the references), so a run cut short by the device's time limits
 still answers the most important question.
 
-A later release's build gets cases of its own (:func:`release_cases`): vLLM 0.33.0 chooses the DCP
-options a GLM-5 user leaves unset (``GLM5_DCP_DEFAULTS``), so it runs TP2 x DCP2 with nothing set,
-with our profiles' explicit settings (which leave query replication to it) and with the query
-all-gather named explicitly, each judged against its DCP 1 reference and on what the engine
-resolved (``Case.resolves``).
+Which cases a build runs is decided by its release's facts (:class:`overlay.releases.facts.ReleaseFacts`,
+read from the tree the engines import), never by its version: a release whose GLM-5 config chooses the
+DCP options a user leaves unset (0.33.0 and 0.34.0: a2a with query replication) gets cases of its own
+(:func:`release_cases`): TP2 x DCP2 with nothing set, with our profiles' explicit settings (which leave
+query replication to it) and with the query all-gather named explicitly, each judged against its DCP 1
+reference and on what the engine resolved (``Case.resolves``); a release that defaults to Model Runner
+V2 and still has V1 (0.33.0) runs its DCP 1 references under both (:func:`runner_cases`).
 
 Each case also names the patches that must act in it (``Case.acts``, from :data:`ACTS`): under
 ``engine-check --coverage`` a named patch none of whose added statements ran fails the case.
@@ -26,7 +28,10 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from overlay.releases.facts import ReleaseFacts
 
 PROMPT_LENS = (100, 3000, 9000, 8, 16, 24, 40)
 # The long cases: one prompt of about 60,000 tokens, then DECODE_STEPS decode steps (upstream
@@ -44,17 +49,10 @@ MTP = {"method": "mtp", "num_speculative_tokens": 5}
 # CUDA graphs up to 128 tokens: every decode step of the workload (7 requests x (1 + 5) with
 # MTP) fits, and start-up captures 4x fewer sizes than vLLM's default 512.
 MAX_CUDAGRAPH_CAPTURE_SIZE = 128
-# What each release makes of the DCP options a GLM-5 user leaves unset, where the model chooses them:
-# vLLM 0.33.0's GlmMoeDsaForCausalLM.verify_and_update_config calls
-# parallel_config.set_dcp_defaults(comm_backend="a2a", q_replicate=True) (upstream #50382); vLLM
-# 0.28.0 has fixed defaults (ag_rs, no replication) and no dcp_q_replicate option.
-GLM5_DCP_DEFAULTS: dict[str, dict[str, Any]] = {
-    "0.33.0": {"dcp_comm_backend": "a2a", "dcp_q_replicate": True},
-}
-# Releases whose engine defaults to Model Runner V2 on CUDA (upstream #53183, since 0.29.0; vLLM
-# 0.28.0 runs V1): their builds run the DCP 1 references under V2 and again under V1
+# What a release makes of the DCP options a GLM-5 user leaves unset, and its default model runner, are
+# release facts (overlay/releases/: ReleaseFacts.dcp_*, .runner, .v1_runner), read from its tree.
+# A build on Model Runner V2 that still has V1 runs the DCP 1 references again under V1
 # (VLLM_USE_V2_MODEL_RUNNER=0), where spec-decode-prompt-logprobs-graph-pool still applies.
-V2_RUNNER_DEFAULT = frozenset({"0.33.0"})
 V1_RUNNER_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 # The explicit settings of our two-GPU regress profiles (overlay/regress/profiles/): their
 # server arguments name the comm backend, never query replication; their env names the rest.
@@ -63,7 +61,8 @@ PROFILE_SETTINGS: dict[str, dict[str, Any]] = {
                                                           "VLLM_DCP_PROJECT_BEFORE_MERGE": "1"}},
     "tiny-glm5-tp2-dcp2-agrs-mtp5": {"backend": "ag_rs", "env": {"VLLM_DCP_PROJECT_BEFORE_MERGE": "1"}},
 }
-# The release cases() is written for when none is named (patches/DEFAULT: tests/engine/test_liveness_run.py).
+# The series whose ACTS cases() declares when no release facts are given (patches/DEFAULT:
+# tests/engine/test_liveness_run.py).
 DEFAULT_RELEASE = "0.28.0"
 # A fixed KV cache per GPU instead of vLLM's free-memory profiling: engines of the check run side
 # by side on the same GPUs (``engine.check --parallel``), and a profile would count the others'
@@ -169,13 +168,13 @@ class Case:
 
 
 def _dcp(name: str, *, backend: str = "a2a", direct: bool = True, project: bool = True, eager: bool = False,
-         mtp: bool = False, sizing: str | None = None, tp: int = 2, dcp: int = 2, interleave: int = 1,
+         mtp: bool = False, fused: bool = False, tp: int = 2, dcp: int = 2, interleave: int = 1,
          long: bool = False) -> Case:
     env = {"VLLM_DCP_PROJECT_BEFORE_MERGE": "1" if project else "0"}
     if backend == "a2a":
         env["VLLM_USE_DIRECT_DCP_A2A"] = "1" if direct else "0"
-    if sizing:
-        env["VLLM_DCP_DIRECT_WORKSPACE_SIZING"] = sizing
+    if fused:  # dcp-project-before-merge-fused's opt-in Triton kernels
+        env["VLLM_DCP_PROJECT_FUSED"] = "1"
     # MTP under DCP: (1 + k)-token steps are decodes in FULL graphs with interleave 1, prefills
     # (spec decoding piecewise) with interleave > 1 (flashmla-sparse-dcp-spec-cudagraphs)
     graphs = "" if eager or not mtp else ("FULL" if interleave == 1 else "PIECEWISE")
@@ -226,36 +225,39 @@ def declared_acts(case: Case, release: str | None) -> tuple[str, ...]:
     return tuple(name for name, applies in ACTS.get(release or DEFAULT_RELEASE, {}).items() if applies(case))
 
 
-def cases(tp: int = 2, release: str | None = None) -> list[Case]:
-    """Every case for TP ``tp`` (DCP = TP), references first, then by value, for the build of
-    ``release`` (None: the default pin's, 0.28.0); a release with :func:`release_cases` runs those
-    first after the references, then the others, each judged on what it resolved there too. Each
-    names the patches that must act in it (:func:`declared_acts`).
+def cases(tp: int = 2, facts: ReleaseFacts | None = None) -> list[Case]:
+    """Every case for TP ``tp`` (DCP = TP), references first, then by value, for the build whose release
+    ``facts`` describe (None: the generic cases, the default series' ``ACTS``). A release whose GLM-5 config
+    chooses the DCP defaults runs :func:`release_cases` first after the references, then the others, each
+    judged on what it resolved there too; one on Model Runner V2 that still has V1 adds
+    :func:`runner_cases`. Each names the patches that must act in it (:func:`declared_acts`).
 
     With ``tp == 1`` only the DCP 1 cases remain (a one-GPU machine cannot run DCP).
     """
-    return [replace(c, acts=declared_acts(c, release)) for c in _ordered(tp, release)]
+    release = facts.release if facts is not None else None
+    return [replace(c, acts=declared_acts(c, release)) for c in _ordered(tp, facts)]
 
 
-def _ordered(tp: int, release: str | None) -> list[Case]:
+def _ordered(tp: int, facts: ReleaseFacts | None) -> list[Case]:
     generic = _cases(tp)
-    runners = runner_cases(release, tp)
+    runners = runner_cases(facts, tp)
     if runners:
+        assert facts is not None
         # the release's default runner is what the references run: say so (``Case.resolves``)
-        generic = [replace(c, release=str(release), resolves={**c.resolves, "use_v2_model_runner": True})
+        generic = [replace(c, release=facts.release, resolves={**c.resolves, "use_v2_model_runner": True})
                    if c.name == "ref-dcp1-mtp" else c for c in generic]
-    own = release_cases(release, tp)
+    own = release_cases(facts, tp)
     if not own and not runners:
         return generic
     if not own:
         # one GPU: the references, then the V1-runner cases, then the rest
         return [*generic[:1], *(c for c in generic if c.name == "ref-dcp1-mtp"), *runners,
                 *(c for c in generic[1:] if c.name != "ref-dcp1-mtp")]
-    defaults = GLM5_DCP_DEFAULTS[str(release)]
+    assert facts is not None
     # the generic cases on this build: the comm backend each names, query replication as the release
     # resolves it for GLM-5 (none of them names it)
-    generic = [replace(c, release=str(release), resolves={**c.resolves, "dcp_comm_backend": c.backend,
-                                                          "dcp_q_replicate": defaults["dcp_q_replicate"]})
+    generic = [replace(c, release=facts.release, resolves={**c.resolves, "dcp_comm_backend": c.backend,
+                                                           "dcp_q_replicate": facts.dcp_q_replicate})
                if c.dcp > 1 and c.q_replicate is None and not c.resolves else c for c in generic]
     by_name = {c.name: c for c in generic}
     first = [by_name[n] for n in ("ref-dcp1", "ref-dcp1-mtp")]
@@ -266,9 +268,10 @@ def _ordered(tp: int, release: str | None) -> list[Case]:
     return [*first, own[0], spread, profile, *runners, *own[1:], *rest]
 
 
-def runner_cases(release: str | None, tp: int = 2) -> list[Case]:
-    """DCP 1 under the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``) on a build of ``release`` whose
-    default is Model Runner V2 (``V2_RUNNER_DEFAULT``; none otherwise), each judged on having run V1:
+def runner_cases(facts: ReleaseFacts | None, tp: int = 2) -> list[Case]:
+    """DCP 1 under the V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``) on a build whose release defaults to
+    Model Runner V2 and still has V1 (``ReleaseFacts.runs_v1_by_choice``; none otherwise), each judged on
+    having run V1:
 
     - ``ref-dcp1-v1``, a second reference, judged against ``ref-dcp1`` (V2): the two runners must agree;
     - ``ref-dcp1-mtp-v1``, MTP-5 in FULL decode graphs, judged against ``ref-dcp1-v1`` (the plain run of
@@ -277,28 +280,28 @@ def runner_cases(release: str | None, tp: int = 2) -> list[Case]:
       plain run, a runner's own fault does not hide the patch's effect (one H200, 2026-12-02: 0.33.0's
       V1 runner moved the batch's first request with its breakable CUDA graphs, MTP or not).
     """
-    if release not in V2_RUNNER_DEFAULT:
+    if facts is None or not facts.runs_v1_by_choice:
         return []
-    v1 = {"use_v2_model_runner": False}
+    v1, release = {"use_v2_model_runner": False}, facts.release
     return [
-        Case("ref-dcp1-v1", role="reference", tp=tp, env=dict(V1_RUNNER_ENV), resolves=v1, release=str(release),
+        Case("ref-dcp1-v1", role="reference", tp=tp, env=dict(V1_RUNNER_ENV), resolves=v1, release=release,
              note="DCP 1 under the V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0), judged against Model Runner "
                   "V2's ref-dcp1"),
         Case("ref-dcp1-mtp-v1", tp=tp, mtp=True, graphs="FULL", env=dict(V1_RUNNER_ENV), resolves=v1,
-             compare_to="ref-dcp1-v1", release=str(release),
+             compare_to="ref-dcp1-v1", release=release,
              note="MTP-5 at DCP 1 under the V1 model runner, FULL decode graphs: prompt logprobs judged against "
                   "ref-dcp1-v1"),
     ]
 
 
-def release_cases(release: str | None, tp: int = 2) -> list[Case]:
-    """The two-GPU cases of ``release``'s build (none for a release without ``GLM5_DCP_DEFAULTS``,
-    or without DCP): TP ``tp`` x DCP ``tp`` with
+def release_cases(facts: ReleaseFacts | None, tp: int = 2) -> list[Case]:
+    """The two-GPU cases of a build whose release lets GLM-5's config choose the DCP options a user leaves
+    unset (``ReleaseFacts.dcp_defaults_by_model``; none otherwise, or without DCP): TP ``tp`` x DCP ``tp`` with
 
     - nothing set (``dcp-defaults-*``): the release's GLM-5 defaults (0.33.0: a2a with query
       replication; the direct a2a and project-before-merge by their own defaults), with MTP-5 in
       FULL decode graphs, without MTP, with project-before-merge off (the release's own merge
-      under replication), with the opt-in all-tokens workspace sizing;
+      under replication), with it on (its default is off on a release no DCP > 1 engine run has shown it);
     - our profiles' explicit settings (``PROFILE_SETTINGS``), which leave query replication to the
       release (``dcp-a2a-direct-proj1-graph-mtp``, ``dcp-agrs-proj1-graph-mtp``: the generic cases);
     - those settings with the query all-gather named (``dcp_q_replicate=False``): the decode path of
@@ -307,15 +310,14 @@ def release_cases(release: str | None, tp: int = 2) -> list[Case]:
     Each is judged against its DCP 1 reference (``ref-dcp1-mtp``, or ``ref-dcp1`` without MTP) and
     on the settings it resolved to (``Case.resolves``).
     """
-    if release not in GLM5_DCP_DEFAULTS or tp < 2:
+    if facts is None or not facts.dcp_defaults_by_model or tp < 2:
         return []
-    defaults = GLM5_DCP_DEFAULTS[release]
-    d = {"tp": tp, "dcp": tp}
+    release, d = facts.release, {"tp": tp, "dcp": tp}
 
     def own(name: str, *, mtp: bool = True, backend: str = "", env: dict[str, str] | None = None,
             q_replicate: bool | None = None, note: str) -> Case:
-        resolves = {"dcp_comm_backend": backend or defaults["dcp_comm_backend"],
-                    "dcp_q_replicate": defaults["dcp_q_replicate"] if q_replicate is None else q_replicate}
+        resolves = {"dcp_comm_backend": backend or facts.dcp_comm_backend,
+                    "dcp_q_replicate": facts.dcp_q_replicate if q_replicate is None else q_replicate}
         return Case(name, backend=backend, mtp=mtp, env=dict(env or {}), q_replicate=q_replicate, resolves=resolves,
                     release=release, compare_to="ref-dcp1-mtp" if mtp else "", graphs="FULL" if mtp else "",
                     note=note, **d)
@@ -330,8 +332,8 @@ def release_cases(release: str | None, tp: int = 2) -> list[Case]:
             note="the defaults, project-before-merge off: the release's own merge under query replication"),
         own("dcp-agrs-proj1-qgather-graph-mtp", backend=agrs["backend"], env=agrs["env"], q_replicate=False,
             note="profile tiny-glm5-tp2-dcp2-agrs-mtp5's settings with the query all-gather (0.28.0's default)"),
-        own("dcp-defaults-sizing-mnbt-graph-mtp", env={"VLLM_DCP_DIRECT_WORKSPACE_SIZING": "max_num_batched_tokens"},
-            note="the defaults, the opt-in all-tokens direct workspace sizing (dcp-direct-a2a-fallback)"),
+        own("dcp-defaults-proj1-graph-mtp", env={"VLLM_DCP_PROJECT_BEFORE_MERGE": "1"},
+            note="the defaults, project-before-merge on: the projection on GLM-5's own attention"),
     ]
 
 
@@ -361,7 +363,8 @@ def _cases(tp: int) -> list[Case]:
         _dcp("dcp-a2a-nccl-proj1-graph", direct=False, **d),
         _dcp("dcp-agrs-proj1-graph", backend="ag_rs", **d),
         _dcp("dcp-a2a-direct-proj0-graph", project=False, **d),
-        _dcp("dcp-a2a-direct-sizing-mnbt-graph", sizing="max_num_batched_tokens", **d),
+        _dcp("dcp-a2a-direct-fused-graph-mtp", fused=True, mtp=True, **d),
+        _dcp("dcp-agrs-fused-graph", backend="ag_rs", fused=True, **d),
         _dcp("dcp-agrs-proj1-graph-mtp", backend="ag_rs", mtp=True, **d),
         _dcp("dcp-a2a-direct-proj1-eager", eager=True, **d),
         _dcp("dcp-a2a-nccl-proj0-graph", direct=False, project=False, **d),

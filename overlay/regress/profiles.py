@@ -8,7 +8,6 @@ justify is not a threshold.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import shlex
@@ -22,6 +21,7 @@ from overlay.errors import shown_value
 from overlay.regress import yamltext
 from overlay.regress.checks import DEFAULTS, HIGH, NAMES, THRESHOLDS
 from overlay.regress.errors import ProfileError
+from overlay.regress.fields import Fields
 
 LATENCY_TOOLS = ("vllm-bench", "builtin")
 GSM8K_METRICS = ("strict-match", "flexible-extract")  # lm-eval's two GSM8K filters, each with a baseline
@@ -222,77 +222,6 @@ def check_gsm8k_data(folder: Path, where: str) -> None:
         raise ProfileError(f"{where}: {folder} lacks {' and '.join(missing)} (GSM8K-format JSON lines)")
 
 
-class _Fields:
-    """Typed access to a YAML mapping that records problems instead of raising at the first."""
-
-    def __init__(self, problems: list[str]) -> None:
-        self.problems = problems
-        self.read: dict[int, tuple[str, dict[str, Any], set[str]]] = {}  # id -> (where, mapping, keys read)
-
-    def section(self, data: Any, key: str, optional: bool = False) -> dict[str, Any]:
-        if isinstance(data, dict):
-            self.read.setdefault(id(data), ("", data, set()))[2].add(key)
-        value = data.get(key) if isinstance(data, dict) else None
-        if optional and value is None:
-            return {}
-        if not isinstance(value, dict):
-            self.problems.append(f"{key}: missing or not a mapping")
-            return {}
-        return value
-
-    def get(self, data: dict[str, Any], where: str, key: str, kind: type | tuple[type, ...],
-            default: Any = ..., positive: bool = False, low: float | None = None,
-            high: float | None = None) -> Any:
-        """``data[key]`` checked to be ``kind``; a number also finite, ``> 0`` with ``positive`` (else
-        ``>= low``) and ``<= high`` (:mod:`overlay.numbers`, the command line's check)."""
-        self.read.setdefault(id(data), (where, data, set()))[2].add(key)
-        if key not in data or data[key] is None:
-            if default is ...:
-                self.problems.append(f"{_at(where, key)}: missing")
-            return None if default is ... else default
-        value = data[key]
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
-            self.problems.append(f"{_at(where, key)}: expected {_kind_name(kind)}, got {shown_value(value)}")
-            return None
-        if not isinstance(value, kind):
-            self.problems.append(f"{_at(where, key)}: expected {_kind_name(kind)}, got {shown_value(value)}")
-            return None
-        if isinstance(value, str) and not value.strip() and default != "":  # "" is no model, no why, no path
-            self.problems.append(f"{_at(where, key)}: {'empty' if not value else 'only whitespace'}"
-                                 + (f" (leave it out for {default!r})" if isinstance(default, str) else ""))
-            return None
-        if isinstance(value, int | float):
-            wrong = numbers.problem(value, 0 if positive else low, strict=positive, high=high)
-            if wrong:
-                self.problems.append(f"{_at(where, key)}: {wrong}")
-                return None
-        return value
-
-
-    def unknown_keys(self) -> list[str]:
-        """One problem per key of a validated mapping that no field read: a typo is not a default."""
-        problems = []
-        for where, data, read in self.read.values():
-            for key in data:
-                if key not in read:
-                    close = difflib.get_close_matches(str(key), sorted(read), n=1)
-                    hint = f" (did you mean {close[0]}?)" if close else f" (known: {', '.join(sorted(read))})"
-                    problems.append(f"{_at(where, key)}: unknown field{hint}")
-        return problems
-
-
-def _at(where: str, key: str) -> str:
-    return f"{where}.{key}" if where else key
-
-
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join({"str": "a string", "int": "an integer", "float": "a number", "list": "a list",
-                        "dict": "a mapping", "bool": "true/false"}.get(k.__name__, k.__name__) for k in kinds)
-
-
 def parse_profile(text: str, source: str) -> Profile:
     """Parse and validate a profile's YAML text; ``source`` names it in every error."""
     textfile.refuse_empty(text, source, ProfileError, "a profile (name, server, checks, ...)")
@@ -300,7 +229,7 @@ def parse_profile(text: str, source: str) -> Profile:
     if not isinstance(data, dict):
         raise ProfileError(f"{source}: expected a mapping at the top level")
     problems: list[str] = []
-    f = _Fields(problems)
+    f = Fields(problems)
     name, description, checks, checks_off = _top_level(f, data)
     server, spec_tokens = _server(f, data)
     gsm8k = _gsm8k(f, data)
@@ -319,7 +248,7 @@ def parse_profile(text: str, source: str) -> Profile:
                    checks_off={str(k): str(v).strip() for k, v in checks_off.items()})
 
 
-def _top_level(f: _Fields, data: dict[str, Any]) -> tuple[str, str, list[str] | None, dict[str, Any]]:
+def _top_level(f: Fields, data: dict[str, Any]) -> tuple[str, str, list[str] | None, dict[str, Any]]:
     """The top level: name, description, and which checks run (``checks``) and which are off, with why."""
     problems = f.problems
     name = f.get(data, "", "name", str)
@@ -339,7 +268,7 @@ def _top_level(f: _Fields, data: dict[str, Any]) -> tuple[str, str, list[str] | 
     return name, description, checks, checks_off
 
 
-def _server(f: _Fields, data: dict[str, Any]) -> tuple[ServerSpec, int]:
+def _server(f: Fields, data: dict[str, Any]) -> tuple[ServerSpec, int]:
     """``server``: the command and environment, and how many tokens it drafts (``--speculative-config``)."""
     problems = f.problems
     s = f.section(data, "server")
@@ -368,7 +297,7 @@ def _server(f: _Fields, data: dict[str, Any]) -> tuple[ServerSpec, int]:
     return server, spec_tokens
 
 
-def _gsm8k(f: _Fields, data: dict[str, Any]) -> Gsm8kSpec:
+def _gsm8k(f: Fields, data: dict[str, Any]) -> Gsm8kSpec:
     """``gsm8k``: the GSM8K check's options."""
     g = f.section(data, "gsm8k")
     gsm8k = Gsm8kSpec(
@@ -382,7 +311,7 @@ def _gsm8k(f: _Fields, data: dict[str, Any]) -> Gsm8kSpec:
     return gsm8k
 
 
-def _long_context(f: _Fields, data: dict[str, Any]) -> LongContextSpec:
+def _long_context(f: Fields, data: dict[str, Any]) -> LongContextSpec:
     """``long_context``: the long-context check's options, its prompts past ``index_topk`` and the workspace."""
     problems = f.problems
     lc = f.section(data, "long_context")
@@ -411,7 +340,7 @@ def _long_context(f: _Fields, data: dict[str, Any]) -> LongContextSpec:
     return long_context
 
 
-def _differential(f: _Fields, data: dict[str, Any], checks: list[str] | None) -> DifferentialSpec:
+def _differential(f: Fields, data: dict[str, Any], checks: list[str] | None) -> DifferentialSpec:
     """``differential``: the differential check's prompts and decoding (optional: defaults)."""
     problems = f.problems
     dd = f.section(data, "differential", optional=True)
@@ -442,7 +371,7 @@ def _differential(f: _Fields, data: dict[str, Any], checks: list[str] | None) ->
     return differential
 
 
-def _latency(f: _Fields, data: dict[str, Any]) -> LatencySpec:
+def _latency(f: Fields, data: dict[str, Any]) -> LatencySpec:
     """``latency``: the latency check's options."""
     problems = f.problems
     la = f.section(data, "latency")
@@ -458,7 +387,7 @@ def _latency(f: _Fields, data: dict[str, Any]) -> LatencySpec:
     return latency
 
 
-def _baseline(f: _Fields, data: dict[str, Any], checks: list[str] | None, spec_tokens: int,
+def _baseline(f: Fields, data: dict[str, Any], checks: list[str] | None, spec_tokens: int,
               latency: LatencySpec) -> Baseline:
     """``baseline``: the numbers the checks compare with, and where they came from."""
     problems = f.problems
@@ -499,7 +428,7 @@ def _baseline(f: _Fields, data: dict[str, Any], checks: list[str] | None, spec_t
     return baseline
 
 
-def _thresholds(f: _Fields, data: dict[str, Any], checks: list[str] | None) -> dict[str, Threshold]:
+def _thresholds(f: Fields, data: dict[str, Any], checks: list[str] | None) -> dict[str, Threshold]:
     """``thresholds``: each with its value and why; exactly those the checks this profile runs read."""
     problems = f.problems
     t = f.section(data, "thresholds")

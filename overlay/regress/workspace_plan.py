@@ -1,10 +1,11 @@
-"""Plan the direct DCP symmetric-memory workspaces of a serving configuration.
+"""Plan the direct DCP symmetric-memory workspaces and the DCP-gathered W_UV of a serving configuration.
 
-vLLM 0.28.0 allocates, per GPU and at start-up, two symmetric-memory buffers for MLA decode
-context parallelism (``vllm/v1/attention/ops/dcp_utils.py``):
+With decode context parallelism (DCP > 1) vLLM 0.28.0 allocates, per GPU and at start-up, two
+symmetric-memory buffers for MLA (``vllm/v1/attention/ops/dcp_utils.py``, one of each per GPU,
+shared by the layers):
 
-- the **A2A** ``lse_reduce`` workspace (``DirectDCPA2AWorkspace``): output
-  ``[ubatches, 2, DCP, T, H, kv_lora_rank]`` in the model dtype, LSE ``[ubatches, 2, DCP, T, H]``
+- the **A2A** ``lse_reduce`` workspace (``DirectDCPA2AWorkspace``, ``--dcp-comm-backend a2a``):
+  output ``[ubatches, 2, DCP, T, H, D]`` in the model dtype, LSE ``[ubatches, 2, DCP, T, H]``
   float32, signals ``[ubatches, 2, DCP]`` int32;
 - the **q-gather** workspace (``DirectDCPQGatherWorkspace``): query
   ``[ubatches, T, P, kv_lora_rank + rope_dim]`` in the query dtype, signals
@@ -12,26 +13,31 @@ context parallelism (``vllm/v1/attention/ops/dcp_utils.py``):
 
 where ``H`` is the attention heads per TP rank (``num_heads / TP``), ``P`` the padded
 gathered heads (``DCP * H`` unless the backend pads the query, e.g. FlashMLA's fp8 decode to
-64 or 128), and ``T`` the token capacity of ``get_dcp_workspace_max_num_tokens``:
+64 or 128), ``T`` the token capacity of ``get_dcp_workspace_max_num_tokens``, the decode formula
+``min(max_num_batched_tokens, max(max_num_seqs * (1 + k * s), cudagraph_capture))`` with ``s``
+speculative tokens, ``k = 2`` with parallel drafting else 1, and ``D`` the head dimension the
+DCP manager's combine is built for: ``v_head_dim`` with our ``dcp-project-before-merge.patch``
+(on by default, ``VLLM_DCP_PROJECT_BEFORE_MERGE=1``), ``kv_lora_rank`` with it off (0.28.0's).
+Steps above the capacity (sparse-MLA forced-MQA prefill) take the NCCL paths with the patched
+series; on the unpatched 0.28.0 they crash.
 
-- ``decode`` sizing (0.28.0's only one, still the default):
-  ``min(max_num_batched_tokens, max(max_num_seqs * (1 + k * s), cudagraph_capture))`` with
-  ``s`` speculative tokens, ``k = 2`` with parallel drafting else 1;
-- ``max_num_batched_tokens`` sizing (our ``dcp-direct-a2a-fallback.patch``, opt-in with
-  ``VLLM_DCP_DIRECT_WORKSPACE_SIZING=max_num_batched_tokens``): ``T = max_num_batched_tokens``.
+With the projection on, every MLA layer also all-gathers ``W_UV`` over the DCP group in
+``process_weights_after_loading``: ``W_UV_dcp`` ``[DCP * H, kv_lora_rank, v_head_dim]`` in the
+model dtype, ``(DCP - 1) * H * kv_lora_rank * v_head_dim * dtype_bytes`` bytes more per layer and
+GPU than ``W_UV`` alone (GLM-5 at TP8 x DCP8: 14 MiB, 1092 MiB over its 78 layers). It is
+allocated inside vLLM's model loader, so vLLM counts it in the model's weight memory before it
+sizes the KV cache. At DCP 1 there is no DCP manager: no workspace, no ``W_UV_dcp``.
 
-Steps above the decode capacity (sparse-MLA forced-MQA prefill) take the NCCL paths with the
-patched series; on the unpatched 0.28.0 they crash. Sizes here are the requested bytes; the
-symmetric-memory allocator may round each buffer up. ``tests/test_workspace_plan.py`` checks
-these formulas against vLLM's own functions and workspace constructors.
+Sizes here are the requested bytes; the symmetric-memory allocator may round each buffer up.
+``tests/test_workspace_plan.py`` checks the capacity and workspace formulas against vLLM's own
+function and workspace constructors.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-SIZINGS = ("decode", "max_num_batched_tokens")
 _SIGNAL_BYTES = 4  # int32
 _LSE_BYTES = 4  # float32
 
@@ -39,6 +45,8 @@ _LSE_BYTES = 4  # float32
 HOPPER_DEFAULT_MAX_CAPTURE = 512
 SERVE_DEFAULT_MAX_NUM_SEQS = 1024
 SERVE_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+PROJECT_ENV = "VLLM_DCP_PROJECT_BEFORE_MERGE"
+"""The switch of ``dcp-project-before-merge.patch`` (vLLM reads ``bool(int(value))``, default "1")."""
 
 
 def tokens_per_seq(speculative_tokens: int = 0, parallel_drafting: bool = False) -> int:
@@ -52,22 +60,14 @@ def capacity_tokens(
     speculative_tokens: int = 0,
     parallel_drafting: bool = False,
     cudagraph_capture_size: int | None = None,
-    sizing: str = "decode",
 ) -> int:
     """Token capacity of both direct DCP workspaces (vLLM's ``get_dcp_workspace_max_num_tokens``).
 
-    ``sizing="decode"`` is vLLM 0.28.0's formula
-    ``min(max_num_batched_tokens, max(max_num_seqs * tokens_per_seq, cudagraph_capture_size))``;
-    ``sizing="max_num_batched_tokens"`` is the patched series' opt-in mode
-    (``VLLM_DCP_DIRECT_WORKSPACE_SIZING``), which returns ``max_num_batched_tokens``. A step
-    with more MQA tokens than this overflows the direct workspaces (the NCCL fallback then
-    serves it on the patched build). Example, the seed's production setup: 128 sequences,
-    MTP-5 with parallel drafting, 8192 batched tokens -> 1408 (decode) / 8192.
+    The decode formula ``min(max_num_batched_tokens, max(max_num_seqs * tokens_per_seq,
+    cudagraph_capture_size))``. A step with more MQA tokens than this would overflow the direct
+    workspaces; the patched series serves it on the NCCL fallback. Example, the seed's
+    production setup: 128 sequences, MTP-5 with parallel drafting, 8192 batched tokens -> 1408.
     """
-    if sizing not in SIZINGS:
-        raise ValueError(f"sizing must be one of {SIZINGS}, got {sizing!r}")
-    if sizing == "max_num_batched_tokens":
-        return max_num_batched_tokens
     return min(
         max_num_batched_tokens,
         max(max_num_seqs * tokens_per_seq(speculative_tokens, parallel_drafting),
@@ -92,17 +92,30 @@ def q_gather_workspace_bytes(tokens: int, dcp: int, heads_per_rank: int, head_di
     return num_ubatches * tokens * heads * head_dim * dtype_bytes + num_ubatches * 2 * dcp * _SIGNAL_BYTES
 
 
+def w_uv_dcp_layer_bytes(dcp: int, heads_per_rank: int, kv_lora_rank: int, v_head_dim: int,
+                         dtype_bytes: int = 2) -> int:
+    """Bytes one MLA layer's ``W_UV_dcp`` adds per GPU beyond its own ``W_UV``.
+
+    ``W_UV_dcp`` is ``W_UV`` ``[H, kv_lora_rank, v_head_dim]`` all-gathered over the DCP group,
+    ``[DCP * H, kv_lora_rank, v_head_dim]`` in the model dtype: ``DCP - 1`` other ranks' heads
+    (what ``dcp-project-before-merge.patch`` logs as "MiB more per MLA layer").
+    """
+    return (dcp - 1) * heads_per_rank * kv_lora_rank * v_head_dim * dtype_bytes
+
+
 FLAGS = {"tp": "--tp", "dcp": "--dcp", "num_heads": "--num-heads", "kv_lora_rank": "--kv-lora-rank",
-         "qk_rope_head_dim": "--rope-dim", "max_num_seqs": "--max-num-seqs",
+         "qk_rope_head_dim": "--rope-dim", "v_head_dim": "--v-head-dim", "num_layers": "--num-layers",
+         "project_before_merge": "--project-before-merge", "max_num_seqs": "--max-num-seqs",
          "speculative_tokens": "--speculative-tokens", "parallel_drafting": "--parallel-drafting",
          "max_num_batched_tokens": "--max-num-batched-tokens", "cudagraph_capture_size": "--cudagraph-capture-size",
          "num_ubatches": "--num-ubatches", "output_dtype_bytes": "output_dtype_bytes",
          "query_dtype_bytes": "--query-dtype-bytes", "q_padded_heads": "--q-padded-heads"}
 """The ``overlay workspace-plan`` flag of each field, for messages."""
-POSITIVE = ("tp", "dcp", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "max_num_seqs",
-            "max_num_batched_tokens", "num_ubatches")
+POSITIVE = ("tp", "dcp", "num_heads", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "num_layers",
+            "max_num_seqs", "max_num_batched_tokens", "num_ubatches")
 NON_NEGATIVE = ("speculative_tokens",)
 OPTIONAL_POSITIVE = ("cudagraph_capture_size", "q_padded_heads")
+BOOLEAN = ("parallel_drafting", "project_before_merge")
 DTYPE_BYTES = (1, 2, 4)
 
 
@@ -116,7 +129,7 @@ def _is_int(value: object) -> bool:
 
 
 def _field_problems(config: ServingConfig) -> list[str]:
-    """Each field alone: counts are positive integers, dtype sizes 1, 2 or 4 bytes."""
+    """Each field alone: counts are positive integers, dtype sizes 1, 2 or 4 bytes, switches booleans."""
     problems: list[str] = []
     for name in POSITIVE + OPTIONAL_POSITIVE:
         value = getattr(config, name)
@@ -132,8 +145,10 @@ def _field_problems(config: ServingConfig) -> list[str]:
         value = getattr(config, name)
         if not _is_int(value) or value not in DTYPE_BYTES:
             problems.append(f"{_flag(name)} must be 1, 2 or 4 (fp8, bf16/fp16, fp32), got {value!r}")
-    if not isinstance(config.parallel_drafting, bool):
-        problems.append(f"{_flag('parallel_drafting')} must be true or false, got {config.parallel_drafting!r}")
+    for name in BOOLEAN:
+        value = getattr(config, name)
+        if not isinstance(value, bool):
+            problems.append(f"{_flag(name)} must be true or false, got {value!r}")
     return problems
 
 
@@ -169,6 +184,9 @@ class ServingConfig:
     num_heads: int = 64  # attention heads of the model (all TP ranks)
     kv_lora_rank: int = 512
     qk_rope_head_dim: int = 64
+    v_head_dim: int = 256
+    num_layers: int = 78  # MLA layers of the model (GLM-5's decoder layers; an MTP draft's is one more)
+    project_before_merge: bool = True  # VLLM_DCP_PROJECT_BEFORE_MERGE (dcp-project-before-merge.patch)
     max_num_seqs: int = 128
     speculative_tokens: int = 0
     parallel_drafting: bool = False
@@ -189,6 +207,16 @@ class ServingConfig:
         return self.num_heads // self.tp
 
     @property
+    def projects_before_merge(self) -> bool:
+        """Whether the layers project through ``W_UV_dcp`` before the merge: the switch on and DCP > 1."""
+        return self.project_before_merge and self.dcp > 1
+
+    @property
+    def a2a_head_dim(self) -> int:
+        """The head dimension the DCP combine, and so the A2A workspace's output, is sized for."""
+        return self.v_head_dim if self.projects_before_merge else self.kv_lora_rank
+
+    @property
     def effective_cudagraph_capture_size(self) -> int:
         """The capture size vLLM 0.28.0 uses: the given one, else its Hopper default.
 
@@ -203,55 +231,65 @@ class ServingConfig:
 
 
 @dataclass(frozen=True)
-class SizingRow:
-    sizing: str
-    tokens: int
+class Plan:
+    """What a serving configuration allocates per GPU for DCP: the two workspaces and ``W_UV_dcp``."""
+
+    config: ServingConfig
+    tokens: int  # the workspaces' capacity; steps above it take the NCCL fallback
     q_gather_bytes: int
     a2a_bytes: int
+    w_uv_dcp_layer_bytes: int
+
+    @property
+    def w_uv_dcp_bytes(self) -> int:
+        return self.w_uv_dcp_layer_bytes * self.config.num_layers
 
     @property
     def total_bytes(self) -> int:
-        return self.q_gather_bytes + self.a2a_bytes
-
-
-@dataclass(frozen=True)
-class Plan:
-    config: ServingConfig
-    rows: list[SizingRow] = field(default_factory=list)
-
-    def row(self, sizing: str) -> SizingRow:
-        return next(r for r in self.rows if r.sizing == sizing)
+        return self.q_gather_bytes + self.a2a_bytes + self.w_uv_dcp_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        rows = [dict(asdict(r), total_bytes=r.total_bytes) for r in self.rows]
-        base, full = self.row("decode"), self.row("max_num_batched_tokens")
-        delta = {"tokens": full.tokens - base.tokens,
-                 "q_gather_bytes": full.q_gather_bytes - base.q_gather_bytes,
-                 "a2a_bytes": full.a2a_bytes - base.a2a_bytes,
-                 "total_bytes": full.total_bytes - base.total_bytes}
-        return {"config": asdict(self.config), "rows": rows, "delta": delta}
+        return {"config": asdict(self.config), "tokens": self.tokens,
+                "project_before_merge": self.config.projects_before_merge,
+                "a2a_head_dim": self.config.a2a_head_dim,
+                "q_gather_bytes": self.q_gather_bytes, "a2a_bytes": self.a2a_bytes,
+                "w_uv_dcp": {"layer_bytes": self.w_uv_dcp_layer_bytes, "num_layers": self.config.num_layers,
+                             "bytes": self.w_uv_dcp_bytes},
+                "total_bytes": self.total_bytes}
 
 
 def plan(config: ServingConfig) -> Plan:
-    """Capacity and per-GPU bytes of both workspaces under both sizing modes."""
-    rows = []
-    for sizing in SIZINGS:
-        tokens = capacity_tokens(config.max_num_seqs, config.max_num_batched_tokens,
-                                 config.speculative_tokens, config.parallel_drafting,
-                                 config.effective_cudagraph_capture_size, sizing)
-        rows.append(SizingRow(
-            sizing=sizing, tokens=tokens,
-            q_gather_bytes=q_gather_workspace_bytes(
-                tokens, config.dcp, config.heads_per_rank, config.kv_lora_rank + config.qk_rope_head_dim,
-                config.query_dtype_bytes, config.num_ubatches, config.q_padded_heads),
-            a2a_bytes=a2a_workspace_bytes(tokens, config.dcp, config.heads_per_rank, config.kv_lora_rank,
-                                          config.output_dtype_bytes, config.num_ubatches),
-        ))
-    return Plan(config, rows)
+    """Capacity and per-GPU bytes of both workspaces and of the gathered ``W_UV`` (none at DCP 1)."""
+    c = config
+    tokens = capacity_tokens(c.max_num_seqs, c.max_num_batched_tokens, c.speculative_tokens,
+                             c.parallel_drafting, c.effective_cudagraph_capture_size)
+    if c.dcp == 1:  # no MLADCPManager: neither workspace is allocated
+        return Plan(c, tokens, 0, 0, 0)
+    return Plan(
+        c, tokens,
+        q_gather_bytes=q_gather_workspace_bytes(tokens, c.dcp, c.heads_per_rank, c.kv_lora_rank + c.qk_rope_head_dim,
+                                                c.query_dtype_bytes, c.num_ubatches, c.q_padded_heads),
+        a2a_bytes=a2a_workspace_bytes(tokens, c.dcp, c.heads_per_rank, c.a2a_head_dim, c.output_dtype_bytes,
+                                      c.num_ubatches),
+        w_uv_dcp_layer_bytes=(w_uv_dcp_layer_bytes(c.dcp, c.heads_per_rank, c.kv_lora_rank, c.v_head_dim,
+                                                   c.output_dtype_bytes) if c.projects_before_merge else 0),
+    )
 
 
 def _mb(n: int) -> str:
     return f"{n / 1e6:9.1f} MB ({n / 2**20:7.1f} MiB)"
+
+
+def _w_uv_line(p: Plan) -> str:
+    c = p.config
+    if c.dcp == 1:
+        return "W_UV_dcp: none (DCP 1: no merge to project before)"
+    if not c.project_before_merge:
+        return f"W_UV_dcp: none (projection off, {PROJECT_ENV}=0: the merge exchanges kv_lora_rank {c.kv_lora_rank})"
+    return (f"W_UV_dcp: {p.w_uv_dcp_layer_bytes / 2**20:.1f} MiB per layer x {c.num_layers} layers = "
+            f"{p.w_uv_dcp_bytes / 2**30:.2f} GiB per GPU ({p.w_uv_dcp_bytes / 2**20:.1f} MiB), "
+            "counted in the model's weight memory "
+            f"(gathered while loading, before vLLM sizes the KV cache)")
 
 
 def format_plan(p: Plan) -> str:
@@ -260,31 +298,52 @@ def format_plan(p: Plan) -> str:
     spec = (f"{c.speculative_tokens} speculative tokens"
             + (" (parallel drafting)" if c.parallel_drafting else "")) if c.speculative_tokens else "no speculation"
     q_heads = c.q_padded_heads or c.dcp * c.heads_per_rank
+    projection = ("off at DCP 1" if c.dcp == 1 else
+                  f"on ({PROJECT_ENV}=1): the A2A output holds v_head_dim {c.v_head_dim} per head"
+                  if c.project_before_merge else
+                  f"off ({PROJECT_ENV}=0): the A2A output holds kv_lora_rank {c.kv_lora_rank} per head")
     lines = [
         f"TP {c.tp}, DCP {c.dcp}, {c.num_heads} heads ({c.heads_per_rank} per TP rank), "
-        f"kv_lora_rank {c.kv_lora_rank}, rope {c.qk_rope_head_dim}",
+        f"kv_lora_rank {c.kv_lora_rank}, v_head_dim {c.v_head_dim}, rope {c.qk_rope_head_dim}, "
+        f"{c.num_layers} MLA layers",
         f"max_num_seqs {c.max_num_seqs}, {spec} -> {tokens_per_seq(c.speculative_tokens, c.parallel_drafting)}"
         f" tokens/seq; max_num_batched_tokens {c.max_num_batched_tokens}; "
         f"cudagraph capture {c.effective_cudagraph_capture_size}"
         f"{'' if c.cudagraph_capture_size is not None else ' (vLLM default)'}; ubatches {c.num_ubatches}",
+        f"projection before the DCP merge: {projection}",
+        "no DCP manager at DCP 1: no workspace, no W_UV_dcp" if c.dcp == 1 else
         f"q-gather: {q_heads} query heads x {c.kv_lora_rank + c.qk_rope_head_dim} x {c.query_dtype_bytes} B; "
-        f"A2A: {c.dcp} ranks x 2 buffers x {c.heads_per_rank} heads x {c.kv_lora_rank} x "
+        f"A2A: {c.dcp} ranks x 2 buffers x {c.heads_per_rank} heads x {c.a2a_head_dim} x "
         f"{c.output_dtype_bytes} B (+ fp32 LSE)",
         "",
-        f"{'sizing':<24} {'tokens':>7}  {'q-gather / GPU':>28}  {'A2A / GPU':>28}",
+        f"capacity: {p.tokens} tokens per step (decode formula); "
+        + ("unused at DCP 1" if c.dcp == 1 else "steps above it take the NCCL fallback"),
+        "",
+        "per GPU",
+        f"{'q-gather workspace':<24} {_mb(p.q_gather_bytes)}",
+        f"{'A2A workspace':<24} {_mb(p.a2a_bytes)}",
+        f"{'W_UV_dcp':<24} {_mb(p.w_uv_dcp_bytes)}",
+        f"{'total':<24} {_mb(p.total_bytes)}",
+        "",
+        _w_uv_line(p),
     ]
-    for r in p.rows:
-        lines.append(f"{r.sizing:<24} {r.tokens:>7}  {_mb(r.q_gather_bytes)}  {_mb(r.a2a_bytes)}")
-    d = p.to_dict()["delta"]
-    lines.append(f"{'delta':<24} {d['tokens']:>+7}  {_mb(d['q_gather_bytes'])}  {_mb(d['a2a_bytes'])}")
-    lines.append("")
-    lines.append("decode sizing: steps above the capacity use the NCCL fallback (patched); "
-                 "VLLM_DCP_DIRECT_WORKSPACE_SIZING=max_num_batched_tokens keeps every step direct.")
     return "\n".join(lines) + "\n"
 
 
+def _project_before_merge(env: dict[str, str], where: str) -> bool | None:
+    """``VLLM_DCP_PROJECT_BEFORE_MERGE`` of a profile's server environment as vLLM reads it (None: unset)."""
+    raw = env.get(PROJECT_ENV)
+    if raw is None:
+        return None
+    try:
+        return bool(int(raw))
+    except ValueError:
+        raise ValueError(f"{where}: server.env.{PROJECT_ENV} must be an integer (0 off, 1 on; vLLM reads "
+                         f"bool(int(value))), got {raw!r}") from None
+
+
 def config_from_profile(name_or_path: str) -> dict[str, Any]:
-    """The sizing parameters a regress profile's ``vllm serve`` arguments set (others absent)."""
+    """The sizing parameters a regress profile's ``vllm serve`` arguments and environment set (others absent)."""
     from overlay.regress.profiles import load_profile
 
     server = load_profile(name_or_path).server
@@ -307,6 +366,9 @@ def config_from_profile(name_or_path: str) -> dict[str, Any]:
         found["speculative_tokens"] = server.speculative_tokens
         if "parallel_drafting" in spec:
             found["parallel_drafting"] = bool(spec["parallel_drafting"])
+    project = _project_before_merge(server.env, name_or_path)
+    if project is not None:
+        found["project_before_merge"] = project
     return found
 
 

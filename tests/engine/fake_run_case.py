@@ -7,10 +7,10 @@ until job NAME has started (proves two jobs ran at once), ``FAKE_HANG=1`` never 
 ``FAKE_CRASH=MSG`` prints MSG and exits 1; otherwise writes a minimal run output, after calling
 ``run(case)`` of the module ``FAKE_VLLM_RUN`` names (a fake ``vllm`` engine under ``--coverage``). Like the engine it
 stands for, it logs the capture of FULL decode graphs for a case that asks for them, and records the
-settings it ``resolved``: what ``GLM5_DCP_DEFAULTS`` of the case's release makes of the options the
-case leaves unset, and the model runner (V2 on a ``V2_RUNNER_DEFAULT`` release unless
-``VLLM_USE_V2_MODEL_RUNNER=0``) (``FAKE_RESOLVED``, a JSON object, overrides them: an engine resolving
-otherwise).
+settings it ``resolved``: what the release facts in ``FAKE_FACTS`` (``ReleaseFacts.to_dict()`` as JSON; none:
+a release with fixed DCP defaults on the V1 runner) make of the options the case leaves unset, and the
+model runner (V2 where the facts default to it, unless ``VLLM_USE_V2_MODEL_RUNNER=0`` selects V1)
+(``FAKE_RESOLVED``, a JSON object, overrides them: an engine resolving otherwise).
 """
 
 from __future__ import annotations
@@ -24,14 +24,12 @@ from pathlib import Path
 
 
 def _resolved(case: dict) -> dict:
-    from overlay.engine.workload import GLM5_DCP_DEFAULTS, V2_RUNNER_DEFAULT
-
-    defaults = GLM5_DCP_DEFAULTS.get(case.get("release", ""), {"dcp_comm_backend": "ag_rs", "dcp_q_replicate": None})
-    resolved = {"dcp_comm_backend": case.get("backend") or defaults["dcp_comm_backend"],
-                "dcp_q_replicate": defaults["dcp_q_replicate"] if case.get("q_replicate") is None
+    facts = json.loads(os.environ.get("FAKE_FACTS") or "{}")
+    v1 = facts.get("v1_runner", True) and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0"
+    resolved = {"dcp_comm_backend": case.get("backend") or facts.get("dcp_comm_backend", "ag_rs"),
+                "dcp_q_replicate": facts.get("dcp_q_replicate") if case.get("q_replicate") is None
                 else case["q_replicate"],
-                "use_v2_model_runner": case.get("release", "") in V2_RUNNER_DEFAULT
-                and os.environ.get("VLLM_USE_V2_MODEL_RUNNER") != "0"}
+                "use_v2_model_runner": facts.get("runner", "v1") == "v2" and not v1}
     return resolved | json.loads(os.environ.get("FAKE_RESOLVED") or "{}")
 
 

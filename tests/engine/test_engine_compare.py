@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from overlay.engine import check
+from overlay.engine import check, verdict
 from overlay.engine.compare import FLOOR, SAFETY, Tolerance, compare, derive_tolerance
 from overlay.engine.workload import MAX_MODEL_LEN, PROMPT_LENS, Case, cases, prompts
 
@@ -107,12 +107,13 @@ def test_cases_put_references_then_the_production_shape_first() -> None:
     assert {c.name: c.compare_to for c in cases(2) if c.mtp and c.prompt_lens == PROMPT_LENS} == {
         "ref-dcp1-mtp": "", "dcp-a2a-direct-proj1-graph-mtp": "ref-dcp1-mtp",
         "dcp-agrs-proj1-graph-mtp": "ref-dcp1-mtp", "dcp-a2a-direct-proj1-graph-mtp-il16": "ref-dcp1-mtp",
-        "ref-dcp1-mtp-eager": "ref-dcp1-mtp"}
+        "dcp-a2a-direct-fused-graph-mtp": "ref-dcp1-mtp", "ref-dcp1-mtp-eager": "ref-dcp1-mtp"}
     # MTP in graphs: FULL decode graphs of the (1 + 5)-token steps, DCP or not, except with
     # interleave > 1 (prefill paths: piecewise); eager cases are not judged on graphs
     assert {c.name: c.graphs for c in cases(2) if c.mtp and c.prompt_lens == PROMPT_LENS} == {
         "ref-dcp1-mtp": "FULL", "dcp-a2a-direct-proj1-graph-mtp": "FULL", "dcp-agrs-proj1-graph-mtp": "FULL",
-        "dcp-a2a-direct-proj1-graph-mtp-il16": "PIECEWISE", "ref-dcp1-mtp-eager": ""}
+        "dcp-a2a-direct-proj1-graph-mtp-il16": "PIECEWISE", "dcp-a2a-direct-fused-graph-mtp": "FULL",
+        "ref-dcp1-mtp-eager": ""}
     # the long cases: one ~60,000-token prompt on each transport, against their own DCP 1 + MTP reference
     long = {c.name: c for c in cases(2) if c.prompt_lens != PROMPT_LENS}
     assert set(long) == {"ref-dcp1-mtp-long", "dcp-a2a-direct-proj1-graph-mtp-long",
@@ -132,14 +133,15 @@ def test_cases_put_references_then_the_production_shape_first() -> None:
     assert kw["kv_cache_dtype"] == "fp8_ds_mla" and kw["speculative_config"]["num_speculative_tokens"] == 5
     assert prod.env == {"VLLM_DCP_PROJECT_BEFORE_MERGE": "1", "VLLM_USE_DIRECT_DCP_A2A": "1"}
     assert all(c.dcp == 1 for c in cases(1))
-    # every transport, both projection settings, graphs and eager, MTP and the sizing knob are covered
+    # every transport, both projection settings, graphs and eager, MTP and the fused opt-in are covered
     combos = {(c.backend, c.env.get("VLLM_USE_DIRECT_DCP_A2A"), c.env.get("VLLM_DCP_PROJECT_BEFORE_MERGE"), c.eager)
               for c in cases(2) if c.dcp > 1}
     for backend, direct in (("a2a", "1"), ("a2a", "0"), ("ag_rs", None)):
         for project in ("1", "0"):
             assert (backend, direct, project, False) in combos
         assert (backend, direct, "1", True) in combos
-    assert any("VLLM_DCP_DIRECT_WORKSPACE_SIZING" in c.env for c in cases(2))
+    assert any(c.env.get("VLLM_DCP_PROJECT_FUSED") == "1" for c in cases(2))  # the fused opt-in
+    assert not any("VLLM_DCP_DIRECT_WORKSPACE_SIZING" in c.env for c in cases(2))  # the knob is gone
 
 
 def test_workload_prompts_exceed_topk_and_the_direct_capacity() -> None:
@@ -176,17 +178,17 @@ def test_judge_verdicts_and_expected_failures(tmp_path: Path) -> None:
     bad["requests"][0]["prompt_logprobs"][3] = -1.0
     recs = _records(tmp_path, {"ref": ("reference", _ref()), "rerun": ("spread", _ref()),
                                "good": ("check", _ref()), "bad": ("check", bad), "dead": ("check", None)})
-    s = check.judge(recs, tmp_path, None)
+    s = verdict.judge(recs, tmp_path, None)
     assert s["verdict"] == "fail" and s["tolerance"]["dense"] == FLOOR
     assert {r["case"]["name"]: r["verdict"] for r in recs} == {
         "ref": "reference", "rerun": "spread", "good": "pass", "bad": "fail", "dead": "fail"}
     recs = _records(tmp_path, {"ref": ("reference", _ref()), "dead": ("check", None)})
-    assert check.judge(recs, tmp_path, "crash:no attribute 'decode'")["verdict"] == "pass"
+    assert verdict.judge(recs, tmp_path, "crash:no attribute 'decode'")["verdict"] == "pass"
     recs = _records(tmp_path, {"ref": ("reference", _ref()), "good": ("check", _ref())})
-    assert check.judge(recs, tmp_path, "mismatch")["verdict"] == "fail"  # expected to fail, did not
+    assert verdict.judge(recs, tmp_path, "mismatch")["verdict"] == "fail"  # expected to fail, did not
     recs = _records(tmp_path, {"ref": ("reference", None)})
-    assert check.judge(recs, tmp_path, None)["verdict"] == "harness"
-    check.report(tmp_path, s, recs, {"model": "m"})
+    assert verdict.judge(recs, tmp_path, None)["verdict"] == "harness"
+    verdict.report(tmp_path, s, recs, {"model": "m"})
     assert "# Engine check" in (tmp_path / "REPORT.md").read_text()
 
 
@@ -195,7 +197,7 @@ def test_plot_draws_every_compared_case(tmp_path: Path) -> None:
     from overlay.engine.plot import bars, draw
 
     recs = _records(tmp_path, {"ref": ("reference", _ref()), "rerun": ("spread", _ref()), "dead": ("check", None)})
-    summary = check.judge(recs, tmp_path, None)
+    summary = verdict.judge(recs, tmp_path, None)
     doc = {"summary": summary, "cases": recs}
     assert [b[0] for b in bars(doc)] == ["rerun", "dead"] and bars(doc)[1][3] == "crashed"
     png = draw([("main", doc)], tmp_path / "e.png")
@@ -209,7 +211,7 @@ def test_a_case_is_judged_against_its_own_reference(tmp_path: Path) -> None:
                                "mtp-same": ("check", moved), "mtp-off": ("check", _ref())})
     for r in recs[2:]:
         r["case"]["compare_to"] = "ref-mtp"
-    s = check.judge(recs, tmp_path, None)
+    s = verdict.judge(recs, tmp_path, None)
     assert {r["case"]["name"]: r["verdict"] for r in recs} == {
         "ref": "reference", "ref-mtp": "fail", "mtp-same": "pass", "mtp-off": "fail"}
     # the second reference is judged against the first (MTP must not move prompt logprobs)
@@ -217,7 +219,7 @@ def test_a_case_is_judged_against_its_own_reference(tmp_path: Path) -> None:
     recs = _records(tmp_path, {"ref": ("reference", _ref()), "ref-mtp": ("reference", None),
                                "mtp": ("check", moved)})
     recs[2]["case"]["compare_to"] = "ref-mtp"
-    check.judge(recs, tmp_path, None)
+    verdict.judge(recs, tmp_path, None)
     assert recs[1]["verdict"] == "fail" and recs[2]["problems"] == ["its reference ref-mtp did not run"]
 
 
@@ -279,7 +281,8 @@ def test_rejudge_reads_the_graphs_from_each_log_again(tmp_path) -> None:
 
 
 def test_a_case_with_the_wrong_graph_mode_fails(tmp_path) -> None:
-    from overlay.engine.check import graph_mode, judge
+    from overlay.engine.check import graph_mode
+    from overlay.engine.verdict import judge
 
     docs = {"ref-dcp1": _ref(), "ref-dcp1-mtp": _ref(), "dcp-mtp": _ref()}
     for name, doc in docs.items():
@@ -301,7 +304,7 @@ def test_a_case_with_the_wrong_graph_mode_fails(tmp_path) -> None:
 
 def test_the_mtp_reference_is_judged_against_dcp1(tmp_path) -> None:
     """MTP must not move prompt logprobs (they come from the target alone)."""
-    from overlay.engine.check import judge
+    from overlay.engine.verdict import judge
 
     moved = _ref()
     moved["requests"][0]["prompt_logprobs"][1] = -9.0
@@ -314,7 +317,7 @@ def test_the_mtp_reference_is_judged_against_dcp1(tmp_path) -> None:
 
 
 def test_the_long_reference_is_not_compared_with_the_short_workload(tmp_path) -> None:
-    from overlay.engine.check import judge
+    from overlay.engine.verdict import judge
 
     long_doc = _ref()
     long_doc["requests"] = long_doc["requests"][:1]

@@ -1,4 +1,5 @@
-"""The two-GPU cases of the vLLM 0.33.0 build (issue 34 item 4), on CPU with the run_case stand-in.
+"""The two-GPU cases of the vLLM 0.33.0 build (issue 34 item 4), on CPU with the run_case stand-in, and
+that a build's cases follow its release facts (issue 41 item 3), never its version string.
 
 vLLM 0.33.0 resolves the DCP options a GLM-5 user leaves unset to the a2a combine with query
 replication; our regress profiles name the comm backend and leave query replication to the release.
@@ -6,7 +7,8 @@ The 0.33.0 build's cases run TP2 x DCP2 with nothing set, with the profiles' exp
 with the query all-gather named, each against its DCP 1 reference and judged on what the engine
 resolved. Here: what each case hands the engine, that the settings are our profiles' and the
 release's, and that the check's machinery (jobs, judge, report) runs and judges them, with
-``tests/engine/fake_run_case.py`` in place of the engine.
+``tests/engine/fake_run_case.py`` in place of the engine. The facts are those of a synthetic tree shaped
+like each release (``tests/factskit.py``; ``tests/test_release_facts.py`` holds each shape to the real tree).
 """
 
 from __future__ import annotations
@@ -18,25 +20,28 @@ from pathlib import Path
 
 import pytest
 
-from overlay.engine import check
-from overlay.engine.workload import GLM5_DCP_DEFAULTS, PROFILE_SETTINGS, cases, release_cases, runner_cases
+from overlay.engine import check, verdict
+from overlay.engine.workload import PROFILE_SETTINGS, cases, release_cases, runner_cases
+from tests import factskit
+
+FACTS = factskit.facts("0.33.0")
 
 REPO = Path(__file__).resolve().parents[2]
 OWN = ["dcp-defaults-graph-mtp", "dcp-a2a-direct-proj1-qgather-graph-mtp", "dcp-defaults-graph",
-       "dcp-defaults-proj0-graph-mtp", "dcp-agrs-proj1-qgather-graph-mtp", "dcp-defaults-sizing-mnbt-graph-mtp"]
+       "dcp-defaults-proj0-graph-mtp", "dcp-agrs-proj1-qgather-graph-mtp", "dcp-defaults-proj1-graph-mtp"]
 RUNNERS = ["ref-dcp1-v1", "ref-dcp1-mtp-v1"]
 
 
 def test_the_0_33_0_build_runs_its_own_cases_first_after_the_references() -> None:
-    names = [c.name for c in cases(2, "0.33.0")]
+    names = [c.name for c in cases(2, FACTS)]
     assert names[:5] == ["ref-dcp1", "ref-dcp1-mtp", "dcp-defaults-graph-mtp", "ref-dcp1-reordered",
                          "dcp-a2a-direct-proj1-graph-mtp"]  # then our profile's production shape
-    assert [c.name for c in release_cases("0.33.0")] == OWN and set(OWN) <= set(names)
+    assert [c.name for c in release_cases(FACTS)] == OWN and set(OWN) <= set(names)
     assert len(names) == len(set(names))
-    assert [c.name for c in cases(2)] == [c.name for c in cases(2, "0.28.0")]  # 0.28.0's list as it was
-    assert {c.name for c in cases(2, "0.33.0")} - set(OWN) - set(RUNNERS) == {c.name for c in cases(2)}
-    assert release_cases("0.33.0", tp=1) == []
-    assert [c.name for c in cases(1, "0.33.0")] == ["ref-dcp1", "ref-dcp1-mtp", *RUNNERS, "ref-dcp1-rerun",
+    assert [c.name for c in cases(2)] == [c.name for c in cases(2, factskit.facts("0.28.0"))]  # 0.28.0's, as it was
+    assert {c.name for c in cases(2, FACTS)} - set(OWN) - set(RUNNERS) == {c.name for c in cases(2)}
+    assert release_cases(FACTS, tp=1) == []
+    assert [c.name for c in cases(1, FACTS)] == ["ref-dcp1", "ref-dcp1-mtp", *RUNNERS, "ref-dcp1-rerun",
                                                     "ref-dcp1-reordered", "ref-dcp1-mtp-eager"]
 
 
@@ -45,9 +50,9 @@ def test_a_v2_runner_release_runs_dcp1_under_v1_too() -> None:
     spec-decode-prompt-logprobs-graph-pool applies, runs the plain reference again (judged against
     ref-dcp1: the runners must agree) and MTP against that plain V1 run, each on the runner it
     resolved; 0.28.0 (V1 only) has no such cases."""
-    assert runner_cases("0.28.0") == [] and runner_cases(None) == []
+    assert runner_cases(factskit.facts("0.28.0")) == [] and runner_cases(None) == []
     for tp in (1, 2):
-        by = {c.name: c for c in cases(tp, "0.33.0")}
+        by = {c.name: c for c in cases(tp, FACTS)}
         for name in RUNNERS:
             c = by[name]
             assert c.env == {"VLLM_USE_V2_MODEL_RUNNER": "0"} and c.resolves == {"use_v2_model_runner": False}
@@ -61,7 +66,7 @@ def test_a_v2_runner_release_runs_dcp1_under_v1_too() -> None:
 
 
 def test_what_each_case_hands_the_engine() -> None:
-    by = {c.name: c for c in cases(2, "0.33.0")}
+    by = {c.name: c for c in cases(2, FACTS)}
     defaults = by["dcp-defaults-graph-mtp"].engine_kwargs("/m")
     assert defaults["decode_context_parallel_size"] == 2 and defaults["tensor_parallel_size"] == 2
     assert "dcp_comm_backend" not in defaults and "dcp_q_replicate" not in defaults  # the release decides
@@ -72,19 +77,18 @@ def test_what_each_case_hands_the_engine() -> None:
     profile = by["dcp-a2a-direct-proj1-graph-mtp"].engine_kwargs("/m")
     assert profile["dcp_comm_backend"] == "a2a" and "dcp_q_replicate" not in profile
     assert by["dcp-defaults-proj0-graph-mtp"].env == {"VLLM_DCP_PROJECT_BEFORE_MERGE": "0"}
-    sizing = by["dcp-defaults-sizing-mnbt-graph-mtp"].env
-    assert sizing == {"VLLM_DCP_DIRECT_WORKSPACE_SIZING": "max_num_batched_tokens"}
+    assert by["dcp-defaults-proj1-graph-mtp"].env == {"VLLM_DCP_PROJECT_BEFORE_MERGE": "1"}
 
 
 def test_every_dcp_case_of_the_build_is_judged_on_what_it_resolved_and_against_dcp1() -> None:
-    qrep = GLM5_DCP_DEFAULTS["0.33.0"]["dcp_q_replicate"]
-    names = {c.name for c in cases(2, "0.33.0")}
-    for c in cases(2, "0.33.0"):
+    qrep = FACTS.dcp_q_replicate
+    names = {c.name for c in cases(2, FACTS)}
+    for c in cases(2, FACTS):
         if c.dcp == 1:  # judged on the model runner only (test_a_v2_runner_release_runs_dcp1_under_v1_too)
             assert set(c.resolves) <= {"use_v2_model_runner"}, c.name
             continue
         assert c.release == "0.33.0"
-        assert c.resolves["dcp_comm_backend"] == (c.backend or GLM5_DCP_DEFAULTS["0.33.0"]["dcp_comm_backend"])
+        assert c.resolves["dcp_comm_backend"] == (c.backend or FACTS.dcp_comm_backend)
         assert c.resolves["dcp_q_replicate"] == (qrep if c.q_replicate is None else c.q_replicate), c.name
         assert (c.compare_to or "ref-dcp1") in names  # its DCP 1 reference runs in the same check
         if c.mtp and not c.eager and c.interleave == 1:
@@ -94,7 +98,7 @@ def test_every_dcp_case_of_the_build_is_judged_on_what_it_resolved_and_against_d
 def test_round_trip_through_the_case_file() -> None:
     from overlay.engine.workload import Case
 
-    for c in cases(2, "0.33.0"):
+    for c in cases(2, FACTS):
         d = json.loads(json.dumps(c.to_dict()))
         assert Case(**{k: tuple(v) if k == "prompt_lens" else v for k, v in d.items()}) == c  # as run_case reads it
     assert all("resolves" not in c.to_dict() and "release" not in c.to_dict() for c in cases(2))
@@ -115,26 +119,14 @@ def test_the_profile_settings_are_the_profiles() -> None:
         assert "VLLM_DCP_Q_REPLICATE" not in env, name
 
 
-@pytest.mark.slow
-def test_the_defaults_are_0_33_0s() -> None:
-    """GLM5_DCP_DEFAULTS["0.33.0"] is what 0.33.0's GlmMoeDsaForCausalLM sets (its wheel's text)."""
-    from overlay.maintain.trees import base_tree
-
-    text = (base_tree(REPO / "patches", "0.33.0") / "vllm" / "model_executor" / "models" / "config.py").read_text()
-    glm = text[text.index("class GlmMoeDsaForCausalLM"):]
-    glm = glm[:glm.index("\nclass ")]
-    want = GLM5_DCP_DEFAULTS["0.33.0"]
-    assert (f'set_dcp_defaults(\n            comm_backend="{want["dcp_comm_backend"]}", '
-            f'q_replicate={want["dcp_q_replicate"]}\n        )') in glm
-
-
 @pytest.fixture
 def fake_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(check, "RUN_CASE", "tests.engine.fake_run_case")
+    monkeypatch.setenv("FAKE_FACTS", json.dumps(FACTS.to_dict()))  # the stand-in resolves as this release
 
 
 def _run(tmp_path: Path, names: list[str], **env: str) -> tuple[list[dict], dict]:
-    by = {c.name: c for c in cases(2, "0.33.0")}
+    by = {c.name: c for c in cases(2, FACTS)}
     jobs = [check.Job(by[n], n) for n in names]
     if env:
         jobs = [check.Job(replace(j.case, env={**j.case.env, **env}), j.name)
@@ -142,8 +134,9 @@ def _run(tmp_path: Path, names: list[str], **env: str) -> tuple[list[dict], dict
     out = tmp_path / "run"
     out.mkdir()
     records = check.run_jobs(jobs, tmp_path / "model", out, timeout=120, parallel=4, poll_s=0.05)
-    summary = check.judge(records, out, None)
-    check.report(out, summary, records, {"model": str(tmp_path / "model"), "vllm": "0.33.0"})
+    summary = verdict.judge(records, out, None)
+    verdict.report(out, summary, records, {"model": str(tmp_path / "model"), "vllm": "0.33.0",
+                                           "release_facts": FACTS.to_dict()})
     return records, summary
 
 
@@ -160,6 +153,7 @@ def test_the_build_cases_run_and_pass_with_the_stand_in(tmp_path: Path, fake_eng
     assert by["dcp-a2a-direct-proj1-qgather-graph-mtp"]["resolved"]["dcp_q_replicate"] is False
     assert by["dcp-defaults-graph-mtp"]["graphs"]["mode"] == "FULL"
     report = (tmp_path / "run" / "REPORT.md").read_text()
+    assert f"- release facts: {FACTS.summary()}" in report
     assert "- vllm: `0.33.0`" in report and "| dcp-defaults-graph-mtp | check | ok | pass |" in report
 
 
@@ -180,12 +174,51 @@ def test_an_engine_resolving_otherwise_fails_the_case(tmp_path: Path, fake_engin
     assert records[2]["problems"] == ["resolved: dcp_q_replicate=False, the case runs True"]
 
 
-def test_the_release_under_test_is_read_from_the_tree(tmp_path: Path) -> None:
-    tree = tmp_path / "tree"
-    (tree / "vllm").mkdir(parents=True)
+def test_the_release_and_its_facts_are_read_from_the_tree(tmp_path: Path) -> None:
+    tree = factskit.tree("0.33.0").write(tmp_path / "tree")
     (tree / "vllm" / "_version.py").write_text("__version__ = version = '0.33.0+ovl1a2b3c'\n")
     assert check.release_under_test(tree) == "0.33.0"
-    assert [c.name for c in cases(2, check.release_under_test(tree))][2] == "dcp-defaults-graph-mtp"
+    assert check.facts_under_test(tree) == FACTS
+    assert [c.name for c in cases(2, check.facts_under_test(tree))][2] == "dcp-defaults-graph-mtp"
+
+
+def test_the_cases_follow_the_facts_not_the_version() -> None:
+    """What a build runs is what its release is: a 0.28.0-shaped tree named 0.33.0 runs 0.28.0's cases, a
+    0.33.0-shaped one named 0.28.0 or 0.99.0 runs 0.33.0's, and a release without Model Runner V1 (0.34.0)
+    runs the release's own DCP cases but none under V1, nor judges a runner it cannot choose."""
+    generic = [c.name for c in cases(2)]
+    assert [c.name for c in cases(2, factskit.facts("0.33.0", like="0.28.0"))] == generic
+    for named in ("0.28.0", "0.99.0"):
+        facts = factskit.facts(named, like="0.33.0")
+        assert [c.name for c in cases(2, facts)] == [c.name for c in cases(2, FACTS)]
+        assert {c.release for c in cases(2, facts) if c.release} == {named}
+    later = factskit.facts("0.34.0")
+    names = [c.name for c in cases(2, later)]
+    assert set(OWN) <= set(names) and not set(RUNNERS) & set(names)
+    assert names == [n for n in (c.name for c in cases(2, FACTS)) if n not in RUNNERS]
+    assert next(c for c in cases(2, later) if c.name == "ref-dcp1-mtp").resolves == {}
+    assert [c.name for c in cases(1, later)] == [c.name for c in cases(1)]
+
+
+def test_engine_check_refuses_a_release_the_facts_cannot_describe(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A tree whose GLM-5 the table does not know stops the check in one line naming what is missing,
+    before a checkpoint is made."""
+    from overlay.cli import main
+
+    synthetic = factskit.tree("0.35.0", like="0.34.0")
+    synthetic.files["vllm/model_executor/models/registry.py"] = \
+        '_VLLM_MODELS = {"GlmMoeDsaForCausalLM": ("vllm.models.glm5", "GlmMoeDsaForCausalLM")}\n'
+    synthetic.files["vllm/models/glm5.py"] = "class GlmMoeDsaForCausalLM:\n    pass\n"
+    tree = synthetic.write(tmp_path / "tree")
+    rc = main(["engine-check", "--out", str(tmp_path / "out"), "--tree", str(tree), "--model", str(tmp_path / "model")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert err[0] == (f"error: engine-check: {tree}: vllm 0.35.0: the release facts cannot describe it: GLM-5's path: "
+                      "GLM-5 resolves to vllm.models.glm5.GlmMoeDsaForCausalLM, which "
+                      "overlay/releases/table.py:ATTENTION does not describe (add its attention class and DCP entry "
+                      "there, with the evidence)")
+    assert not (tmp_path / "model").exists()
 
 
 def test_the_torch_under_test_and_the_releases_pin() -> None:

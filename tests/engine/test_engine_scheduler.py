@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from overlay.engine import check
+from overlay.engine import check, verdict
 from overlay.engine.workload import Case
+from tests import factskit
 
 
 @pytest.fixture(autouse=True)
@@ -77,7 +78,7 @@ def test_reuse_takes_references_of_the_same_checkpoint_only(tmp_path: Path) -> N
     first = tmp_path / "first"
     first.mkdir()
     recs = check.run_jobs([_job("ref", "reference"), _job("a")], tmp_path / "model", first, timeout=60, poll_s=0.05)
-    check.report(first, check.judge(recs, first, None), recs, {"model": str(tmp_path / "model")})
+    verdict.report(first, verdict.judge(recs, first, None), recs, {"model": str(tmp_path / "model")})
     again = tmp_path / "again"
     again.mkdir()
     recs = check.run_jobs([_job("ref", "reference"), _job("a")], tmp_path / "model", again, timeout=60,
@@ -116,10 +117,10 @@ def test_variant_jobs_run_on_their_tree_and_must_fail_their_way(tmp_path: Path) 
                           poll_s=0.05)
     env = _env(out, jobs[0].name)
     assert env["PYTHONPATH"].split(":")[0] == str(out / "trees" / "stock") and env["VLLM_DISABLE_COMPILE_CACHE"] == "1"
-    summary = check.judge(recs, out, None)
+    summary = verdict.judge(recs, out, None)
     # stock crashed as its report says; minus-x matched the reference although a mismatch was expected
     assert [r["verdict"] for r in recs] == ["reference", "expected-fail", "fail"] and summary["verdict"] == "fail"
-    check.report(out, summary, recs, {"model": "m"})
+    verdict.report(out, summary, recs, {"model": "m"})
     assert "variant, expect mismatch" in (out / "REPORT.md").read_text()
     # one GPU (--tp 1): only variants of DCP 1 cases run; DCP 2 ones are named and left out
     manifest = json.loads((variants / "variants.json").read_text())
@@ -166,14 +167,16 @@ def test_a_variant_with_several_cases_and_one_that_must_pass(tmp_path: Path, mon
     out.mkdir()
     with pytest.raises(check.EngineCheckError, match="no case 'ref-dcp1-mtp-v1' for --tp 1"):
         check.variant_jobs(variants, 1, out)  # 0.28.0's case list has no V1-runner case
-    jobs = check.variant_jobs(variants, 1, out, "0.33.0")
+    facts = factskit.facts("0.33.0")
+    monkeypatch.setenv("FAKE_FACTS", json.dumps(facts.to_dict()))  # the stand-in engine resolves as that release
+    jobs = check.variant_jobs(variants, 1, out, facts)
     assert [(j.name, j.expect) for j in jobs] == [("minus-p--ref-dcp1-mtp", "pass"),
                                                    ("minus-p--ref-dcp1-mtp-v1", "mismatch")]
     # the first passes as expected; the second (against its runner's plain run) passes too, where a mismatch
     # was expected: it fails
     refs = [_job("ref", "reference"), _job("ref-dcp1-v1", "reference")]
     recs = check.run_jobs([*refs, *jobs], tmp_path / "model", out, timeout=60, parallel=4, poll_s=0.05)
-    summary = check.judge(recs, out, None)
+    summary = verdict.judge(recs, out, None)
     assert [r["verdict"] for r in recs] == ["reference", "reference", "expected-pass", "fail"]
     assert summary["verdict"] == "fail"
     # a variant that must pass and does not: it fails
@@ -183,7 +186,7 @@ def test_a_variant_with_several_cases_and_one_that_must_pass(tmp_path: Path, mon
     again.mkdir()
     recs = check.run_jobs([_job("ref", "reference"), crashed], tmp_path / "model", again, timeout=60, parallel=2,
                           poll_s=0.05)
-    check.judge(recs, again, None)
+    verdict.judge(recs, again, None)
     assert [r["verdict"] for r in recs] == ["reference", "fail"]
 
 

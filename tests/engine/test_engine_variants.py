@@ -75,8 +75,10 @@ def test_mtp_as_prefills_brings_the_old_graph_mode_back(variants: tuple[Path, di
     sparse = "vllm/v1/attention/backends/mla/flashmla_sparse.py"
     series = _files(out / "minus-dcp-direct-q-gather-fallback.tar.gz")[sparse]
     old = _files(out / "mtp-as-prefills.tar.gz")[sparse]
-    assert b"supports_dcp_with_varlen=" in series and b"supports_dcp_with_varlen=" not in old
-    assert b"if parallel_config.decode_context_parallel_size > 1:" in old
+    # the builder's one condition, which its reorder threshold and its CUDA-graph support both read
+    keeps = b"return vllm_config.parallel_config.cp_kv_cache_interleave_size == 1\n"
+    assert keeps in series and keeps not in old
+    assert b"# cp_kv_cache_interleave_size 1.\n        return False\n" in old
     assert manifest["variants"]["mtp-as-prefills"]["case"] is None
     assert manifest["variants"]["mtp-as-prefills"]["patches"][:-1] == manifest["series"]
 
@@ -88,6 +90,8 @@ def test_the_0_33_0_variants_show_what_that_release_does(tmp_path: Path) -> None
     without the prompt-logprobs fix, V2 passes and V1 mismatches. Every case named exists on its build."""
     from overlay.engine.variants import RELEASE_EXPECT
     from overlay.engine.workload import cases
+    from overlay.maintain.trees import base_tree
+    from overlay.releases.facts import release_facts
 
     manifest = build_variants(REPO / "patches", "0.33.0", tmp_path)
     table = manifest["variants"]
@@ -99,7 +103,8 @@ def test_the_0_33_0_variants_show_what_that_release_does(tmp_path: Path) -> None
                                                                      ("mismatch", "ref-dcp1-mtp-v1")]
     assert shows["minus-flashmla-sparse-dcp-spec-cudagraphs"] == [
         (EXPECT["flashmla-sparse-dcp-spec-cudagraphs.patch"][0], "dcp-a2a-direct-proj1-graph-mtp-il16")]
-    names = {c.name for c in cases(2, "0.33.0")} | {c.name for c in cases(1, "0.33.0")}
+    facts = release_facts(base_tree(REPO / "patches", "0.33.0"))  # the build's cases, by its own tree's facts
+    names = {c.name for c in cases(2, facts)} | {c.name for c in cases(1, facts)}
     assert {case for s in shows.values() for _, case in s} <= names
     assert set(RELEASE_EXPECT["0.33.0"]) <= {"stock", *EXPECT}
     runner = "vllm/v1/worker/gpu_model_runner.py"

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 
 from overlay.cli import main
-from overlay.engine import check, liveness_run
+from overlay.engine import check, liveness_run, verdict
 from overlay.engine.inputs import EngineCheckError
 from overlay.engine.liveness_lines import FORMAT, Lines, load_lines
 from overlay.engine.workload import ACTS, DEFAULT_RELEASE, Case, cases
 from overlay.maintain import liveness
+from tests import factskit
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -212,19 +213,19 @@ def test_a_declared_patch_that_ran_nothing_fails_its_case(fake_engine: Path, tmp
     ran = {r["name"]: {p["patch"]: (p["ran"], p["added"]) for p in r["liveness"]["patches"]} for r in recs}
     assert ran["dcp"] == {"main.patch": (1, 1), "dcp.patch": (1, 1), "never.patch": (0, 1)}  # the worker's too
     assert ran["flat"]["dcp.patch"] == (0, 1) and recs[2]["liveness"]["acts"] == ["dcp.patch"]
-    summary = check.judge(recs, out, None)
+    summary = verdict.judge(recs, out, None)
     assert [r["verdict"] for r in recs] == ["reference", "pass", "fail"] and summary["verdict"] == "fail"
     # undeclared never.patch ran nothing anywhere: reported, not judged
     assert recs[2]["problems"] == ["liveness: dcp.patch ran none of its 1 added statements in flat "
                                    "(the case declares it must act)"]
-    check.report(out, summary, recs, {"model": "m"})
+    verdict.report(out, summary, recs, {"model": "m"})
     report = (out / "REPORT.md").read_text()
     assert "| case | files measured | main | dcp | never |" in report
     assert "| dcp | 2 | **1/1** | **1/1** | 0/1 |" in report and "| flat | 2 | **0/1** | 0/1 |" not in report
     assert "| flat | 2 | 1/1 | **0/1** | 0/1 |" in report
     # the reference is held to its own declarations too
     recs[0]["liveness"]["acts"] = ["never.patch"]
-    assert check.judge(recs, out, None)["verdict"] == "fail" and recs[0]["verdict"] == "fail"
+    assert verdict.judge(recs, out, None)["verdict"] == "fail" and recs[0]["verdict"] == "fail"
     assert recs[0]["problems"] == ["liveness: never.patch ran none of its 1 added statements in ref "
                                    "(the case declares it must act)"]
 
@@ -235,9 +236,9 @@ def test_without_coverage_nothing_changes(fake_engine: Path, tmp_path: Path) -> 
     recs = check.run_jobs(_jobs(), tmp_path / "model", out, timeout=60, parallel=3, poll_s=0.05)
     env = json.loads((out / "flat.env.json").read_text())
     assert str(liveness_run.SITE) not in env["PYTHONPATH"] and not list(out.glob("*/coverage"))
-    summary = check.judge(recs, out, None)
+    summary = verdict.judge(recs, out, None)
     assert summary["verdict"] == "pass" and "problems" not in recs[0] and "liveness" not in recs[2]
-    check.report(out, summary, recs, {"model": "m"})
+    verdict.report(out, summary, recs, {"model": "m"})
     assert "liveness" not in (out / "REPORT.md").read_text().lower()
 
 
@@ -297,11 +298,11 @@ def test_each_case_declares_what_the_patches_change() -> None:
     assert [n for n, a in acts.items() if "flashmla-sparse-dcp-spec-cudagraphs.patch" in a] == [
         "dcp-a2a-direct-proj1-graph-mtp-il16"]
     # 0.33.0: the stop-gap's __init__ check in every case, DCP 1 too; the prompt-logprobs fix under V1 only
-    late = {c.name: set(c.acts) for c in cases(1, "0.33.0")}
+    late = {c.name: set(c.acts) for c in cases(1, factskit.facts("0.33.0"))}
     assert all("dcp-project-before-merge.patch" in a for a in late.values())
     assert "spec-decode-prompt-logprobs-graph-pool.patch" in late["ref-dcp1-mtp-v1"]
     assert "spec-decode-prompt-logprobs-graph-pool.patch" not in late["ref-dcp1-mtp"]  # Model Runner V2
-    assert all(not c.acts for c in cases(2, "0.31.0"))  # a release ACTS does not list declares nothing
+    assert all(not c.acts for c in cases(2, factskit.facts("0.31.0", like="0.33.0")))  # a series ACTS lacks: none
     # not an engine setting: run_case and --reuse see the cases as before
     c = next(c for c in cases(2) if c.acts)
     assert "acts" not in c.to_dict() and Case(**{k: tuple(v) if k == "prompt_lens" else v

@@ -130,10 +130,7 @@ def _install_standins(calls: dict[str, int]) -> None:
 
 _GROUP: dict[str, Any] = {}
 
-MODES = {
-    "decode": {"VLLM_DCP_DIRECT_WORKSPACE_SIZING": "decode"},
-    "max_num_batched_tokens": {"VLLM_DCP_DIRECT_WORKSPACE_SIZING": "max_num_batched_tokens"},
-}
+MODES: dict[str, dict[str, str]] = {"decode": {}}  # the release's own (decode) sizing
 
 
 def _run_sizes(manager, rank: int, world: int, sizes: list[int], calls: dict[str, int], a2a) -> dict[str, Any]:
@@ -213,10 +210,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, modes: dict[str, d
 
 def run_ranks(tmp: Path, sizes: list[int], modes: dict[str, dict[str, str]] | None = None,
               world: int = 2, timeout: float = 240, user_defaults: bool = False) -> list[dict[str, Any]]:
-    """Run the scenarios on ``world`` gloo ranks, one manager per sizing mode; each rank's results.
-
-    On a tree without the sizing mode the variable is ignored and every manager is
-    decode-sized. ``user_defaults``: the config leaves the DCP options to the release where it
+    """Run the scenarios on ``world`` gloo ranks, one manager per mode (its environment);
+    each rank's results. ``user_defaults``: the config leaves the DCP options to the release where it
     lets the model choose them (``results["resolved"]`` says what it chose).
     """
     return spawn_ranks(_worker, lambda r, port: (r, world, port, str(tmp / "model"), modes or MODES, sizes,
@@ -276,8 +271,7 @@ def gpu_worker(rank: int, world: int, port: int, model_dir: str, out_file: str) 
     import time
 
     os.environ.update(VLLM_USE_DIRECT_DCP_A2A="1", VLLM_USE_DIRECT_DCP_Q_GATHER="0",
-                      NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-                      VLLM_DCP_DIRECT_WORKSPACE_SIZING="decode")
+                      NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     import torch
 
     torch.cuda.set_device(rank)
@@ -303,17 +297,21 @@ def gpu_worker(rank: int, world: int, port: int, model_dir: str, out_file: str) 
         initialize_model_parallel(tensor_model_parallel_size=world, decode_context_model_parallel_size=world)
         group = get_dcp_group()
 
-        def manager(sizing: str):
-            os.environ["VLLM_DCP_DIRECT_WORKSPACE_SIZING"] = sizing
+        # a config whose decode capacity is every batched token: the direct kernel timed at sizes
+        # the decode-sized workspace sends to NCCL
+        vc_full = h.make_vllm_config(Path(model_dir), max_num_seqs=8192, max_num_batched_tokens=8192,
+                                     device="cuda", dcp=world, heads_per_rank=GPU_HEADS)
+
+        def manager(config):
             return dcp.MLADCPManager(
-                vllm_config=vc, device=device, num_heads=GPU_HEADS, query_head_dim=GPU_DIM + 64,
+                vllm_config=config, device=device, num_heads=GPU_HEADS, query_head_dim=GPU_DIM + 64,
                 output_head_dim=GPU_DIM, query_dtype=torch.bfloat16, output_dtype=torch.bfloat16,
                 padded_num_heads=None, is_lse_base_on_e=False, use_pcp=False)
 
-        decode_mgr = manager("decode")
-        full_mgr = manager("max_num_batched_tokens")
+        decode_mgr = manager(vc)
+        full_mgr = manager(vc_full)
         cap = decode_mgr.max_num_tokens
-        report["capacity"] = {"decode": cap, "max_num_batched_tokens": full_mgr.max_num_tokens}
+        report["capacity"] = {"decode": cap, "all_batched_tokens": full_mgr.max_num_tokens}
         ws = decode_mgr.combine.args[0]  # the DirectDCPA2AWorkspace behind the patched combine
         full_ws = full_mgr.combine.args[0]
         report["workspaces"] = [type(ws).__name__, type(full_ws).__name__]

@@ -76,14 +76,16 @@ def main() -> int | None:
         err = float((got.double().cpu() - ref.cpu()).abs().max())
         checks.append({"name": name, "err": err, "ref_max": float(ref.abs().max())})
 
-    # masked_lse == mask_dcp_empty_shards_ (sequence bounds, empty shards, valid counts)
+    if os.environ.get("DCP_PROJECT_UNANSWERED_PEER"):
+        return unanswered_peer(dp, device, int(os.environ["DCP_PROJECT_UNANSWERED_PEER"]))
+
+    # masked_lse == mask_dcp_empty_shards_ (sequence bounds, empty shards)
     lse = torch.randn(9, 6, generator=gen)
     seq_lens = torch.tensor([3, 0, 5, 1], dtype=torch.int32)
     qsl = torch.tensor([0, 2, 3, 6, 7], dtype=torch.int32)  # rows 7, 8 past the last bound
-    valid = torch.tensor([4, 0, 2, 2, 0, 1, 1, 1, 1], dtype=torch.int32)
     want = lse.clone()
-    mask_dcp_empty_shards_(want, seq_lens, qsl, valid)
-    got = dp.masked_lse(lse.to(device), seq_lens.to(device), qsl.to(device), valid.to(device))
+    mask_dcp_empty_shards_(want, seq_lens, qsl)
+    got = dp.masked_lse(lse.to(device), seq_lens.to(device), qsl.to(device))
     checks.append({"name": "masked_lse", "err": float((got.cpu() == want).logical_not().sum()), "ref_max": 1.0})
 
     for world, hpr, lora, v, tokens in ((2, 2, 64, 32, 5), (4, 1, 128, 48, 19), (2, 4, 64, 32, 40)):
@@ -141,7 +143,59 @@ def main() -> int | None:
                 assert ws.received_signal[0][(step + 1) % 2].tolist() == [step + 1] * world
                 dp.merge_direct(ws, 0, outs[r], True)
                 record(f"direct_a2a {tag} step{step} rank{r}", outs[r], refs[r])
+        if device == "cuda":  # decode: every rank's dispatch and merge captured, replayed twice
+            outs = [torch.full((tokens, hpr, v), float("nan"), dtype=dtype, device=device)
+                    for _ in range(world)]
+            lse_dev = [lv.to(device) for lv in lses]
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for r in range(world):
+                    dp.dispatch_direct(spaces[r], 0, dev[r], w_dev, lse_dev[r])
+                for r in range(world):
+                    dp.merge_direct(spaces[r], 0, outs[r], True)
+            for replay in range(2):  # epochs 4 and 5: both parity slots under replay
+                for o in outs:
+                    o.fill_(float("nan"))
+                graph.replay()
+                torch.cuda.synchronize()
+                assert int(spaces[0].epoch) == 4 + replay
+                for r in range(world):
+                    record(f"direct_a2a graph {tag} replay{replay} rank{r}", outs[r], refs[r])
     print(json.dumps({"device": device, "checks": checks}))
+
+
+def unanswered_peer(dp, device: str, max_spins: int) -> int:
+    """Rank 0 of two projects and signals; rank 1 never does. Rank 0's merge must end within
+    ``max_spins`` polls with the kernel's message (rank, source, epoch) and a failed launch, not
+    hang. Prints {"max_spins", "seconds"} once the failure reaches the host."""
+    import time
+
+    import torch
+
+    dtype = torch.bfloat16
+    hpr, lora, v, tokens = 2, 64, 32, 4
+    spaces = [_workspace(r, 2, hpr, v, tokens, dtype, device) for r in range(2)]
+    for ws in spaces:
+        for name in ("output", "lse", "signal"):
+            table = [getattr(p, f"received_{name}")[0].data_ptr() for p in spaces]
+            setattr(ws, f"peer_{name}_ptrs", torch.tensor([table], dtype=torch.int64, device=device))
+    x = torch.randn(tokens, 2 * hpr, lora, device=device).to(dtype)
+    w_uv = torch.randn(2 * hpr, lora, v, device=device).to(dtype)
+    lse = torch.randn(tokens, 2 * hpr, device=device)
+    out = torch.empty(tokens, hpr, v, dtype=dtype, device=device)
+    dp.dispatch_direct(spaces[0], 0, x, w_uv, lse)  # rank 1 never dispatches
+    torch.cuda.synchronize()
+    start = time.monotonic()
+    try:
+        dp.merge_direct(spaces[0], 0, out, True, max_spins=max_spins)
+        torch.cuda.synchronize()
+    except RuntimeError as exc:
+        print(json.dumps({"max_spins": max_spins, "seconds": time.monotonic() - start,
+                          "error": str(exc).splitlines()[0]}), flush=True)
+        return 1
+    print(json.dumps({"max_spins": max_spins, "seconds": time.monotonic() - start,
+                      "error": None}), flush=True)
+    return 0
 
 
 if __name__ == "__main__":

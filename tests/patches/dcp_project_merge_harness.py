@@ -4,8 +4,8 @@ Each of ``world`` ranks (default 2; any power of two) forms a real vLLM DCP grou
 (TP = DCP = world; gloo on CPU, NCCL on GPU), builds an
 ``MLAAttention`` without ``__init__`` (which needs CUDA kernels) but runs its real
 ``process_weights_after_loading`` (so ``W_UV`` is all-gathered over the DCP group by the
-patched code) and its real ``_dcp_project_and_merge`` / ``_v_up_proj``, with real
-``MLADCPManager`` combines for every transport:
+patched code) and its real ``_v_up_proj``, with the real ``MLADCPManager.project_combine``
+and combines of every transport:
 
 - ``ag_rs``: ``cp_lse_ag_out_rs`` (its all-gather and reduce-scatter run for real);
 - ``nccl_a2a``: ``dcp_a2a_lse_reduce`` (mask and ``all_to_all_single`` for real);
@@ -15,8 +15,11 @@ On CPU the GPU-only kernels are replaced at their call boundary: the direct kern
 NCCL A2A's Triton pack/unpack by ``dcp_direct_harness``'s stand-ins, and the ag_rs Triton
 correction kernel by the same arithmetic in torch. Both paths (merge-then-project, the 0.28.0
 order, and project-then-merge) are compared with a float64 reference: every rank's latent
-partials merged by LSE (rows masked by sequence bounds and by per-row valid counts), then
-projected through this rank's heads of ``W_UV``.
+partials merged by LSE (rows masked by sequence bounds; sparse rows without a local index
+zero-filled with LSE -inf, as the FlashMLA sparse DCP decode leaves them), then projected
+through this rank's heads of ``W_UV``. On a GPU the projected merge also runs with the fused
+Triton kernels (``VLLM_DCP_PROJECT_FUSED=1``, dcp-project-before-merge-fused) and captured in a
+CUDA graph, replayed twice (both parity slots of the direct workspace).
 """
 
 from __future__ import annotations
@@ -32,9 +35,10 @@ from ranks import fatal_report, spawn_ranks
 
 # Batches: (name, query lens, local seq lens of ranks 0 and 1, rows with no local top-k on
 # ranks 0 and 1); ranks 2, 3, ... are derived from these by ``rank_batch``. Rows with no local
-# index carry what the FlashMLA kernel reports (LSE +inf) and garbage (NaN) output; the valid
-# counts handed to the merge must keep them out. Every row has local KV on rank 0 or rank 1.
+# index are zero-filled with LSE -inf, as the FlashMLA sparse DCP decode leaves them. Every
+# row has local KV on rank 0 or rank 1. ``one_token`` is below ag_rs's project-first bound.
 BATCHES: list[tuple[str, list[int], list[list[int]], list[list[int]]]] = [
+    ("one_token", [1], [[33], [20]], [[], []]),
     ("decode", [1, 1, 1, 1, 1], [[300, 1, 40, 7, 12], [290, 0, 41, 6, 12]], [[], []]),
     ("mtp", [3, 3, 3], [[70, 9, 130], [69, 8, 0]], [[], []]),
     ("mixed", [1, 1, 14], [[50, 3, 4000], [49, 2, 3999]], [[], []]),
@@ -60,7 +64,11 @@ def rank_batch(name: str, rank: int) -> tuple[list[int], list[int], list[int]]:
 
 
 def batch_tensors(name: str, rank: int, heads: int, lora: int, seed: int = 0):
-    """(out [T, heads, L] bf16, lse [T, heads] fp32, seq_lens, query_start_loc, valid_counts)."""
+    """(out [T, heads, L] bf16, lse [T, heads] fp32, seq_lens, query_start_loc, valid_counts).
+
+    Rows without a local index (``valid_counts == 0``) are 0 with LSE -inf, as the backend
+    hands them to the combine.
+    """
     import torch
 
     query_lens, seq_lens, empty = rank_batch(name, rank)
@@ -71,8 +79,8 @@ def batch_tensors(name: str, rank: int, heads: int, lora: int, seed: int = 0):
     valid = torch.full((num_tokens,), 5, dtype=torch.int32)
     for row in empty:
         valid[row] = 0
-        out[row] = float("nan")
-        lse[row] = float("inf")
+        out[row] = 0.0
+        lse[row] = float("-inf")
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     return out, lse, torch.tensor(seq_lens, dtype=torch.int32), qsl, valid
 
@@ -94,12 +102,10 @@ def reference(name: str, rank: int, world: int, heads: int, nope: int, lora: int
     common = compat.module("ops_common")
     outs, lses = [], []
     for r in range(world):
-        out, lse, seq_lens, qsl, valid = batch_tensors(name, r, world * heads, lora)
+        out, lse, seq_lens, qsl, _ = batch_tensors(name, r, world * heads, lora)
         lse = lse.double()
-        lse[valid == 0] = float("-inf")
         common.mask_dcp_empty_shards_(lse, seq_lens, qsl)
         out = out.double()
-        out[valid == 0] = 0.0
         outs.append(out)
         lses.append(lse)
     merged = a2a._lse_weighted_combine(torch.stack(outs), torch.stack(lses), is_lse_base_on_e=True)
@@ -112,6 +118,7 @@ def make_layer(heads: int, nope: int, lora: int, v: int, rank: int, device: Any,
     """An ``MLAAttention`` with the state the merge reads; real weight processing."""
     import compat
     import torch
+    from vllm.config import get_current_vllm_config
 
     mla = compat.module("mla_attention")
     layer = mla.MLAAttention.__new__(mla.MLAAttention)
@@ -125,7 +132,8 @@ def make_layer(heads: int, nope: int, lora: int, v: int, rank: int, device: Any,
         v_head_dim=v, q_pad_num_heads=None, use_pcp=False, dcp_q_replicate=False,
         is_aiter_triton_fp4_bmm_enabled=False, is_aiter_triton_fp8_bmm_enabled=False,
         quant_config=None, layer_name="model.layers.0.self_attn.attn", kv_b_proj=kv_b_proj,
-        dcp_project_before_merge=project,
+        dcp_project_before_merge=project, W_UV_dcp=None,
+        _vllm_config=get_current_vllm_config() if project else None,
     ).items():
         setattr(layer, key, value)
     for scale in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale"):
@@ -174,8 +182,8 @@ def _install_ag_rs_standin() -> None:
         common.correct_attn_out = correct_attn_out
 
 
-def _graph_err(layer, out, lse, seq_lens, qsl, valid, like, ref) -> float:
-    """Max error of ``_dcp_project_and_merge`` captured in a CUDA graph and replayed twice.
+def _graph_err(mgr, w_uv, out, lse, seq_lens, qsl, like, ref) -> float:
+    """Max error of ``project_combine`` captured in a CUDA graph and replayed twice.
 
     Under capture the transports take the paths decode takes in production (e.g. the direct
     a2a's fused Triton path, which eager steps below a few thousand tokens leave to the
@@ -185,10 +193,9 @@ def _graph_err(layer, out, lse, seq_lens, qsl, valid, like, ref) -> float:
 
     lse_g = lse.clone()
     got = torch.full_like(like, float("nan"))
-    layer.dcp_row_valid_counts = valid
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        layer._dcp_project_and_merge(out, lse_g, seq_lens=seq_lens, query_start_loc=qsl, out=got)
+        mgr.project_combine(out, lse_g, w_uv, out=got, seq_lens=seq_lens, query_start_loc=qsl)
     err = 0.0
     for _ in range(2):
         lse_g.copy_(lse)
@@ -245,9 +252,10 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
             w_uv_dcp = compat.added(layer, "W_UV_dcp")  # gathered by the patched weight processing
             report["W_UV_dcp_shape"] = list(w_uv_dcp.shape) if w_uv_dcp is not None else None
 
-            def manager(transport: str, head_dim: int):
+            def manager(transport: str, head_dim: int, fused: bool = False):
                 vc.parallel_config.dcp_comm_backend = "ag_rs" if transport == "ag_rs" else "a2a"
                 os.environ["VLLM_USE_DIRECT_DCP_A2A"] = "1" if transport == "direct_a2a" else "0"
+                os.environ["VLLM_DCP_PROJECT_FUSED"] = "1" if fused else "0"
                 dcp.get_direct_dcp_a2a_workspace.cache_clear()
                 return dcp.MLADCPManager(
                     vllm_config=vc, device=device, num_heads=heads, query_head_dim=lora + 64,
@@ -255,41 +263,39 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
                     output_dtype=torch.bfloat16, padded_num_heads=None, is_lse_base_on_e=True,
                     use_pcp=False)
 
-            for transport in ("ag_rs", "nccl_a2a", "direct_a2a"):
-                latent_mgr, projected_mgr = manager(transport, lora), manager(transport, v)
+            for transport, fused in [(t, f) for t in ("ag_rs", "nccl_a2a", "direct_a2a")
+                                     for f in ((False, True) if gpu else (False,))]:
+                latent_mgr, projected_mgr = manager(transport, lora), manager(transport, v, fused)
                 kinds = [getattr(m.combine, "func", m.combine).__name__
                          for m in (latent_mgr, projected_mgr)]
-                fused = getattr(projected_mgr, "project_combine", None)  # the fused merge used
-                kinds.append(getattr(fused, "func", fused).__name__ if fused is not None else None)
+                fused_fn = getattr(projected_mgr, "fused_project_combine", None)
+                kinds.append(getattr(fused_fn, "func", fused_fn).__name__ if fused_fn is not None
+                             else None)
                 for name, *_ in BATCHES:
-                    out, lse, seq_lens, qsl, valid = (
+                    out, lse, seq_lens, qsl, _ = (
                         t.to(device) for t in batch_tensors(name, rank, world * heads, lora))
                     ref = reference(name, rank, world, heads, nope, lora, v)
-                    row: dict[str, Any] = {"transport": transport, "batch": name,
+                    row: dict[str, Any] = {"transport": transport, "fused": fused, "batch": name,
                                            "tokens": out.shape[0], "combine": kinds,
+                                           "project_first_min_tokens": getattr(
+                                               projected_mgr, "project_first_min_tokens", None),
                                            "ref_max": float(ref.abs().max())}
                     try:
                         # 0.28.0's order: merge in latent space, then project.
-                        o = out.clone()
-                        o[valid == 0] = 0.0  # 0.28.0's sparse backend zero-fills empty rows
-                        lse0 = lse.clone()
-                        lse0[valid == 0] = float("-inf")
-                        merged = latent_mgr.combine(o, lse0, seq_lens=seq_lens, query_start_loc=qsl)
+                        merged = latent_mgr.combine(out.clone(), lse.clone(), seq_lens=seq_lens,
+                                                    query_start_loc=qsl)
                         base = torch.empty(out.shape[0], heads * v, dtype=torch.bfloat16, device=device)
                         layer._v_up_proj(merged, out=base)
                         row["baseline_err"] = float((base.double().cpu() - ref).abs().max())
-                        # Project, then merge; raw empty rows, valid counts carried along.
-                        layer.dcp_manager = projected_mgr
-                        layer.dcp_row_valid_counts = valid
+                        # Project, then merge: what forward_impl hands the manager.
                         got = torch.full((out.shape[0], heads * v), float("nan"),
                                          dtype=torch.bfloat16, device=device)
-                        layer._dcp_project_and_merge(out, lse.clone(), seq_lens=seq_lens,
-                                                     query_start_loc=qsl, out=got)
+                        projected_mgr.project_combine(out, lse.clone(), w_uv_dcp, out=got,
+                                                      seq_lens=seq_lens, query_start_loc=qsl)
                         row["projected_err"] = float((got.double().cpu() - ref).abs().max())
-                        row["valid_counts_consumed"] = layer.dcp_row_valid_counts is None
                         if gpu:  # decode runs under CUDA graphs: the captured path, replayed twice
-                            row["projected_graph_err"] = _graph_err(layer, out, lse, seq_lens, qsl, valid,
-                                                                    got, ref)
+                            row["projected_graph_err"] = _graph_err(projected_mgr, w_uv_dcp, out, lse,
+                                                                    seq_lens, qsl, got, ref)
                     except Exception as exc:
                         row["error"] = f"{type(exc).__name__}: {exc}"
                     if gpu:

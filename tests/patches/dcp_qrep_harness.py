@@ -139,6 +139,10 @@ def process_weights(layer, rank: int, heads: int, nope: int, lora: int, v: int, 
         setattr(layer, key, value)
     for scale in ("_k_scale", "_v_scale", "_q_scale", "_prob_scale"):
         setattr(layer, scale, torch.ones(()))
+    if project and getattr(layer, "_vllm_config", None) is None:  # __init__ keeps the config it ran under
+        from vllm.config import get_current_vllm_config
+
+        layer._vllm_config = get_current_vllm_config()
     if not hasattr(layer, "impl"):
         layer.impl = types.SimpleNamespace()
     layer.impl.process_weights_after_loading = lambda act_dtype: None  # 0.29.0+ calls the backend's first
@@ -203,7 +207,7 @@ def make_qrep_layer(vllm_config, layer_name: str, recorder, *, project: bool, se
         seen["query_gather"] += 1
         return torch.cat([q] * world, dim=1)
 
-    def combine(partial_output, partial_lse, *, seq_lens, query_start_loc, valid_counts=None):
+    def combine(partial_output, partial_lse, *, seq_lens, query_start_loc):
         a2a = compat.module("dcp_alltoall")
         dim = partial_output.shape[-1]
         seen["dims"].append(dim)
@@ -219,7 +223,6 @@ def make_qrep_layer(vllm_config, layer_name: str, recorder, *, project: bool, se
     layer.impl.forward_mqa = forward_mqa
     layer.dcp_manager.query_gather = query_gather
     layer.dcp_manager.combine = combine
-    layer.dcp_manager.project_combine = None  # the layer's bmm, then the combine (the fused ones: worker)
     layer.qrep_state = state
     return layer, seen
 
@@ -331,11 +334,11 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
                         row["baseline_err"] = float((base.double() - ref).abs().max())
                         # the patch: project every gathered head, then merge
                         layer.dcp_manager = projected_mgr
-                        layer.dcp_row_valid_counts = None
                         got = torch.full((out.shape[0], heads * v), float("nan"), dtype=torch.bfloat16)
-                        with compat.exercising("MLAAttention._dcp_project_and_merge under query replication"):
-                            compat.added(layer, "_dcp_project_and_merge")(
-                                out, lse.clone(), seq_lens=seq_lens, query_start_loc=qsl, out=got)
+                        with compat.exercising("MLADCPManager.project_combine under query replication"):
+                            compat.added(projected_mgr, "project_combine")(
+                                out, lse.clone(), compat.added(layer, "W_UV_dcp"), out=got,
+                                seq_lens=seq_lens, query_start_loc=qsl)
                         row["projected_err"] = float((got.double() - ref).abs().max())
                     except Exception as exc:
                         row["error"] = f"{type(exc).__name__}: {exc}"

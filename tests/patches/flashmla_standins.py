@@ -103,7 +103,7 @@ def cpu_kernels(monkeypatch: pytest.MonkeyPatch | None = None) -> None:
     h.install_cpu_kernels(set_attr)  # the builders' own (token -> request mapping)
     if hasattr(fs.FlashMLASparseImpl, "_convert_logical_to_physical_topk"):
         set_attr(fs.FlashMLASparseImpl, "_convert_logical_to_physical_topk", convert_for_group)
-    if hasattr(fs, "triton_filter_and_convert_dcp_index"):  # 0.29.0+: the DCP path calls Triton directly
+    if hasattr(fs, "triton_filter_and_convert_dcp_index"):  # the DCP path's localization (patched 0.28.0, 0.29.0+)
         set_attr(fs, "triton_filter_and_convert_dcp_index", localize_standin)
     set_attr(fs, "flash_mla_with_kvcache", kernel)
     # The scheduler-metadata holder comes from the compiled extension's interface module.

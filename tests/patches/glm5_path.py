@@ -6,13 +6,13 @@ function. This harness runs what the release runs for ``GlmMoeDsaForCausalLM``:
 
 - :func:`resolve`: the release's own model registry entry for the architecture, imported as on
   CUDA (the module's platform branch taken with ``current_platform.is_cuda()`` true), and the
-  attention class that model's decoder layer builds (:data:`PATHS`; a model class it does not know
-  is refused, naming it);
+  attention class that model's decoder layer builds (the release facts, ``overlay/releases/``: read from
+  the tree under test, a model class they do not know refused in one line naming it);
 - that class built by its real ``__init__`` on ``world`` ranks over gloo (TP = DCP = ``world``;
   1 is the reference) with the backend Hopper picks for the ``fp8_ds_mla`` cache (FlashMLA-sparse),
   ``kv_b_proj`` loaded through its ``weight_loader`` from one global weight, and vLLM's real
   ``process_weights_after_loading`` (so the manager, its workspace and ``W_UV`` are the release's);
-- its DCP section as the model enters it (:data:`PATHS`): 0.28.0's ``deepseek_v2`` wrapper calls
+- its DCP section as the model enters it (the facts' entry): 0.28.0's ``deepseek_v2`` wrapper calls
   ``MLAAttention.forward_impl``; 0.29.0+'s ``DeepseekV32Attention`` its own
   ``_sparse_indexer_and_attn`` (indexer, query gather, ``forward_mqa``, combine, ``W_UV``).
 
@@ -72,14 +72,6 @@ CASES: dict[str, Case] = {
     "empty_rows": Case((1, 1, 1, 1), (300, 300, 200, 90), ("even", "odd", "even", None)),
 }
 
-# resolved model class -> (module of its attention class, the class, how the model enters its DCP section)
-PATHS: dict[str, tuple[str, str, str]] = {
-    "vllm.model_executor.models.deepseek_v2.GlmMoeDsaForCausalLM":
-        ("vllm.model_executor.models.deepseek_v2", "DeepseekV2MLAAttention", "forward_impl"),
-    "vllm.models.deepseek_v32.nvidia.model.DeepseekV32ForCausalLM":
-        ("vllm.models.deepseek_v32.attention", "DeepseekV32Attention", "sparse_indexer_and_attn"),
-}
-
 GLM5_CONFIG: dict[str, Any] = {
     "architectures": [ARCH], "model_type": "glm_moe_dsa", "hidden_size": 256, "num_hidden_layers": 2,
     "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "q_lora_rank": 64, "kv_lora_rank": LORA,
@@ -121,8 +113,22 @@ def import_as_on_cuda(name: str):
         current_platform.is_cuda = saved
 
 
+def release_path():
+    """GLM-5's path as the release facts read it in the tree of the vLLM under test (``overlay.releases``)."""
+    import compat
+    import vllm
+
+    from overlay.releases.facts import ReleaseFactsError, glm5_path
+
+    try:
+        return glm5_path(Path(vllm.__file__).parent.parent)
+    except ReleaseFactsError as exc:
+        raise compat.HarnessError(str(exc)) from None
+
+
 def resolve() -> ModelPath:
-    """The attention class GLM-5 runs on CUDA in the vLLM under test, from its own registry."""
+    """The attention class GLM-5 runs on CUDA in the vLLM under test, from its own registry and the release
+    facts (which must read the same model class in its tree)."""
     import compat
     from vllm.model_executor.models import registry
 
@@ -131,11 +137,11 @@ def resolve() -> ModelPath:
         module = import_as_on_cuda(registry._resolve_module_name(rel))
         model = getattr(module, cls_name)
     key = f"{model.__module__}.{model.__qualname__}"
-    if key not in PATHS:
-        raise compat.HarnessError(f"{ARCH} resolves to {key} in this release, which glm5_path.PATHS does not "
-                                  "describe (add its attention class and DCP entry there)")
-    mod_name, attn_name, entry = PATHS[key]
-    return ModelPath(key, getattr(importlib.import_module(mod_name), attn_name), entry)
+    path = release_path()
+    if path.model_class != key:
+        raise compat.HarnessError(f"{ARCH} resolves to {key} in this release; its release facts read "
+                                  f"{path.model_class}")
+    return ModelPath(key, getattr(importlib.import_module(path.attention_module), path.attention_class), path.entry)
 
 
 # --------------------------------------------------------------------------------------------

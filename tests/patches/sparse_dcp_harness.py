@@ -336,6 +336,9 @@ def make_layer(vllm_config, layer_name: str, recorder: Recorder, seed: int = 0,
         is_aiter_triton_fp8_bmm_enabled=False, is_amx_bmm_enabled=False,  # read from 0.29.0 on
         hisparse_cache=None,  # read from 0.33.0 on
         _vllm_config=vllm_config, layer_name=layer_name,
+        # dcp-project-before-merge's state as __init__ leaves it with the switch off (the
+        # projected order runs on GLM-5's path in glm5_path.py); unread by a base without it
+        dcp_project_before_merge=False, W_UV_dcp=None,
         attn_backend=fi.FlashInferMLASparseTRTLLMBackend, W_UK_T_dcp_qrep=None,
     ).items():
         setattr(layer, name, value)
@@ -362,6 +365,9 @@ def make_layer(vllm_config, layer_name: str, recorder: Recorder, seed: int = 0,
 
     manager = dcp_mod.MLADCPManager.__new__(dcp_mod.MLADCPManager)
     manager.query_gather, manager.combine = query_gather, combine
+    # what MLADCPManager.__init__ leaves for project_combine (dcp-project-before-merge) over an
+    # A2A transport without the fused opt-in; unread by a base without the patch
+    manager.fused_project_combine, manager.project_first_min_tokens = None, 0
     layer.dcp_manager = manager
     with set_current_vllm_config(vllm_config):
         vllm_config.compilation_config.static_forward_context[layer_name] = layer

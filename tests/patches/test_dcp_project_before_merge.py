@@ -2,21 +2,22 @@
 
 With DCP each rank holds partial latent outputs ``[T, dcp * heads, kv_lora_rank]``; 0.28.0
 merges them by LSE and then projects by ``W_UV``. The patch projects every gathered head first
-(``W_UV`` all-gathered over the DCP group at weight processing, like ``W_UK_T``) so the merge
-moves ``v_head_dim`` per head; per-row valid counts go into the merge instead of a zero-fill
-pass over empty sparse rows. Checked here:
+(``W_UV`` all-gathered over the DCP group at weight processing, like ``W_UK_T``;
+``MLADCPManager.project_combine``: one bmm, then the manager's own combine) so the merge moves
+``v_head_dim`` per head. Checked here:
 
-- two real ranks (gloo), real ``process_weights_after_loading``, real ``MLADCPManager``
+- two real ranks (gloo), real ``process_weights_after_loading``, real ``project_combine`` and
   combines of every transport (ag_rs, NCCL a2a, direct a2a; GPU-only kernels replaced at their
   boundary on CPU): project-then-merge equals the float64 reference (merge, then project) up
-  to bf16 rounding, for decode, MTP, mixed, forced-MQA prefill and empty sparse rows (whose
-  partials are NaN with LSE +inf, as the kernel leaves them);
+  to bf16 rounding, for one token (ag_rs merges first there), decode, MTP, mixed, forced-MQA
+  prefill and empty sparse rows (zero with LSE -inf, as the backend leaves them);
 - the real ``forward_impl`` takes the projected merge when DCP > 1 and the switch is on, and
   is untouched (latent merge, then ``_v_up_proj``) when the switch is off or DCP = 1;
 - the same check on four gloo ranks (tiny dimensions): the harness runs for any rank count;
 - the GPU version of the first check on ``OVERLAY_DCP_RANKS`` H200s (default 2; ``gpu``
   marker), GLM-5 and DeepSeek-V3.2 dimensions (8 heads per rank, TP = DCP = ranks), vLLM's
-  compiled direct kernel and Triton combines.
+  compiled direct kernel and Triton combines, with the fused kernels off (the default) and on
+  (dcp-project-before-merge-fused), eager and captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -40,16 +41,16 @@ TRANSPORTS = ["ag_rs", "nccl_a2a", "direct_a2a"]
 REL_TOL = 8e-3
 
 
-def _check(reports: list[dict[str, Any]], transport: str, batch: str) -> None:
+def _check(reports: list[dict[str, Any]], transport: str, batch: str, fused: bool = False) -> None:
     tol = REL_TOL * max(1.0, len(reports) / 2)  # one report per rank
     for rep in reports:
-        (row,) = [r for r in rep["checks"] if r["transport"] == transport and r["batch"] == batch]
+        (row,) = [r for r in rep["checks"] if r["transport"] == transport and r["batch"] == batch
+                  and r.get("fused", False) == fused]
         assert "error" not in row, row["error"]
         assert row["projected_err"] <= tol * row["ref_max"], row
         if rep.get("device") == "cuda":  # also captured in a CUDA graph, as decode runs
             assert row["projected_graph_err"] <= tol * row["ref_max"], row
         assert row["baseline_err"] <= tol * row["ref_max"], row  # the reference itself holds
-        assert row["valid_counts_consumed"], row
 
 
 @pytest.fixture(scope="module")
@@ -72,15 +73,17 @@ def test_four_ranks_projected_merge_matches_reference(tmp_path: Path) -> None:
             _check(reports, transport, batch)
 
 
-def test_gathered_w_uv_and_manager_sized_for_v_head_dim(cpu_reports) -> None:
+def test_gathered_w_uv_and_the_managers_own_combines(cpu_reports) -> None:
+    """W_UV gathered over the DCP group; the projected merge runs the manager's own combine of each
+    transport (the direct one through its over-capacity fallback), no fused kernel by default, and
+    ag_rs alone merges first below its measured bound."""
     for rep in cpu_reports:
         assert rep["W_UV_dcp_shape"] == [8, 64, 32]  # dcp * heads, kv_lora_rank, v_head_dim
-        names = {tuple(r["combine"]) for r in rep["checks"]}
-        # (latent combine, projected combine, fused project-and-merge the layer calls)
-        assert names == {("cp_lse_ag_out_rs", "cp_lse_ag_out_rs", "cp_lse_ag_out_rs_project"),
-                         ("dcp_a2a_lse_reduce", "dcp_a2a_lse_reduce", "dcp_a2a_project_lse_reduce"),
-                         (compat.name("combine_direct_a2a"), compat.name("combine_direct_a2a"),
-                          "_project_combine_direct_a2a")}
+        names = {(tuple(r["combine"]), r["project_first_min_tokens"]) for r in rep["checks"]}
+        # ((latent combine, projected combine, fused project-and-merge), merge-first bound)
+        assert names == {(("cp_lse_ag_out_rs", "cp_lse_ag_out_rs", None), 2),
+                         (("dcp_a2a_lse_reduce", "dcp_a2a_lse_reduce", None), 0),
+                         ((compat.name("combine_direct_a2a"), compat.name("combine_direct_a2a"), None), 0)}
 
 
 @pytest.mark.parametrize(("env", "dcp", "pcp", "expected"), [
@@ -120,7 +123,7 @@ def _forward(vllm_config, name: str, batch: str, project: bool):
     latent_combine = layer.dcp_manager.combine
     seen: dict[str, Any] = {}
 
-    def combine(partial_output, partial_lse, *, seq_lens, query_start_loc, valid_counts=None):
+    def combine(partial_output, partial_lse, *, seq_lens, query_start_loc):
         seen["dim"] = partial_output.shape[-1]
         if partial_output.shape[-1] == h.LORA:
             return latent_combine(partial_output, partial_lse, seq_lens=seq_lens,
@@ -136,9 +139,6 @@ def _forward(vllm_config, name: str, batch: str, project: bool):
         return merged[:, :h.NUM_HEADS].to(partial_output.dtype)
 
     layer.dcp_manager.combine = combine
-    # The layer's generic path (bmm, then the manager's combine): the fused per-transport
-    # combines are checked on two real ranks by the harness.
-    layer.dcp_manager.project_combine = None
     if project:  # what __init__ / process_weights_after_loading set up with the switch on
         layer.dcp_project_before_merge = True
         layer.W_UV_dcp = torch.cat([layer.W_UV, peer_w_uv])
@@ -191,5 +191,6 @@ def test_gpu_projected_merge_exact_every_transport(tmp_path: Path, model: str) -
     suffix = "" if world == 2 else f"_dcp{world}"  # two ranks: the report name the bench reads
     (out_dir / f"p9_gpu_{model}{suffix}.json").write_text(__import__("json").dumps(reports, indent=1))
     for transport in TRANSPORTS:
-        for batch, *_ in pm.BATCHES:
-            _check(reports, transport, batch)
+        for fused in (False, True):
+            for batch, *_ in pm.BATCHES:
+                _check(reports, transport, batch, fused)

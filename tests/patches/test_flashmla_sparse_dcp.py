@@ -4,9 +4,11 @@ CPU part (CI): real vLLM objects (``VllmConfig`` from a local GLM-5 ``config.jso
 ``FlashMLASparseImpl``, its metadata builder, ``MLADCPManager``, the DCP compatibility check)
 with only GPU-only pieces replaced at their call boundary: the DCP/TP process groups (a
 hashable stand-in with ``world_size``/``rank_in_group``), the CUDA SM-count query, the Triton
-index-conversion kernel of the DCP = 1 path (by its PyTorch twin) and the compiled FlashMLA
-decode kernel (by a float32 implementation of its documented contract: natural-log LSE, +inf
-LSE and zero output for a query with no valid index).
+index-conversion kernels (the DCP = 1 conversion and the DCP localization, by torch stand-ins in
+``flashmla_standins``; the localization's is held to a plain-Python model of the layout here and
+to the Triton kernel on GPUs) and the compiled FlashMLA decode kernel (by a float32
+implementation of its documented contract: natural-log LSE, +inf LSE and zero output for a query
+with no valid index).
 
 GPU part (``-m gpu``, ``OVERLAY_DCP_RANKS`` GPUs, default 2): vLLM 0.28.0's compiled FlashMLA
 kernels, NCCL, vLLM's own DCP combines (ag_rs and a2a); see
@@ -19,6 +21,7 @@ import json
 import math
 import os
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,7 @@ from flashmla_standins import (
     D_V,
     cpu_kernels,
     dequantize_fp8_ds_mla,
+    localize_standin,
     quantize_fp8_ds_mla,
     sparse_decode_contract,
 )
@@ -203,9 +207,11 @@ def write_model_dir(root: Path, num_heads: int = NUM_HEADS_TOTAL, mtp_layers: in
 
 
 def make_vllm_config(model_dir: Path, dcp: int, interleave: int, backend: str = "ag_rs",
-                     device: str = "cpu", cache_dtype: str = "fp8_ds_mla", mtp: int = 0) -> Any:
-    """A real VllmConfig; ``mtp`` > 0 adds vLLM's own MTP ``SpeculativeConfig`` with that many
-    speculative tokens (sequential drafting), for a model dir written with ``mtp_layers=1``."""
+                     device: str = "cpu", cache_dtype: str = "fp8_ds_mla", mtp: int = 0,
+                     tp: int | None = None) -> Any:
+    """A real VllmConfig at TP ``tp`` (default ``dcp``) x DCP ``dcp``; ``mtp`` > 0 adds vLLM's own
+    MTP ``SpeculativeConfig`` with that many speculative tokens (sequential drafting), for a model
+    dir written with ``mtp_layers=1``."""
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -218,7 +224,7 @@ def make_vllm_config(model_dir: Path, dcp: int, interleave: int, backend: str = 
     with compat.setup("the VllmConfig of the test model"):
         model = ModelConfig(model=str(model_dir), tokenizer=None, skip_tokenizer_init=True,
                             dtype="bfloat16", max_model_len=8192)
-        parallel = ParallelConfig(tensor_parallel_size=dcp, decode_context_parallel_size=dcp,
+        parallel = ParallelConfig(tensor_parallel_size=tp or dcp, decode_context_parallel_size=dcp,
                                   cp_kv_cache_interleave_size=interleave, dcp_comm_backend=backend)
         cache = CacheConfig(cache_dtype=cache_dtype, block_size=BLOCK)
         spec = (SpeculativeConfig(method="mtp", num_speculative_tokens=mtp, target_model_config=model,
@@ -371,6 +377,53 @@ def test_dcp1_impl_is_unchanged(model_dir: Path, cpu_env: Any, monkeypatch: pyte
     assert torch.equal(out, want.squeeze(0))
 
 
+def test_dcp_refuses_more_gathered_heads_than_the_kernel_takes(model_dir: Path, cpu_env: Any) -> None:
+    """The DCP query all-gather hands the sparse FP8 decode kernel every rank's heads, and it takes
+    64 or 128: beyond 128 the impl refuses to start, in one line naming the numbers."""
+    cpu_env(2, 0)
+    vc = make_vllm_config(model_dir, dcp=2, interleave=1)
+    buf = torch.full((64, TOPK), -1, dtype=torch.int32)
+    with pytest.raises(NotImplementedError) as refused:
+        make_impl(vc, 128, buf)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert re.search(r"at most 128 heads.* 256 \(128 heads per rank x DCP size 2\)", message), message
+    assert make_impl(vc, 64, buf).fp8_decode_padded_heads == 128  # 128 gathered: the limit
+
+
+# GLM-5's attention heads (num_attention_heads of its config.json) and the TP x DCP layouts it is
+# served with: TP8 x DCP8 and TP8 x DCP4 (overlay/regress/profiles), and TP2 x DCP2 on two GPUs.
+GLM5_HEADS = 64
+
+
+@pytest.mark.parametrize(("tp", "dcp"), [(8, 8), (8, 4), (2, 2)])
+def test_glm5_layouts_stay_within_the_kernel_heads(tmp_path: Path, cpu_env: Any, tp: int, dcp: int) -> None:
+    """GLM-5's heads per rank, as vLLM's config divides them at TP ``tp``, gathered over DCP ``dcp``:
+    at most 64, one kernel head block."""
+    cpu_env(dcp, 0)
+    vc = make_vllm_config(write_model_dir(tmp_path, num_heads=GLM5_HEADS), dcp=dcp, interleave=1, tp=tp)
+    heads = vc.model_config.get_num_attention_heads(vc.parallel_config)
+    assert heads == GLM5_HEADS // tp
+    impl = make_impl(vc, heads, torch.full((64, TOPK), -1, dtype=torch.int32))
+    assert impl.fp8_decode_padded_heads == 64
+
+
+@pytest.mark.parametrize("cache_dtype", ["auto", "bfloat16"])
+def test_dcp_refuses_a_bf16_cache(model_dir: Path, cpu_env: Any, cache_dtype: str) -> None:
+    """The BF16 cache's sparse path has no DCP support: under DCP the impl refuses it at start-up,
+    in one line, as later vLLM releases do; without DCP it is built as before."""
+    buf = torch.full((64, TOPK), -1, dtype=torch.int32)
+    cpu_env(1, 0)
+    make_impl(make_vllm_config(model_dir, dcp=1, interleave=1, cache_dtype=cache_dtype), NUM_HEADS_TOTAL, buf,
+              cache_dtype=cache_dtype)
+    cpu_env(2, 0)
+    vc = make_vllm_config(model_dir, dcp=2, interleave=1, cache_dtype=cache_dtype)
+    with pytest.raises(NotImplementedError) as refused:
+        make_impl(vc, NUM_HEADS_TOTAL // 2, buf, cache_dtype=cache_dtype)
+    message = str(refused.value)
+    assert "\n" not in message and "requires an fp8_ds_mla kv-cache" in message and cache_dtype in message
+
+
 MTP_TOKENS = 5  # MTP-5, production's setting: (1 + 5)-token verification steps
 
 
@@ -455,13 +508,11 @@ def convert_whole(batch: Batch, table: torch.Tensor) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int32)
 
 
-def test_localization_matches_python_reference() -> None:
-    """Global top-k positions -> rank-local slots, against a plain-Python model, random cases."""
-    if not hasattr(compat.module("sparse_utils"), "filter_and_convert_dcp_index") and \
-            hasattr(compat.module("flashmla_sparse"), "triton_filter_and_convert_dcp_index"):
-        pytest.skip(f"vLLM {compat.vllm_version()} localizes FlashMLA-sparse's DCP top-k with its Triton kernel "
-                    "only (no CPU path to check here); the forward tests run it as localize_standin")
-    localize = compat.added("sparse_utils", "filter_and_convert_dcp_index")
+def test_localize_standin_matches_python_reference() -> None:
+    """The stand-in of the Triton localization the forward tests run (``localize_standin``, as the
+    patch calls it: no compaction, valid counts): global top-k positions -> rank-local slots,
+    against a plain-Python model of the DCP KV layout, random cases. ``-m gpu`` holds it to the
+    Triton kernel itself."""
     rng = random.Random(0)
     n_cases = 0
     for dcp in (2, 4, 8):
@@ -493,12 +544,13 @@ def test_localization_matches_python_reference() -> None:
                         rows.append(row)
                 total_valid = [0] * len(rows)
                 for rank in range(dcp):
-                    got, counts = localize(
+                    got, counts = localize_standin(
                         torch.tensor(req_ids, dtype=torch.int32),
                         torch.tensor(table, dtype=torch.int32),
                         torch.tensor(rows, dtype=torch.int32),
                         dcp_size=dcp, dcp_rank=rank, cp_kv_cache_interleave_size=interleave,
-                        BLOCK_SIZE=BLOCK,
+                        BLOCK_SIZE=BLOCK, NUM_TOPK_TOKENS=k, return_valid_counts=True,
+                        compact_valid_to_front=False,
                     )
                     want, want_counts = py_localize(req_ids, table, rows, dcp, rank, interleave,
                                                     BLOCK)
@@ -603,7 +655,6 @@ def _gpu_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) 
 
     fs = compat.module("flashmla_sparse")
     a2a_nccl = compat.symbol("dcp_alltoall", "dcp_a2a_lse_reduce")
-    twin = compat.symbol("sparse_utils", "torch_filter_and_convert_dcp_index")
     triton_filter = compat.symbol("sparse_utils", "triton_filter_and_convert_dcp_index")
 
     vc0 = make_vllm_config(Path(model_dir), dcp=world, interleave=1, device="cuda")
@@ -644,13 +695,13 @@ def _gpu_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) 
                 meta = build_metadata(vcs["ag_rs"], make_layer(impl, managers["ag_rs"]), batch,
                                       dcp_table, device)
                 out, lse = impl.forward_mqa(q, shards[rank], meta, None)
-            # The Triton localization equals its PyTorch twin on the same rows.
+            # The Triton localization equals the CPU tests' stand-in of it on the same rows.
             args = (meta.req_id_per_token[:n_tok], dcp_table, batch.topk.to(device))
-            tri = triton_filter(*args, dcp_size=world, dcp_rank=rank,
-                                cp_kv_cache_interleave_size=interleave, BLOCK_SIZE=BLOCK,
-                                NUM_TOPK_TOKENS=TOPK, return_valid_counts=True,
-                                compact_valid_to_front=False)
-            ref_loc = twin(*(a.cpu() for a in args), world, rank, interleave, BLOCK_SIZE=BLOCK)
+            how = dict(dcp_size=world, dcp_rank=rank, cp_kv_cache_interleave_size=interleave,
+                       BLOCK_SIZE=BLOCK, NUM_TOPK_TOKENS=TOPK, return_valid_counts=True,
+                       compact_valid_to_front=False)
+            tri = triton_filter(*args, **how)
+            ref_loc = localize_standin(*(a.cpu() for a in args), **how)
             loc_equal = bool(torch.equal(tri[0].cpu(), ref_loc[0])
                              and torch.equal(tri[1].cpu(), ref_loc[1]))
             # Single-GPU sparse decode over the whole cache (the DCP = 1 kernel call).

@@ -8,10 +8,14 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
+
+if TYPE_CHECKING:
+    from overlay.regress.profiles import Profile
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -19,6 +23,12 @@ STANDIN = HERE / "standin.py"
 FIXTURE_GSM8K = HERE / "fixtures" / "gsm8k"
 PROFILE = "glm5.2-nvfp4-tp8-dcp4-mtp5-a2a"
 MODEL = "zai-org/GLM-5.2-NVFP4"
+# The thresholds the tests judge with, never a shipped profile's: a threshold set on one profile
+# (its file's ``thresholds:``) changes that profile's verdicts and no test of how a check judges.
+PINNED = {"gsm8k_max_stderrs": 3, "count_min_consecutive": 150, "repetition_ngram": 4, "repetition_max_ratio": 0.3,
+          "acceptance_near_one": 0.99, "acceptance_cliff": 0.4, "acceptance_max_drop": 0.35,
+          "ttft_max_ratio": 1.25, "tpot_max_ratio": 1.15}
+PINNED_WHY = "the tests' own value (tests/regress/regress_helpers.py:PINNED), not a shipped profile's"
 
 
 def free_port() -> int:
@@ -43,8 +53,16 @@ def standin_command(port: int, mode: str, *extra: str) -> list[str]:
             "--gsm8k", str(FIXTURE_GSM8K), *extra]
 
 
+def pinned_profile(name: str = PROFILE) -> Profile:
+    """A shipped profile judging with the tests' thresholds (:data:`PINNED`) instead of its own."""
+    from overlay.regress.profiles import Threshold, load_profile
+
+    return replace(load_profile(name), thresholds={k: Threshold(v, PINNED_WHY) for k, v in PINNED.items()})
+
+
 def make_profile(tmp_path: Path, **changes: object) -> Path:
-    """The shipped NVFP4 profile, sized for the stand-in: local GSM8K, builtin latency, stand-in baselines.
+    """The shipped NVFP4 profile, sized for the stand-in: local GSM8K, builtin latency, stand-in baselines,
+    the tests' thresholds (:data:`PINNED`).
 
     Changes are dotted keys (``{"latency.input_len": 256}``).
     """
@@ -52,6 +70,7 @@ def make_profile(tmp_path: Path, **changes: object) -> Path:
 
     path = Path(load_profile(PROFILE).path)
     data = yaml.safe_load((REPO / path).read_text())
+    data["thresholds"] = {k: {"value": v, "why": PINNED_WHY} for k, v in PINNED.items()}
     data["gsm8k"].update(data=str(FIXTURE_GSM8K), concurrency=4)
     data["latency"].update(tool="builtin", input_len=512, output_len=64, timeout_s=60)
     data["long_context"].update(request_timeout_s=30)

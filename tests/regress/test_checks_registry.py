@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -162,12 +163,14 @@ def test_a_checks_findings_and_liveness_name_the_check() -> None:
         assert [(line, n) for line, n in named if n != c.name] == [], f"{path.name} names another check than {c.name}"
 
 
-# What a passing run's data looks like for each check that records a baseline (its ``record`` reads it).
+# What a passing run's data looks like for each check that records a baseline (its ``record`` reads it),
+# on a given profile (acceptance: one rate per token its server drafts, however many that is).
 # A check that records gets its sample here: the test below fails naming it until it has one.
-RECORD_SAMPLES: dict[str, dict[str, Any]] = {
-    "gsm8k": {"strict-match": {"value": 0.91, "stderr": 0.008}, "flexible-extract": {"value": 0.92, "stderr": 0.0075}},
-    "latency": {"mean_ttft_ms": 812.5, "mean_tpot_ms": 31.25, "tool": "vllm-bench"},
-    "acceptance": {"rates": [0.9, 0.8, 0.7, 0.6, 0.5]},
+RECORD_SAMPLES: dict[str, Callable[[Profile], dict[str, Any]]] = {
+    "gsm8k": lambda p: {"strict-match": {"value": 0.91, "stderr": 0.008},
+                        "flexible-extract": {"value": 0.92, "stderr": 0.0075}},
+    "latency": lambda p: {"mean_ttft_ms": 812.5, "mean_tpot_ms": 31.25, "tool": p.latency.tool},
+    "acceptance": lambda p: {"rates": [round(0.9 - 0.1 * i, 2) for i in range(p.server.speculative_tokens or 5)]},
 }
 
 
@@ -178,9 +181,9 @@ def test_every_record_function_writes_fields_the_profile_reads(check: Check, tmp
     end of a real ``--record-baseline`` run. Each recording check's sample is recorded into each shipped
     profile here, and the written profile must load with those numbers."""
     assert check.name in RECORD_SAMPLES, f"add a sample of {check.name}'s data to RECORD_SAMPLES"
-    values = checks.function(check.record)(RECORD_SAMPLES[check.name])
-    assert values, f"{check.record} recorded nothing from its sample"
     for name in shipped_profiles():
+        values = checks.function(check.record)(RECORD_SAMPLES[check.name](load_profile(name)))
+        assert values, f"{check.record} recorded nothing from its sample for {name}"
         out = baseline_record.write_recorded_profile(name, values, tmp_path / f"{name}.yaml", "a test")
         base = load_profile(str(out)).baseline
         assert check.name in base.source

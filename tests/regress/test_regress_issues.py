@@ -14,7 +14,7 @@ import yaml
 from regress_helpers import REPO, free_port, make_profile, run_cli
 
 from overlay.regress.errors import ProfileError
-from overlay.regress.profiles import load_profile, parse_profile
+from overlay.regress.profiles import load_profile, parse_profile, shipped_profiles
 
 NVFP4 = "glm5.2-nvfp4-tp8-dcp4-mtp5-a2a"
 FAST = "--skip gsm8k,latency"  # long context + acceptance: the collapse shows, in seconds
@@ -170,9 +170,9 @@ def test_unknown_keys_at_every_level_are_each_named() -> None:
         assert f"{key}: unknown field" in str(err.value)
 
 
-def test_shipped_profiles_have_no_unknown_keys() -> None:
-    for name in ("glm5.2-fp8-tp8-dcp8", NVFP4):
-        assert load_profile(name).name == name
+@pytest.mark.parametrize("name", shipped_profiles())
+def test_shipped_profiles_have_no_unknown_keys(name: str) -> None:
+    assert load_profile(name).name == name
 
 
 # 16: a baseline records its latency tool; a run with another tool is refused, naming both.

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
+import shutil
 from pathlib import Path
 
 import prometheus_client
 import pytest
 import yaml
-from regress_helpers import REPO
+from regress_helpers import REPO, pinned_profile
 
 from overlay.regress import acceptance, gsm8k, latency
 from overlay.regress.checks import THRESHOLDS
@@ -33,9 +35,25 @@ def test_shipped_profiles_load_with_the_seed_baselines(name: str) -> None:
     assert max(p.long_context.prompt_tokens) > max(2048, p.long_context.workspace_capacity_tokens)
 
 
+def guide_profiles() -> list[str]:
+    """The profiles ``docs/regress/README.md`` lists as shipped (its "The shipped profiles" bullets)."""
+    guide = (REPO / "docs" / "regress" / "README.md").read_text()
+    listed = guide.split("The shipped profiles", 1)[1].split("\n\n", 2)[1]
+    return re.findall(r"(?m)^- `([^`]+)`:", listed)
+
+
+@pytest.mark.parametrize("name", shipped_profiles())
+def test_every_shipped_profile_is_in_the_guides_list(name: str) -> None:
+    assert name in guide_profiles(), f"overlay/regress/profiles/{name}.yaml is missing from docs/regress/README.md's " \
+                                     "list of shipped profiles"
+
+
+def test_the_guide_lists_only_shipped_profiles() -> None:
+    gone = [n for n in guide_profiles() if n not in shipped_profiles()]
+    assert gone == [], f"docs/regress/README.md lists {gone}, not in overlay/regress/profiles/"
+
+
 def test_profile_details_match_the_seed_commands() -> None:
-    assert shipped_profiles() == ["glm5.2-fp8-tp8-dcp8", NVFP4, "tiny-glm5-tp2-dcp1-mtp5",
-                                 "tiny-glm5-tp2-dcp2-agrs-mtp5", "tiny-glm5-tp2-dcp2-mtp5"]
     fp8 = load_profile("glm5.2-fp8-tp8-dcp8").server
     assert fp8.command()[:3] == ["vllm", "serve", "zai-org/GLM-5.2-FP8"]
     assert fp8.arg_value("--decode-context-parallel-size") == "8" and fp8.speculative_tokens == 0
@@ -43,6 +61,31 @@ def test_profile_details_match_the_seed_commands() -> None:
     assert nv.server.arg_value("--dcp-comm-backend") == "a2a"
     assert nv.server.arg_value("--max-num-batched-tokens") == "8192" and nv.server.speculative_tokens == 5
     assert nv.baseline.acceptance_per_position == (0.97, 0.83, 0.40, 0.39, 0.38)
+
+
+def test_a_threshold_set_on_one_profile_changes_that_profiles_verdict_only(tmp_path: Path) -> None:
+    """A threshold is its profile's own: set in one profile's ``thresholds:``, it moves that profile's
+    verdict on the same run and no other profile's (the tests judge with their own, ``PINNED``)."""
+    folder = tmp_path / "profiles"
+    shutil.copytree(REPO / "overlay" / "regress" / "profiles", folder)
+    before = {name: load_profile(str(folder / f"{name}.yaml")) for name in shipped_profiles()}
+    own = before[NVFP4].threshold("tpot_max_ratio")
+    data = _nvfp4_data()
+    data["thresholds"]["tpot_max_ratio"]["value"] = own * 2
+    (folder / f"{NVFP4}.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    after = {name: load_profile(str(folder / f"{name}.yaml")) for name in shipped_profiles()}
+    for name, profile in before.items():
+        if "latency" not in profile.checks:
+            continue
+        base = profile.baseline
+        run = {"completed": 1, "failed": 0, "mean_ttft_ms": base.mean_ttft_ms,  # TPOT 1.5 x NVFP4's threshold
+               "mean_tpot_ms": base.mean_tpot_ms * own * 1.5}
+        was, now = latency.judge(profile, run), latency.judge(after[name], run)
+        if name == NVFP4:
+            assert [f.check for f in was] == ["latency"] and now == [], (was, now)
+        else:
+            assert now == was, f"{name}: its verdict moved with {NVFP4}'s threshold"
+            assert after[name].thresholds == profile.thresholds, name
 
 
 def _broken(mutate) -> str:
@@ -146,7 +189,7 @@ def test_collapse_signature(rates: list[float], collapsed: bool) -> None:
 
 
 def test_gsm8k_floor_uses_combined_standard_errors() -> None:
-    p = load_profile(NVFP4)
+    p = pinned_profile(NVFP4)
     # 0.93 passes with the run's own stderr 0.007 (floor 0.9225) but fails without it (floor 0.9341).
     results = {"strict-match": {"value": 0.93, "stderr": 0.007}, "flexible-extract": {"value": 0.93, "stderr": 0.0}}
     [finding] = gsm8k.judge(p, results)
@@ -156,7 +199,7 @@ def test_gsm8k_floor_uses_combined_standard_errors() -> None:
 
 
 def test_latency_judges_vllm_bench_saved_json() -> None:
-    p = load_profile(NVFP4)
+    p = pinned_profile(NVFP4)
     # The keys `vllm bench serve --save-result` writes (seed run: 795.75 / 17.61 ms).
     seed = {"completed": 1, "failed": 0, "mean_ttft_ms": 795.75, "median_ttft_ms": 795.75,
             "mean_tpot_ms": 17.61, "median_tpot_ms": 17.61, "mean_itl_ms": 22.9}

@@ -47,8 +47,10 @@ def start(
     work: Path,
     tests_dir: Path,
     runner: TestRunner | None = None,
+    facts: dict | None = None,
 ) -> Outcome:
-    """Set up the scratch repository for ``from_version`` -> ``target_pin`` and classify the series.
+    """Set up the scratch repository for ``from_version`` -> ``target_pin`` and classify the series
+    (``facts``: both releases' facts, ``{"from": ..., "to": ...}``, for the report).
 
     Refuses when ``work`` exists or ``patches/<to>/`` holds more than a prepared ``pin.toml``. On an
     error before the first conflict the scratch repository is removed again.
@@ -72,7 +74,8 @@ def start(
         with sigterm_as_interrupt():  # SIGTERM cleans up as SIGINT does
             old_commits = prepare(work, series, from_version, to, fill_base, fill_target)
             state = State(from_version, to, {"version": to, "wheel": target_pin.wheel, "sha256": target_pin.sha256},
-                          str(patches_root), str(tests_dir), [p.name for p in series.patches], old_commits)
+                          str(patches_root), str(tests_dir), [p.name for p in series.patches], old_commits,
+                          facts=dict(facts or {}))
             state.save(work)
             return _run(work, state, series, runner)
     except BaseException as exc:

@@ -13,6 +13,7 @@ from overlay.maintain.rebase.runcache import maybe_cached
 from overlay.maintain.rebase.state import STATE, Outcome, RebaseError, State, prepared_pin, work_dir
 from overlay.maintain.rebase.testrun import pytest_runner
 from overlay.maintain.workspace import extract_text_tree
+from overlay.releases.facts import ReleaseFacts, ReleaseFactsError, release_facts
 
 
 def rebase_release(patches_root: Path, from_version: str, to_version: str, *,
@@ -31,12 +32,23 @@ def rebase_release(patches_root: Path, from_version: str, to_version: str, *,
         target_pin, target_wheel = prepared, fetch_wheel(prepared)
     else:
         target_pin, target_wheel = fetch_release(to_version)
+    facts = {"from": release_facts_of(base_wheel).to_dict(), "to": release_facts_of(target_wheel).to_dict()}
     deps = deps_for({from_version: base_wheel, target_pin.version: target_wheel})
     runner = (maybe_cached(pytest_runner(tests_dir, cwd=Path.cwd(), deps=deps), tests_dir, cwd=Path.cwd())
               if run_tests else None)
     return start(patches_root, from_version, target_pin,
                  lambda d: _extract(base_wheel, d), lambda d: _extract(target_wheel, d),
-                 work=work_dir(to_version, work_root), tests_dir=tests_dir, runner=runner)
+                 work=work_dir(to_version, work_root), tests_dir=tests_dir, runner=runner, facts=facts)
+
+
+def release_facts_of(wheel: Path) -> ReleaseFacts:
+    """The release facts of a release's wheel (its GLM-5 path, runner, DCP defaults: ``REBASE.md`` says what
+    changed); a release they cannot describe is refused in one line before the run, whose GLM-5 path
+    tests could judge nothing there."""
+    try:
+        return release_facts(wheel)
+    except ReleaseFactsError as exc:
+        raise RebaseError(f"rebase: {exc}") from None
 
 
 def check_forward(patches_root: Path, from_version: str, to_version: str) -> None:

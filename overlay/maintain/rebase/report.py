@@ -14,11 +14,13 @@ from overlay.build.pins import Pin, pin_dir
 from overlay.build.series import Patch, Series
 from overlay.build.swap import exchange
 from overlay.errors import OverlayError
+from overlay.maintain.engine_records import RECORDS, EngineRun, engine_runs, records_root
 from overlay.maintain.rebase.stale import later_pin_notes
 from overlay.maintain.rebase.state import OUTCOMES, RebaseError, Result, State, prepared_pin
 from overlay.maintain.rebase.testrun import TestRun, describe
 from overlay.maintain.replay import ConflictHunk
 from overlay.maintain.workspace import format_patch
+from overlay.releases.facts import ReleaseFacts
 
 
 def write_release(work: Path, state: State, series: Series, results: list[Result]) -> Path:
@@ -71,6 +73,8 @@ def write_report(dest: Path, state: State, results: list[Result], work: Path, *,
                      "changes": r.changes}
                     for r in results],
     }
+    if state.facts:
+        doc["facts"] = state.facts
     if unclassified is not None:
         doc["in_progress"] = {"classified": len(results), "unclassified": unclassified}
     (dest / "rebase.json").write_text(json.dumps(doc, indent=2) + "\n")
@@ -110,6 +114,7 @@ def report_markdown(state: State, results: list[Result], *, work: Path | None = 
             short += f" (depends on set-aside `{depends[1]}`)"
         short = short.replace("|", "\\|")
         lines.append(f"| `{r.name}` | {r.outcome} | {'yes' if r.carried else 'no'} | {short} |")
+    lines += release_facts_table(state.facts)
     if pending:
         lines += ["", f"## To resolve: {len(pending)} patch(es) need a person", "",
                   f"`{pending[0]}` waits in `{work}` mid-cherry-pick, its conflicts staged as in any git merge "
@@ -152,9 +157,23 @@ def report_markdown(state: State, results: list[Result], *, work: Path | None = 
         if r.behaviour or r.conflicts or r.candidates or r.source_sha256:
             lines.append("")
     lines += _other_pins(state)
-    lines += proven_in_an_engine(state.to_version, engine_runs(Path(state.patches_root).parent / "docs" / "engine",
+    lines += proven_in_an_engine(state.to_version, engine_runs(records_root(Path(state.patches_root)),
                                                                state.to_version))
     return "\n".join(lines).rstrip() + "\n"
+
+
+def release_facts_table(facts: dict) -> list[str]:
+    """``REBASE.md``'s "Release facts": what the tools key by release, old base against target (changes in
+    bold); nothing when the run has no facts (a rebase of synthetic trees)."""
+    if not (facts.get("from") and facts.get("to")):
+        return []
+    old, new = ReleaseFacts.from_dict(facts["from"]), ReleaseFacts.from_dict(facts["to"])
+    lines = ["", "## Release facts", "",
+             "What the tools key by release (`overlay/releases/`), read from each wheel's own tree; **bold**: "
+             "changed.", "", f"| fact | {old.release} | {new.release} |", "| --- | --- | --- |"]
+    for (label, was), (_, now) in zip(old.rows(), new.rows(), strict=True):
+        lines.append(f"| {label} | {was} | {now if now == was else f'**{now}**'} |")
+    return lines
 
 
 def on_model_path(r: Result) -> str:
@@ -172,46 +191,27 @@ def on_model_path(r: Result) -> str:
     return f"its tests with it there: {describe(run)}"
 
 
-def engine_runs(root: Path, version: str) -> list[dict[str, object]]:
-    """The engine-check runs kept under ``root`` (``docs/engine/``, a folder per run with its
-    ``results.json``) whose build was vLLM ``version`` (the report's ``meta.vllm``), oldest first:
-    where (the folder, relative to ``root``), when, on which GPUs, each case's verdict, the run's."""
-    runs: list[dict[str, object]] = []
-    for path in sorted(root.glob("**/results.json")) if root.is_dir() else []:
-        try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        meta = (doc.get("meta") if isinstance(doc, dict) else None) or {}
-        if str(meta.get("vllm", "")).split("+")[0] != version:
-            continue
-        cases = [(str(c.get("name") or (c.get("case") or {}).get("name")), str(c.get("verdict") or c.get("status")))
-                 for c in doc.get("cases") or [] if isinstance(c, dict)]
-        runs.append({"where": path.parent.relative_to(root).as_posix(), "when": str(meta.get("started", "?")),
-                     "gpus": str(meta.get("gpus", "")), "verdict": str((doc.get("summary") or {}).get("verdict", "?")),
-                     "cases": cases})
-    return sorted(runs, key=lambda r: str(r["when"]))
-
-
-def proven_in_an_engine(version: str, runs: list[dict[str, object]]) -> list[str]:
-    """``REBASE.md``'s "Proven in an engine": whether this release's build has run in a real engine
-    (where, when, which cases), so that "rebased" (the patches apply and their CPU tests judge them)
-    is not read as "serves and decodes right"."""
+def proven_in_an_engine(version: str, runs: list[EngineRun]) -> list[str]:
+    """``REBASE.md``'s "Proven in an engine": whether this release's build has run in a real engine (the
+    records where the guides put them, ``docs/records/engine/``: where, when, at which DCP sizes, which
+    cases), so that "rebased" (the patches apply and their CPU tests judge them) is not read as "serves and
+    decodes right". A snapshot of when the report was written; ``make status`` says what is proven now."""
     lines = ["## Proven in an engine", ""]
     if not runs:
-        lines.append(f"Never: no engine has started the vLLM {version} build (no engine-check run under "
-                     f"`docs/engine/` records it: `meta.vllm` {version} in its `results.json`). What judged it is "
+        lines.append(f"Never: no engine has started the vLLM {version} build (no engine-check record under "
+                     f"`{RECORDS}/` names it: `meta.vllm` {version} in its results). What judged it is "
                      "the CPU tests above (the release's own Python code, GPU kernels replaced at their call "
                      "boundary): it applies and those tests pass; that it starts, serves and decodes right is not "
                      f"shown. To show it: `make build VLLM={version}`, then the engine check on GPUs "
                      "(`docs/engine/`).")
     else:
-        lines.append(f"{len(runs)} engine-check run(s) of the vLLM {version} build (`docs/engine/`):")
+        lines.append(f"{len(runs)} engine-check run(s) of the vLLM {version} build (`{RECORDS}/`; what each "
+                     "proves of each patch: `make status`):")
     for run in runs:
-        named = run["cases"]
-        cases = ", ".join(f"`{n}` {v}" for n, v in named) if isinstance(named, list) and named else "no cases"
-        gpus = f", GPUs `{run['gpus']}`" if run["gpus"] else ""
-        lines.append(f"- `{run['where']}` (started {run['when']}{gpus}): {run['verdict']}; {cases}")
+        cases = ", ".join(f"`{c.name}` {c.verdict}" for c in run.cases) or "no cases"
+        gpus = f", GPUs `{run.gpus}`" if run.gpus else ""
+        dcp = ", ".join(map(str, sorted({c.dcp for c in run.cases}))) or "-"
+        lines.append(f"- `{run.where}` (started {run.when}{gpus}; DCP {dcp}): {run.verdict}; {cases}")
     lines.append("")
     return lines
 

@@ -80,6 +80,7 @@ class State:
     results: list[dict] = field(default_factory=list)
     exported: dict[str, str] = field(default_factory=dict)  # name -> "verbatim" | commit id
     pending: dict = field(default_factory=dict)  # the patch stopped at: head before, behaviour
+    facts: dict = field(default_factory=dict)  # {"from": ..., "to": ...}: each release's ReleaseFacts.to_dict()
 
     def save(self, work: Path) -> None:
         path = work / ".git" / STATE

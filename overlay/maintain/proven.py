@@ -1,0 +1,144 @@
+"""What is proven of each patch, per release, said once (``make status``): whether it was rebased (the
+outcome the rebase that wrote that release's series gave it), whether it is on GLM-5's path (the rebase's
+``off-model-path`` verdict, else what ran in an engine), and where an engine proved it (the engine-check
+records under ``docs/records/engine/``: which record, which DCP size, when; ``engine_records``).
+
+A record proves the version of a patch it ran: one that names its series (``meta.series``) says whether
+that was this version; one that does not is older than the patch's ``Last-Update`` or not, and a
+declared act counts there only when it is not (the record cannot say the build carried the patch).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from overlay.build.pins import release_order
+from overlay.build.series import Patch, Series
+from overlay.errors import OverlayError
+from overlay.maintain.engine_records import EngineRun, Proof, engine_runs, proofs, unattributed
+
+
+@dataclass(frozen=True)
+class PatchProof:
+    """One patch of one release's series."""
+
+    name: str
+    rebased: str
+    on_path: str
+    engine: tuple[str, ...]  # one line per record that proves it: where, when, DCP size, how
+
+    def to_dict(self) -> dict[str, object]:
+        return {"name": self.name, "rebased": self.rebased, "on_path": self.on_path, "engine": list(self.engine)}
+
+
+@dataclass(frozen=True)
+class ReleaseProof:
+    """One release in ``patches/``: how its series came, each patch, the engine runs of its build."""
+
+    release: str
+    source: str
+    patches: tuple[PatchProof, ...]
+    runs: tuple[str, ...]  # every recorded run of the build: where, when, verdict, DCP sizes
+
+    def to_dict(self) -> dict[str, object]:
+        return {"release": self.release, "source": self.source, "patches": [p.to_dict() for p in self.patches],
+                "runs": list(self.runs)}
+
+
+def _rebase_report(folder: Path) -> tuple[str, dict[str, dict]]:
+    """(the release rebased from, patch name -> its entry) of ``folder/rebase.json``; ("", {}) without one."""
+    try:
+        doc = json.loads((folder / "rebase.json").read_text(encoding="utf-8"))
+        return str(doc["from"]), {str(e["name"]): e for e in doc["patches"] if isinstance(e, dict) and "name" in e}
+    except (OSError, ValueError, KeyError, TypeError):
+        return "", {}
+
+
+def _version_note(proof: Proof, patch: Patch) -> str | None:
+    """How the run's version of ``patch`` relates to today's: "" this one (or not known to differ), a note,
+    or None when the run cannot be said to have carried it at all."""
+    run, last = proof.run, patch.trailers.get("Last-Update", "")
+    if run.series:
+        return "" if run.series.get(patch.name) == patch.sha256 else " (an earlier version of it)"
+    if last and run.day < last:
+        return None if proof.kind == "acts" else f" (before its Last-Update, {last})"
+    return ""
+
+
+def _engine_lines(patch: Patch, runs: list[EngineRun]) -> tuple[list[str], list[Proof]]:
+    lines, shown = [], []
+    for run in runs:
+        proof = proofs(run).get(patch.name)
+        note = _version_note(proof, patch) if proof else None
+        if proof is None or note is None:
+            continue
+        gpus = f", GPUs {run.gpus}" if run.gpus else ""
+        lines.append(f"{run.where} ({run.day}{gpus}) DCP {proof.dcp}: {proof.detail}{note}")
+        shown.append(proof)
+    return lines, shown
+
+
+def _on_path(entry: dict | None, shown: list[Proof]) -> str:
+    if entry and (entry.get("off_model_path") or entry.get("outcome") == "off-model-path"):
+        return "no: off-model-path in its rebase.json (the patch is in the tree, GLM-5's path does not take it)"
+    ran = [p for p in shown if p.kind in ("variant", "ran")]
+    if ran:
+        best = max(ran, key=lambda p: (p.kind == "variant", p.dcp, p.weight))
+        return f"yes, in GLM-5's engine: {best.detail} ({best.run.where}, DCP {best.dcp})"
+    return "not judged: no rebase verdict, and no engine record shows its lines run or its seed bug"
+
+
+def release_proof(patches_root: Path, release: str, runs: list[EngineRun]) -> ReleaseProof:
+    """What is proven of ``release``'s series (``patches/<release>/``), from ``runs`` (its build's records)."""
+    folder = patches_root / release
+    series = Series.load(folder)
+    base, entries = _rebase_report(folder)
+    rows = []
+    for patch in series.patches:
+        entry = entries.get(patch.name)
+        if not base:
+            rebased = "- (written on this release)"
+        elif entry is None:
+            rebased = f"not in rebase.json: added after the rebase from {base}"
+        else:
+            rebased = f"{entry.get('outcome')} from {base}"
+        lines, shown = _engine_lines(patch, runs)
+        rows.append(PatchProof(patch.name, rebased, _on_path(entry, shown),
+                               tuple(lines) or ("never: no engine-check record of this build shows it",)))
+    recorded = tuple(f"{r.where} ({r.when}): {r.verdict}; DCP {', '.join(map(str, sorted({c.dcp for c in r.cases})))}"
+                     for r in runs)
+    return ReleaseProof(release, f"rebased from {base}" if base else "written on this release", tuple(rows), recorded)
+
+
+def proven(patches_root: Path, records: Path) -> tuple[list[ReleaseProof], list[str]]:
+    """Every release ``patches_root`` holds a series for, oldest first, and the records that name no build."""
+    releases = sorted((p.name for p in patches_root.iterdir() if (p / "series").is_file()), key=release_order)
+    runs = engine_runs(records)
+    out = []
+    for release in releases:
+        try:
+            out.append(release_proof(patches_root, release, [r for r in runs if r.release == release]))
+        except OverlayError:
+            continue  # a folder that is not a release: `make status` of that release says why
+    return out, unattributed(records)
+
+
+def format_proven(releases: list[ReleaseProof], unnamed: list[str], records: Path) -> str:
+    """The section ``make status`` prints after its table."""
+    try:
+        shown = records.relative_to(Path.cwd())
+    except ValueError:
+        shown = records
+    lines = ["", f"What is proven, per release and patch (rebased; on GLM-5's path; proven in an engine: the "
+                 f"records in {shown}/):"]
+    for rel in releases:
+        lines.append(f"{rel.release} ({len(rel.patches)} patches, {rel.source}; "
+                     f"{len(rel.runs)} engine-check record(s) of its build)")
+        for p in rel.patches:
+            lines += [f"  {p.name}", f"    rebased: {p.rebased}", f"    on GLM-5's path: {p.on_path}"]
+            lines += [f"    engine: {e}" for e in p.engine]
+    if unnamed:
+        lines.append(f"records that name no build (meta.vllm), counted for none: {', '.join(unnamed)}")
+    return "\n".join(lines) + "\n"

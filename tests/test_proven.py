@@ -1,0 +1,159 @@
+"""What is proven, said once (issue 41 item 6): per release and patch, ``make status`` says whether it was
+rebased, whether it is on GLM-5's path and where an engine proved it (which record, DCP size, when), from
+the rebase reports and the engine-check records under ``docs/records/engine/``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from overlay.build.series import Series
+from overlay.maintain.engine_records import RECORDS, engine_runs, proofs, unattributed
+from overlay.maintain.proven import format_proven, proven
+from tests.wheelkit import format_patch, make_release, make_wheel
+
+REPO = Path(__file__).resolve().parent.parent
+A = b"".join(f"a{i} = {i}\n".encode() for i in range(20))
+PROJECT = "dcp-project-before-merge.patch"  # ACTS declares it acts at DCP > 1 on 0.28.0's build
+
+
+def _patch(tmp_path: Path, line: int, last_update: str) -> bytes:
+    return format_patch({"vllm/a.py": A}, {"vllm/a.py": A.replace(f"a{line} = {line}".encode(), b"x = 0")},
+                        f"Fix a{line}", f"Origin: vendor\nLast-Update: {last_update}", work=tmp_path)
+
+
+def _record(root: Path, where: str, meta: dict, cases: list[dict]) -> None:
+    path = root / RECORDS / where / "results.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"meta": {"started": "2026-12-03T10:00:00", **meta}, "summary": {"verdict": "pass"},
+                                "cases": cases}))
+
+
+def _case(name: str, dcp: int, verdict: str = "pass", **more: object) -> dict:
+    return {"name": name, "verdict": verdict, "case": {"name": name.split("--")[-1], "dcp": dcp, "tp": 2}, **more}
+
+
+def _setup(tmp_path: Path) -> Path:
+    wheel = make_wheel(tmp_path, {"vllm/a.py": A})
+    patches = {"guard.patch": _patch(tmp_path, 3, "2026-11-30"), PROJECT: _patch(tmp_path, 9, "2026-12-02"),
+               "quiet.patch": _patch(tmp_path, 15, "2026-11-30")}
+    root = make_release(tmp_path, wheel, patches=patches)
+    make_release(tmp_path, wheel, "0.33.0", patches={PROJECT: patches[PROJECT], "late.patch": patches["quiet.patch"]})
+    (root / "0.33.0" / "rebase.json").write_text(json.dumps({"from": "0.28.0", "to": "0.33.0", "patches": [
+        {"name": "guard.patch", "outcome": "upstream-by-behaviour", "carried": False},
+        {"name": PROJECT, "outcome": "off-model-path", "carried": True, "evidence": "off GLM-5's path"}]}))
+    sha = {p.name: p.sha256 for p in Series.load(root / "0.28.0").patches}
+    # 0.28.0: a run naming its series (the guard's seed bug at DCP 2, the projection where it acts), one
+    # that does not and predates the projection's last update, and one naming no build at all
+    _record(tmp_path, "2xh200-2026-12-03", {"vllm": "0.28.0+ovlaaaa", "gpus": "2 x H200",
+                                            "series": [{"name": n, "sha256": s} for n, s in sha.items()]},
+            [_case("ref-dcp1", 1, "reference"), _case("dcp-agrs-proj1-graph", 2),
+             _case("minus-guard--dcp-agrs-proj1-graph", 2, "expected-fail", variant="minus-guard")])
+    _record(tmp_path, "2xh200-2026-11-30", {"vllm": "0.28.0+ovlbbbb (2 patches)", "started": "2026-11-30T09:00:00"},
+            [_case("dcp-agrs-proj1-graph", 2)])
+    _record(tmp_path, "1xh200-2026-11-29", {}, [_case("ref-dcp1", 1, "reference")])
+    # 0.33.0: a coverage run in which the carried projection's lines ran
+    _record(tmp_path, "liveness-1xh200-2026-12-04", {"vllm": "0.33.0", "started": "2026-12-04T20:00:00"},
+            [_case("ref-dcp1", 1, "reference", liveness={"patches": [{"patch": PROJECT, "ran": 6, "added": 301}]})])
+    return root
+
+
+def test_each_release_and_patch_says_what_is_proven(tmp_path: Path) -> None:
+    root = _setup(tmp_path)
+    releases, unnamed = proven(root, tmp_path / RECORDS)
+    assert unnamed == ["1xh200-2026-11-29"]
+    old, new = releases
+    assert (old.release, old.source, new.release, new.source) == ("0.28.0", "written on this release", "0.33.0",
+                                                                  "rebased from 0.28.0")
+    by = {p.name: p for p in old.patches}
+    assert by["guard.patch"].rebased == "- (written on this release)"
+    assert by["guard.patch"].engine == ("2xh200-2026-12-03 (2026-12-03, GPUs 2 x H200) DCP 2: the build without it "
+                                        "failed `dcp-agrs-proj1-graph` as its seed bug does",)
+    assert by["guard.patch"].on_path.startswith("yes, in GLM-5's engine: the build without it failed")
+    # the record naming its series proves this version; the older one cannot say the build carried it
+    assert by[PROJECT].engine == ("2xh200-2026-12-03 (2026-12-03, GPUs 2 x H200) DCP 2: `dcp-agrs-proj1-graph`, "
+                                  "where it acts, passed",)
+    assert by["quiet.patch"].engine == ("never: no engine-check record of this build shows it",)
+    assert by["quiet.patch"].on_path.startswith("not judged")
+    late = {p.name: p for p in new.patches}
+    assert late[PROJECT].rebased == "off-model-path from 0.28.0"
+    assert late[PROJECT].on_path.startswith("no: off-model-path in its rebase.json")
+    assert late[PROJECT].engine == ("liveness-1xh200-2026-12-04 (2026-12-04) DCP 1: 6 of its 301 added statements "
+                                    "ran in `ref-dcp1`, which passed",)
+    assert late["late.patch"].rebased == "not in rebase.json: added after the rebase from 0.28.0"
+    text = format_proven(releases, unnamed, tmp_path / RECORDS)
+    assert "0.33.0 (2 patches, rebased from 0.28.0; 1 engine-check record(s) of its build)" in text
+    assert text.rstrip().endswith("records that name no build (meta.vllm), counted for none: 1xh200-2026-11-29")
+
+
+def test_a_record_of_another_version_of_the_patch_says_so(tmp_path: Path) -> None:
+    root = _setup(tmp_path)
+    doc = json.loads((tmp_path / RECORDS / "2xh200-2026-12-03" / "results.json").read_text())
+    doc["meta"]["series"] = [{"name": "guard.patch", "sha256": "0" * 64}]  # the run carried another guard
+    (tmp_path / RECORDS / "2xh200-2026-12-03" / "results.json").write_text(json.dumps(doc))
+    by = {p.name: p for p in proven(root, tmp_path / RECORDS)[0][0].patches}
+    assert by["guard.patch"].engine[0].endswith("as its seed bug does (an earlier version of it)")
+    assert by[PROJECT].engine == ("never: no engine-check record of this build shows it",)  # not in that build
+
+
+def test_the_strongest_proof_of_a_run_wins(tmp_path: Path) -> None:
+    _setup(tmp_path)
+    [run] = [r for r in engine_runs(tmp_path / RECORDS, "0.28.0") if r.series]
+    assert {k: v.kind for k, v in proofs(run).items()} == {"guard.patch": "variant", PROJECT: "acts"}
+    assert unattributed(tmp_path / RECORDS) == ["1xh200-2026-11-29"]
+
+
+def test_make_status_prints_it_after_its_table(tmp_path: Path) -> None:
+    root = _setup(tmp_path)
+    wheel = next(tmp_path.glob("vllm-*.whl"))
+    cache = tmp_path / "cache" / "wheels"
+    cache.mkdir(parents=True)
+    (cache / wheel.name).write_bytes(wheel.read_bytes())
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "VLLM_OVERLAY_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "overlay", "--patches", str(root), "status"], cwd=tmp_path,
+                          capture_output=True, text=True, check=False, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "What is proven, per release and patch" in proc.stdout and "records in docs/records/engine/" in proc.stdout
+    assert "    rebased: off-model-path from 0.28.0" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "overlay", "--patches", str(root), "status", "--json"], cwd=tmp_path,
+                          capture_output=True, text=True, check=False, env=env)
+    doc = json.loads(proc.stdout)
+    assert [r["release"] for r in doc["proven"]] == ["0.28.0", "0.33.0"] and len(doc["patches"]) == 3
+
+
+def test_the_repositorys_records_are_read() -> None:
+    """Every engine record of the repository names its build or is listed as naming none, and the 0.33.0
+    record kept since 2026-12-02 is among docs/records/engine/'s (the guide's folder keeps none)."""
+    records = REPO / RECORDS
+    runs = engine_runs(records)
+    assert "0.33.0-1xh200" in {r.where for r in runs if r.release == "0.33.0"}
+    assert not list((REPO / "docs" / "engine").rglob("*.json"))
+    assert {r.release for r in runs} <= {p.name for p in (REPO / "patches").iterdir() if p.is_dir()}
+    assert set(unattributed(records)).isdisjoint(r.where for r in runs)
+
+
+def test_the_readme_says_which_release_is_proven_how_far() -> None:
+    """The README's "What is proven, per release" has a row per release ``patches/`` holds, with its series'
+    size and the largest DCP size an engine record of its build ran (no larger one); ``patches/DEFAULT``'s
+    release says so; a release without a series is never proven."""
+    import re
+
+    from overlay.build.pins import default_version
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("### What is proven, per release", 1)[1].split("\n## ", 1)[0]
+    rows = {m[1]: (m[2], m[3]) for m in re.finditer(r"^\| (\d+\.\d+\.\d+) \| (.*?) \| (.*) \|$", section, re.M)}
+    runs = engine_runs(REPO / RECORDS)
+    held = [p.name for p in (REPO / "patches").iterdir() if (p / "series").is_file()]
+    assert set(held) <= set(rows), f"README's proven table lacks {set(held) - set(rows)}"
+    for release, (series, engine) in rows.items():
+        dcp = [c.dcp for r in runs if r.release == release for c in r.cases]
+        if release not in held:
+            assert not dcp and engine == "never", release
+            continue
+        assert series.startswith(f"{len(Series.load(REPO / 'patches' / release).patches)} patches"), release
+        said = [int(n) for n in re.findall(r"DCP (\d+)", engine)]
+        assert dcp and max(said) == max(dcp), (release, said, sorted(set(dcp)))
+    assert "`patches/DEFAULT`" in rows[default_version(REPO / "patches")][0]

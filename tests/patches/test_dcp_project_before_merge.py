@@ -22,6 +22,7 @@ merges them by LSE and then projects by ``W_UV``. The patch projects every gathe
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -87,15 +88,21 @@ def test_gathered_w_uv_and_the_managers_own_combines(cpu_reports) -> None:
 
 
 @pytest.mark.parametrize(("env", "dcp", "pcp", "expected"), [
-    (None, 2, False, True), ("1", 4, False, True), ("0", 2, False, False),
-    (None, 1, False, False), (None, 2, True, False),
+    (None, 2, False, "default"), ("1", 4, False, True), ("0", 2, False, False),
+    (None, 1, False, False), ("1", 2, True, False),
 ])
 def test_switch_decides(monkeypatch: pytest.MonkeyPatch, env: str | None, dcp: int, pcp: bool,
-                        expected: bool) -> None:
+                        expected: bool | str) -> None:
+    """Unset, the switch takes the default this tree's ``envs.py`` gives it: the one the series sets for
+    this release (on where an engine run at DCP > 1 proved it: ``tests/test_project_default.py``)."""
     if env is None:
         monkeypatch.delenv("VLLM_DCP_PROJECT_BEFORE_MERGE", raising=False)
     else:
         monkeypatch.setenv("VLLM_DCP_PROJECT_BEFORE_MERGE", env)
+    if expected == "default":
+        variables = importlib.import_module("vllm.envs").environment_variables
+        assert "VLLM_DCP_PROJECT_BEFORE_MERGE" in variables, "no VLLM_DCP_PROJECT_BEFORE_MERGE in envs.py"
+        expected = bool(variables["VLLM_DCP_PROJECT_BEFORE_MERGE"]())
     mla = compat.module("mla_attention")
     assert compat.added(mla.MLAAttention, "use_dcp_project_before_merge")(dcp, pcp) is expected
 

@@ -96,6 +96,21 @@ def test_a_record_of_another_version_of_the_patch_says_so(tmp_path: Path) -> Non
     by = {p.name: p for p in proven(root, tmp_path / RECORDS)[0][0].patches}
     assert by["guard.patch"].engine[0].endswith("as its seed bug does (an earlier version of it)")
     assert by[PROJECT].engine == ("never: no engine-check record of this build shows it",)  # not in that build
+    # nor does a run of an earlier version put today's on GLM-5's path
+    assert by["guard.patch"].on_path.startswith("not judged"), by["guard.patch"].on_path
+
+
+def test_on_path_by_the_glm5_path_tests_of_its_rebase(tmp_path: Path) -> None:
+    """A patch carried onto GLM-5's path by a person says which of its tests showed it there."""
+    root = _setup(tmp_path)
+    doc = json.loads((root / "0.33.0" / "rebase.json").read_text())
+    doc["patches"][1] = {"name": PROJECT, "outcome": "conflict-resolved", "carried": True,
+                         "on_model_path": "81 passed with it, 43 failed by behaviour without"}
+    (root / "0.33.0" / "rebase.json").write_text(json.dumps(doc))
+    late = {p.name: p for p in proven(root, tmp_path / RECORDS)[0][1].patches}
+    assert late[PROJECT].rebased == "conflict-resolved from 0.28.0"
+    assert late[PROJECT].on_path == ("yes, by its GLM-5 path tests (rebase.json): 81 passed with it, 43 failed by "
+                                     "behaviour without")
 
 
 def test_the_strongest_proof_of_a_run_wins(tmp_path: Path) -> None:

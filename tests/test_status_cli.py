@@ -116,20 +116,24 @@ def test_off_model_path_shown_for_the_pin_and_its_base(tmp_path: Path) -> None:
     assert "  kern.patch: csrc/k.cu\n    off the model's path: kernels only\n" in table
 
 
-def test_committed_0_33_0_project_before_merge_is_off_glm5_path() -> None:
-    """patches/0.33.0/rebase.json says the projection patch is confined off GLM-5's path (issue 39),
-    which ``make status`` shows, and the patch carries the opt-out it describes."""
+def test_committed_0_33_0_project_before_merge_is_on_glm5_path() -> None:
+    """patches/0.33.0/rebase.json says the projection patch was carried onto GLM-5's path (issue 41 item 2),
+    by which of its tests, which ``make status`` shows; the patch reaches DeepseekV32Attention's merge and
+    is off by default there (no engine run of a 0.33.0 build at DCP > 1)."""
     import json
 
+    from overlay.maintain.proven import proven
     from overlay.maintain.status import off_path_notes
 
     doc = json.loads((REPO / "patches" / "0.33.0" / "rebase.json").read_text())
     entry = next(e for e in doc["patches"] if e["name"] == "dcp-project-before-merge.patch")
-    assert "GLM-5" in entry["off_model_path"] and "DeepseekV32Attention" in entry["off_model_path"]
+    assert "off_model_path" not in entry and entry["outcome"] == "conflict-resolved" and entry["carried"]
     own, _ = off_path_notes(REPO / "patches", "0.33.0")
-    _, later = off_path_notes(REPO / "patches", "0.28.0")
-    assert own["dcp-project-before-merge.patch"][0].startswith("off the model's path: GLM-5")
-    assert later["dcp-project-before-merge.patch"][0].startswith("0.33.0: off the model's path: GLM-5")
+    assert "dcp-project-before-merge.patch" not in own
+    releases, _ = proven(REPO / "patches", REPO / "docs" / "records" / "engine")
+    late = {p.name: p for r in releases if r.release == "0.33.0" for p in r.patches}
+    assert late["dcp-project-before-merge.patch"].on_path.startswith("yes, by its GLM-5 path tests")
     patch = (REPO / "patches" / "0.33.0" / "dcp-project-before-merge.patch").read_text()
-    assert "+    supports_dcp_project_before_merge: ClassVar[bool] = False" in patch
-    assert "+            cls.supports_dcp_project_before_merge" in patch
+    assert "+++ b/vllm/models/deepseek_v32/attention.py" in patch
+    assert "+                self.dcp_manager.project_combine(" in patch
+    assert '+        int(os.getenv("VLLM_DCP_PROJECT_BEFORE_MERGE", "0"))' in patch

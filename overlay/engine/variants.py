@@ -75,11 +75,6 @@ RELEASE_EXPECT: dict[str, dict[str, tuple[tuple[str, str, str | None], ...]]] = 
             ("mismatch", "under VLLM_USE_V2_MODEL_RUNNER=0 MTP moves prompt logprobs: computed from drafter "
                          "output in the CUDA-graph pool, as on 0.28.0", "ref-dcp1-mtp-v1"),
         ),
-        # 0.29.0+ falls back to NCCL above the direct workspace itself
-        "dcp-direct-a2a-fallback.patch": (
-            ("pass", "0.33.0 falls back to the NCCL collectives above the direct A2A workspace itself: "
-                     "without the patch, the same numbers", "dcp-defaults-graph-mtp"),
-        ),
     },
 }
 

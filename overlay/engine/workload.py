@@ -209,9 +209,9 @@ ACTS: dict[str, dict[str, Callable[[Case], bool]]] = {
         "spec-decode-prompt-logprobs-graph-pool.patch": lambda c: c.mtp,
     },
     "0.33.0": {
-        # the stop-gap (issue 39 item 1): MLAAttention.__init__'s class-flag check runs for every attention
-        # layer, at DCP 1 too (there it leaves the projection off; at DCP > 1 DeepseekV32Attention opts out)
-        "dcp-project-before-merge.patch": lambda c: True,
+        # off by default on 0.33.0 (no DCP > 1 engine run of its build yet): it acts where a case turns it
+        # on at DCP > 1, in DeepseekV32Attention._sparse_indexer_and_attn's merge (and forward_impl's)
+        "dcp-project-before-merge.patch": lambda c: c.dcp > 1 and c.env.get("VLLM_DCP_PROJECT_BEFORE_MERGE") == "1",
         "flashmla-sparse-dcp-spec-cudagraphs.patch": _piecewise_mtp,
         # the V1 runner only: Model Runner V2 (0.33.0's default) has its own sample path
         "spec-decode-prompt-logprobs-graph-pool.patch": lambda c: c.mtp and _v1_runner(c),

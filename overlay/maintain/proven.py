@@ -68,7 +68,8 @@ def _version_note(proof: Proof, patch: Patch) -> str | None:
 
 
 def _engine_lines(patch: Patch, runs: list[EngineRun]) -> tuple[list[str], list[Proof]]:
-    lines, shown = [], []
+    """One line per run that proves ``patch``, and the proofs of runs that carried this version of it."""
+    lines, current = [], []
     for run in runs:
         proof = proofs(run).get(patch.name)
         note = _version_note(proof, patch) if proof else None
@@ -76,14 +77,17 @@ def _engine_lines(patch: Patch, runs: list[EngineRun]) -> tuple[list[str], list[
             continue
         gpus = f", GPUs {run.gpus}" if run.gpus else ""
         lines.append(f"{run.where} ({run.day}{gpus}) DCP {proof.dcp}: {proof.detail}{note}")
-        shown.append(proof)
-    return lines, shown
+        if not note:  # a run of another version of the patch says nothing of where this one runs
+            current.append(proof)
+    return lines, current
 
 
-def _on_path(entry: dict | None, shown: list[Proof]) -> str:
+def _on_path(entry: dict | None, current: list[Proof]) -> str:
     if entry and (entry.get("off_model_path") or entry.get("outcome") == "off-model-path"):
         return "no: off-model-path in its rebase.json (the patch is in the tree, GLM-5's path does not take it)"
-    ran = [p for p in shown if p.kind in ("variant", "ran")]
+    if entry and entry.get("on_model_path"):
+        return f"yes, by its GLM-5 path tests (rebase.json): {entry['on_model_path']}"
+    ran = [p for p in current if p.kind in ("variant", "ran")]
     if ran:
         best = max(ran, key=lambda p: (p.kind == "variant", p.dcp, p.weight))
         return f"yes, in GLM-5's engine: {best.detail} ({best.run.where}, DCP {best.dcp})"
@@ -104,8 +108,8 @@ def release_proof(patches_root: Path, release: str, runs: list[EngineRun]) -> Re
             rebased = f"not in rebase.json: added after the rebase from {base}"
         else:
             rebased = f"{entry.get('outcome')} from {base}"
-        lines, shown = _engine_lines(patch, runs)
-        rows.append(PatchProof(patch.name, rebased, _on_path(entry, shown),
+        lines, current = _engine_lines(patch, runs)
+        rows.append(PatchProof(patch.name, rebased, _on_path(entry, current),
                                tuple(lines) or ("never: no engine-check record of this build shows it",)))
     recorded = tuple(f"{r.where} ({r.when}): {r.verdict}; DCP {', '.join(map(str, sorted({c.dcp for c in r.cases})))}"
                      for r in runs)

@@ -95,7 +95,7 @@ def test_the_0_33_0_variants_show_what_that_release_does(tmp_path: Path) -> None
 
     manifest = build_variants(REPO / "patches", "0.33.0", tmp_path)
     table = manifest["variants"]
-    assert set(table) == {"stock", "minus-dcp-direct-a2a-fallback", "minus-flashmla-sparse-dcp-spec-cudagraphs",
+    assert set(table) == {"stock", "minus-flashmla-sparse-dcp-spec-cudagraphs",
                           "minus-spec-decode-prompt-logprobs-graph-pool"}
     shows = {name: [(j["expect"], j["case"]) for j in v.get("jobs") or [v]] for name, v in table.items()}
     assert shows["stock"] == [("mismatch", "ref-dcp1-mtp-v1")]

@@ -297,9 +297,13 @@ def test_each_case_declares_what_the_patches_change() -> None:
     assert {"flashmla-sparse-dcp.patch", "dcp-project-before-merge.patch"} <= acts["dcp-agrs-proj0-graph"]
     assert [n for n, a in acts.items() if "flashmla-sparse-dcp-spec-cudagraphs.patch" in a] == [
         "dcp-a2a-direct-proj1-graph-mtp-il16"]
-    # 0.33.0: the stop-gap's __init__ check in every case, DCP 1 too; the prompt-logprobs fix under V1 only
+    # 0.33.0: the projection (off by default there) only where a DCP > 1 case turns it on; the
+    # prompt-logprobs fix under V1 only
     late = {c.name: set(c.acts) for c in cases(1, factskit.facts("0.33.0"))}
-    assert all("dcp-project-before-merge.patch" in a for a in late.values())
+    assert not any("dcp-project-before-merge.patch" in a for a in late.values())
+    two = {c.name: set(c.acts) for c in cases(2, factskit.facts("0.33.0"))}
+    assert [n for n, a in two.items() if "dcp-project-before-merge.patch" in a and n.startswith("dcp-defaults")] == [
+        "dcp-defaults-proj1-graph-mtp"]
     assert "spec-decode-prompt-logprobs-graph-pool.patch" in late["ref-dcp1-mtp-v1"]
     assert "spec-decode-prompt-logprobs-graph-pool.patch" not in late["ref-dcp1-mtp"]  # Model Runner V2
     assert all(not c.acts for c in cases(2, factskit.facts("0.31.0", like="0.33.0")))  # a series ACTS lacks: none

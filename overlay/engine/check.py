@@ -118,6 +118,11 @@ CAPTURE_V2 = re.compile(r"Capturing CUDA graphs \((FULL|PIECEWISE)\)")
 PIECEWISE_FALLBACK = re.compile(r"[^\r\n]*not supported with spec-decode[^\r\n]*setting cudagraph_mode=PIECEWISE")
 
 
+def log_shows(log: str, wanted: list[str] | tuple[str, ...]) -> list[str]:
+    """Those of ``wanted`` (substrings a case's log must show, ``Case.log_lines``) that ``log`` has."""
+    return [w for w in wanted if w in log]
+
+
 def graph_mode(log: str) -> dict[str, Any]:
     """The CUDA graphs an engine's log shows it captured: ``mode`` is "FULL" when decode steps were
     captured in FULL graphs, "PIECEWISE" when only piecewise graphs were, "" when none; with the
@@ -191,7 +196,9 @@ def _finish(run: _Running, out: Path, timeout: float, measure: Measure | None = 
     else:
         status, why = "ok", ""
     print(f"[engine-check] {run.job.name}: {status} in {wall} s{': ' + why if why else ''}", flush=True)
-    record = run.job.record(status=status, error=why, wall_s=wall, rc=rc, graphs=graph_mode(text))
+    wanted = run.job.case.log_lines
+    record = run.job.record(status=status, error=why, wall_s=wall, rc=rc, graphs=graph_mode(text),
+                            **({"log_lines": log_shows(text, wanted)} if wanted else {}))
     if measure is not None:
         measure.finish(run.job.name, run.job.case.acts, run.job.tree is not None, record)
     return record
@@ -435,10 +442,13 @@ def rejudge(out: Path, expect: str | None) -> int:
     doc = json.loads((out / "results.json").read_text())
     keep = ("case", "name", "variant", "expect", "status", "error", "wall_s", "rc", "reused", "graphs", "liveness")
     records = [{k: r[k] for k in keep if k in r} for r in doc["cases"]]
-    for r in records:  # the graphs its log shows, read again (the rule may have changed since)
+    for r in records:  # the graphs and lines its log shows, read again (the rule may have changed since)
         log = out / f"{record_name(r)}.log"
         if log.is_file():
-            r["graphs"] = graph_mode(log.read_text(errors="replace"))
+            text = log.read_text(errors="replace")
+            r["graphs"] = graph_mode(text)
+            if r["case"].get("log_lines"):
+                r["log_lines"] = log_shows(text, r["case"]["log_lines"])
     summary = judge([r for r in records if r["status"] != "skipped"], out, expect)
     report(out, summary, records, doc.get("meta", {}))
     print(f"[engine-check] verdict: {summary['verdict']} ({out / 'REPORT.md'})", flush=True)

@@ -71,7 +71,7 @@ def run(case: dict[str, Any], model: str, out: Path, seed: int) -> None:
 
     from overlay.engine.workload import DECODE_STEPS, TOP_LOGPROBS, Case, prompts
 
-    c = Case(**{k: tuple(v) if k == "prompt_lens" else v for k, v in case.items()})
+    c = Case.from_dict(case)
     ids = prompts(seed, c.prompt_lens)
     order = list(range(len(ids)))[::-1] if c.reverse else list(range(len(ids)))
     t0 = time.monotonic()

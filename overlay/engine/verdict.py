@@ -85,6 +85,9 @@ def judge(records: list[dict[str, Any]], out: Path, expect: str | None) -> dict[
         if r["status"] == "ok" and wanted_graphs and seen_graphs is not None and seen_graphs != wanted_graphs:
             problems.append(f"graphs: expected {wanted_graphs} decode graphs, the log shows "
                             f"{seen_graphs or 'no capture'}")
+        seen_lines = r.get("log_lines")
+        if r["status"] == "ok" and seen_lines is not None:
+            problems += [f"log: no line with {w!r}" for w in r["case"].get("log_lines") or [] if w not in seen_lines]
         r["problems"] = problems
         wanted = r.get("expect") if r.get("variant") else (expect if role == "check" else None)
         if role == "reference" and not r.get("variant"):

@@ -37,6 +37,16 @@ PROMPT_LENS = (100, 3000, 9000, 8, 16, 24, 40)
 # The long cases: one prompt of about 60,000 tokens, then DECODE_STEPS decode steps (upstream
 # #46145: a hang at the first decode after a ~131K-token prefill with FULL graphs and DCP > 1).
 LONG_PROMPT_LENS = (60000,)
+# The prompt sweep (upstream #54300: after a release bump, prompts over about 128 tokens came back as
+# random tokens under DCP while short ones were right): one request per length, around the 128 edge
+# and up to index_topk (2,048; under DCP shorter prefills go to dense MHA since vLLM 0.29.0), whose
+# decodes then pass index_topk, so the indexer's top-k merge across the DCP ranks runs.
+SWEEP_PROMPT_LENS = (128, 129, 256, 512, 1024, 2047, 2048)
+# What vLLM logs once when it builds the direct symmetric-memory exchange of the DCP top-k candidates
+# (0.34.0: get_direct_dcp_topk_workspace in vllm/model_executor/kernels/attention/dsa/dcp_topk_direct.py,
+# switched by VLLM_USE_DIRECT_DCP_A2A; ReleaseFacts.direct_a2a_switches names that module).
+DIRECT_TOPK_LOG = "direct DCP top-k candidate exchange"
+DIRECT_TOPK_MODULE = "dcp_topk_direct"
 DECODE_STEPS = 64
 TOP_LOGPROBS = 5
 MAX_MODEL_LEN = 9216 + 128
@@ -112,6 +122,8 @@ class Case:
     # {"dcp_comm_backend": "a2a", "dcp_q_replicate": True}; {} not judged
     resolves: dict[str, Any] = field(default_factory=dict)
     release: str = ""  # the release whose build the case is written for ("": any)
+    # what its engine's log must show (each a substring of one line), e.g. that a direct exchange was built
+    log_lines: tuple[str, ...] = ()
     # the patches (file names in the release's series) that must act here: engine-check --coverage fails the
     # case when one ran none of its added statements (:data:`ACTS`). Not an engine setting, so neither in
     # to_dict nor compared: run_case and --reuse see the case as before.
@@ -164,7 +176,13 @@ class Case:
                 **({"prompt_lens": list(self.prompt_lens)} if tuple(self.prompt_lens) != PROMPT_LENS else {}),
                 **({"q_replicate": self.q_replicate} if self.q_replicate is not None else {}),
                 **({"resolves": dict(self.resolves)} if self.resolves else {}),
-                **({"release": self.release} if self.release else {})}
+                **({"release": self.release} if self.release else {}),
+                **({"log_lines": list(self.log_lines)} if self.log_lines else {})}
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> Case:
+        """The case :meth:`to_dict` wrote (the case file ``run_case`` reads)."""
+        return cls(**{k: tuple(v) if k in ("prompt_lens", "log_lines") else v for k, v in doc.items()})
 
 
 def _dcp(name: str, *, backend: str = "a2a", direct: bool = True, project: bool = True, eager: bool = False,
@@ -248,7 +266,7 @@ def _ordered(tp: int, facts: ReleaseFacts | None) -> list[Case]:
                    if c.name == "ref-dcp1-mtp" else c for c in generic]
     own = release_cases(facts, tp)
     if not own and not runners:
-        return generic
+        return [*generic, *sweep_cases(facts, tp)]
     if not own:
         # one GPU: the references, then the V1-runner cases, then the rest
         return [*generic[:1], *(c for c in generic if c.name == "ref-dcp1-mtp"), *runners,
@@ -264,8 +282,48 @@ def _ordered(tp: int, facts: ReleaseFacts | None) -> list[Case]:
     spread, profile = by_name["ref-dcp1-reordered"], by_name["dcp-a2a-direct-proj1-graph-mtp"]
     rest = [c for c in generic if c.name not in {*(f.name for f in first), spread.name, profile.name}]
     # the references, the release's defaults, a spread run, our profile's production shape, the V1-runner
-    # cases, then the rest
-    return [*first, own[0], spread, profile, *runners, *own[1:], *rest]
+    # cases, then the rest, the prompt sweep last
+    return [*first, own[0], spread, profile, *runners, *own[1:], *rest, *sweep_cases(facts, tp)]
+
+
+def sweep_cases(facts: ReleaseFacts | None, tp: int = 2) -> list[Case]:
+    """The prompt sweep (:data:`SWEEP_PROMPT_LENS`, 128 to 2,048 tokens, MTP-5 in FULL decode graphs) at
+    TP ``tp`` x DCP ``tp``, each against its DCP 1 run (``ref-dcp1-mtp-sweep``): with our profiles'
+    explicit settings, and where the release's GLM-5 config chooses the DCP options a user leaves unset,
+    with nothing set (``dcp-defaults-graph-mtp-sweep``). Where the release has the direct top-k exchange
+    (``ReleaseFacts.direct_a2a_switches``) and it is not off by default, the defaults case and the direct
+    a2a profile's must log that it was built (:data:`DIRECT_TOPK_LOG`). None below two GPUs.
+    """
+    if tp < 2:
+        return []
+    release = facts.release if facts is not None else ""
+    d = {"tp": tp, "dcp": tp, "mtp": True, "graphs": "FULL", "prompt_lens": SWEEP_PROMPT_LENS,
+         "compare_to": "ref-dcp1-mtp-sweep", "release": release}
+    topk = facts is not None and facts.direct_a2a_default is not False and any(
+        m.rsplit(".", 1)[-1] == DIRECT_TOPK_MODULE for m in facts.direct_a2a_switches)
+    direct_log = (DIRECT_TOPK_LOG,) if topk else ()
+    a2a, agrs = PROFILE_SETTINGS["tiny-glm5-tp2-dcp2-mtp5"], PROFILE_SETTINGS["tiny-glm5-tp2-dcp2-agrs-mtp5"]
+    by_model = facts is not None and facts.dcp_defaults_by_model
+
+    def resolves(backend: str) -> dict[str, Any]:  # where GLM-5's config decides what the case leaves unset
+        assert facts is not None
+        return {"dcp_comm_backend": backend or facts.dcp_comm_backend, "dcp_q_replicate": facts.dcp_q_replicate}
+
+    out = [Case("ref-dcp1-mtp-sweep", role="reference", tp=tp, mtp=True, graphs="FULL",
+                prompt_lens=SWEEP_PROMPT_LENS, release=release,
+                note="prompts of 128 to 2,048 tokens, MTP-5 at DCP 1: the sweep's reference")]
+    if by_model:
+        out.append(Case("dcp-defaults-graph-mtp-sweep", backend="", log_lines=direct_log, resolves=resolves(""),
+                        note=f"the sweep under vLLM {release}'s GLM-5 defaults (no DCP option set)", **d))
+    out += [
+        Case("dcp-a2a-direct-proj1-graph-mtp-sweep", backend=a2a["backend"], env=dict(a2a["env"]),
+             log_lines=direct_log, resolves=resolves(a2a["backend"]) if by_model else {},
+             note="the sweep with profile tiny-glm5-tp2-dcp2-mtp5's settings", **d),
+        Case("dcp-agrs-proj1-graph-mtp-sweep", backend=agrs["backend"], env=dict(agrs["env"]),
+             resolves=resolves(agrs["backend"]) if by_model else {},
+             note="the sweep with profile tiny-glm5-tp2-dcp2-agrs-mtp5's settings", **d),
+    ]
+    return out
 
 
 def runner_cases(facts: ReleaseFacts | None, tp: int = 2) -> list[Case]:

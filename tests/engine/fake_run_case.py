@@ -10,7 +10,9 @@ stands for, it logs the capture of FULL decode graphs for a case that asks for t
 settings it ``resolved``: what the release facts in ``FAKE_FACTS`` (``ReleaseFacts.to_dict()`` as JSON; none:
 a release with fixed DCP defaults on the V1 runner) make of the options the case leaves unset, and the
 model runner (V2 where the facts default to it, unless ``VLLM_USE_V2_MODEL_RUNNER=0`` selects V1)
-(``FAKE_RESOLVED``, a JSON object, overrides them: an engine resolving otherwise).
+(``FAKE_RESOLVED``, a JSON object, overrides them: an engine resolving otherwise). Where the facts' release
+has the direct DCP top-k exchange, a DCP > 1 a2a case logs building it as vLLM 0.34.0 does, unless
+``VLLM_USE_DIRECT_DCP_A2A=0`` or ``FAKE_NO_DIRECT_TOPK=1`` (a build that does not).
 """
 
 from __future__ import annotations
@@ -31,6 +33,14 @@ def _resolved(case: dict) -> dict:
                 else case["q_replicate"],
                 "use_v2_model_runner": facts.get("runner", "v1") == "v2" and not v1}
     return resolved | json.loads(os.environ.get("FAKE_RESOLVED") or "{}")
+
+
+def _direct_topk(case: dict) -> bool:
+    """The release has the direct top-k exchange, the case runs DCP > 1 over a2a and leaves it on."""
+    facts = json.loads(os.environ.get("FAKE_FACTS") or "{}")
+    has = any(m.endswith(".dcp_topk_direct") for m in facts.get("direct_a2a_switches", []))
+    return (has and case.get("dcp", 1) > 1 and _resolved(case)["dcp_comm_backend"] == "a2a"
+            and os.environ.get("VLLM_USE_DIRECT_DCP_A2A") != "0")
 
 
 def main() -> int:
@@ -62,6 +72,9 @@ def main() -> int:
         __import__("importlib").import_module(module).run(case)
     if case.get("graphs") == "FULL":
         print("Capturing CUDA graphs (decode, FULL): 100%|##| 20/20 [00:02<00:00]", flush=True)
+    if _direct_topk(case) and not os.environ.get("FAKE_NO_DIRECT_TOPK"):
+        print("INFO [dcp_topk_direct.py:214] Using symmetric-memory direct DCP top-k candidate exchange "
+              "(max_rows=1024, candidates_per_rank=2048).", flush=True)
     doc = {"requests": [{"prompt_len": 2, "prompt_logprobs": [None, -1.0], "tokens": [5], "top": [[[5, -0.1]]]}],
            "startup_s": 0.1, "generate_s": 0.1, "resolved": _resolved(case)}
     ns.out.write_text(json.dumps(doc))

@@ -10,7 +10,7 @@ import pytest
 
 from overlay.engine import check, verdict
 from overlay.engine.compare import FLOOR, SAFETY, Tolerance, compare, derive_tolerance
-from overlay.engine.workload import MAX_MODEL_LEN, PROMPT_LENS, Case, cases, prompts
+from overlay.engine.workload import LONG_PROMPT_LENS, MAX_MODEL_LEN, PROMPT_LENS, Case, cases, prompts
 
 
 def _doc(prompt_lps: list[list[float | None]], tokens: list[list[int]], tops: list[list[list[list[float]]]]) -> dict:
@@ -115,7 +115,7 @@ def test_cases_put_references_then_the_production_shape_first() -> None:
         "dcp-a2a-direct-proj1-graph-mtp-il16": "PIECEWISE", "dcp-a2a-direct-fused-graph-mtp": "FULL",
         "ref-dcp1-mtp-eager": ""}
     # the long cases: one ~60,000-token prompt on each transport, against their own DCP 1 + MTP reference
-    long = {c.name: c for c in cases(2) if c.prompt_lens != PROMPT_LENS}
+    long = {c.name: c for c in cases(2) if c.prompt_lens == LONG_PROMPT_LENS}
     assert set(long) == {"ref-dcp1-mtp-long", "dcp-a2a-direct-proj1-graph-mtp-long",
                          "dcp-a2a-nccl-proj1-graph-mtp-long", "dcp-agrs-proj1-graph-mtp-long"}
     assert all(c.compare_to == "ref-dcp1-mtp-long" and c.graphs == "FULL" for n, c in long.items() if c.dcp > 1)

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from overlay.build.diffs import header_name, unquote_c
 from overlay.build.pipeline import build
-from overlay.build.series import Patch, Series, header_name, unquote_c
+from overlay.build.series import Patch, Series
 from overlay.errors import SeriesError
 from tests.test_reliability_links import git_patch
 from tests.wheelkit import A_PY, BASE_FILES, make_release, make_wheel

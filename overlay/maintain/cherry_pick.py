@@ -33,8 +33,9 @@ from pathlib import Path
 
 from overlay import lock
 from overlay.atomic import write_file
+from overlay.build.diffs import parse_diffs
 from overlay.build.pins import load_pin, pin_dir
-from overlay.build.series import Patch, Series, parse_diffs
+from overlay.build.series import Patch, Series
 from overlay.errors import ApplyError, GitError, OverlayError, SeriesError
 from overlay.git import git, git_text, operand
 from overlay.maintain.replay import ConflictHunk, TreeSource, am, conflict_report, init_base, unmerged

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from overlay.build.series import Patch, parse_diffs
+from overlay.build.diffs import parse_diffs
+from overlay.build.series import Patch
 from overlay.errors import SeriesError
 from overlay.git import git, git_text
 

@@ -24,7 +24,8 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
         if name == "rebase-continue":
             sp.add_argument("--left-out", action="store_true",
                             help="leave the patch the rebase stopped at out of the series (needs --why)")
-            sp.add_argument("--why", default="", help="with --left-out: the reason, recorded in REBASE.md and "
+            sp.add_argument("--why", default="", help="the person's reason for the resolution (with --left-out: "
+                                                      "for leaving the patch out), recorded in REBASE.md and "
                                                       "rebase.json")
         sp.set_defaults(handler=handler)
 
@@ -71,13 +72,11 @@ def cmd_rebase(ns: argparse.Namespace) -> int:
 def cmd_rebase_continue(ns: argparse.Namespace) -> int:
     from overlay.maintain.rebase import RebaseError, continue_release
 
-    if ns.why.strip() and not ns.left_out:
-        raise RebaseError("WHY (--why) is the reason a patch is left out: give it with LEFT_OUT=1 (--left-out)")
     if ns.left_out and not ns.why.strip():
         raise RebaseError("LEFT_OUT=1 (--left-out) needs WHY=\"...\" (--why): the reason the patch is left out, "
                           "recorded in REBASE.md and rebase.json")
     out = continue_release(ns.to or None, tests_dir=Path(ns.tests), run_tests=not ns.no_tests,
-                           left_out=ns.why if ns.left_out else None)
+                           left_out=ns.why if ns.left_out else None, why="" if ns.left_out else ns.why)
     if out.done:
         print(out.out_dir)
     return _print_outcome(out.message, out.done)

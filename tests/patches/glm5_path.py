@@ -218,9 +218,6 @@ def install_cpu_env() -> None:
     mla = compat.module("mla_attention")
     torch.accelerator.empty_cache = lambda: None
     torch.accelerator.synchronize = lambda *a, **k: None
-    # 0.34.0: FlashMLASparseImpl.__init__ sizes its scheduler by
-    # num_compute_units(torch.accelerator.current_device_index()); one device here
-    torch.accelerator.current_device_index = lambda: 0
     h.no_pinned_memory(setattr)
     fs.num_compute_units = lambda index=None: 132
     fs.torch = h.UnpinnedTorch()

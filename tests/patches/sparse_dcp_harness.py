@@ -186,12 +186,28 @@ def no_pinned_memory(set_attr: Callable[[Any, str, Any], None]) -> None:
             set_attr(mod, "PIN_MEMORY", False)
 
 
+class _OneDevice:
+    """``torch.accelerator`` where vLLM asks which device it runs on: device 0 (on CPU there is none
+    to ask, and the answer only picks the device whose compute units a stand-in reports)."""
+
+    @staticmethod
+    def current_device_index() -> int:
+        return 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.accelerator, name)
+
+
 class UnpinnedTorch:
     """``torch`` for a vLLM module that allocates pinned host memory unconditionally (0.29.0+'s
     FlashMLA-sparse builder: ``torch.empty(..., pin_memory=True)``), which needs an accelerator:
-    the same allocations, unpinned (no effect on the values). Everything else is torch's own."""
+    the same allocations, unpinned (no effect on the values); and asks for the current accelerator
+    (0.34.0's ``FlashMLASparseImpl.__init__``: ``torch.accelerator.current_device_index()``), device 0.
+    Everything else is torch's own."""
 
     def __getattr__(self, name: str) -> Any:
+        if name == "accelerator":
+            return _OneDevice()
         value = getattr(torch, name)
         if name in ("empty", "zeros", "ones", "full", "tensor", "arange"):
             def unpinned(*args: Any, **kwargs: Any) -> torch.Tensor:

@@ -101,9 +101,10 @@ def _keep_partial_report(work: Path, exc: BaseException) -> None:
           file=sys.stderr, flush=True)
 
 
-def resume(work: Path, *, runner: TestRunner | None = None, left_out: str | None = None) -> Outcome:
-    """Take up a rebase stopped at a conflict, once a person resolved it with git; or, with ``left_out``
-    (the person's reason), leave the patch it stopped at out of the series (``left-out``)."""
+def resume(work: Path, *, runner: TestRunner | None = None, left_out: str | None = None, why: str = "") -> Outcome:
+    """Take up a rebase stopped at a conflict, once a person resolved it with git (``why``: their reason,
+    recorded with it); or, with ``left_out`` (the person's reason), leave the patch it stopped at out of
+    the series (``left-out``)."""
     state = State.load(work)
     series = Series.load(pin_dir(Path(state.patches_root), state.from_version))
     if [p.name for p in series.patches] != state.names:
@@ -130,23 +131,27 @@ def resume(work: Path, *, runner: TestRunner | None = None, left_out: str | None
     conflicts = state.pending.get("conflicts", [])
     where = ", ".join(sorted({c["path"] for c in conflicts}))
     if state.pending.get("outcome") == "contradicted":
-        why = "its tests contradicted the target's own behaviour" + (
+        cause = "its tests contradicted the target's own behaviour" + (
             f" and the 3-way merge conflicted in {where}" if conflicts else "")
     else:
-        why = f"the 3-way merge conflicted in {where}"
+        cause = f"the 3-way merge conflicted in {where}"
     if head == head_before:
         res = Result(patch.name, "conflict-resolved",
-                     f"{why}; a person resolved it to no change, so the patch "
+                     f"{cause}; a person resolved it to no change, so the patch "
                      "is dropped (judged already upstream)", behaviour=behaviour, conflicts=conflicts)
     else:
         if git_text(["rev-list", "--count", f"{head_before}..{head}"], work).strip() != "1":
             raise RebaseError(f"{patch.name}: resolve into one commit on top of {head_before[:12]}")
         kept, gone = absorbed_hunks(patch.raw, format_patch(work, head))
         res = Result(patch.name, "conflict-resolved",
-                     f"{why}; a person resolved it"
+                     f"{cause}; a person resolved it"
                      + (f"; hunks no longer needed: {', '.join(gone)}" if gone else ""),
                      still_needed=kept, absorbed=gone, behaviour=behaviour, conflicts=conflicts, carried=True)
         state.exported[patch.name] = head
+    why = " ".join(why.split())
+    if why:
+        res.evidence += f"; the person's reason: {why}"
+        res.reason = why
     res.source_sha256 = sha256_of(patch.raw)
     res.candidates = state.pending.get("candidates", [])
     if res.carried:

@@ -231,6 +231,10 @@ def test_conflict_flow_end_to_end(tmp_path: Path) -> None:
     assert [(p["name"], p["outcome"]) for p in doc["patches"]] == [
         ("clash.patch", "conflict-resolved"), ("later.patch", "applied")]
     assert doc["patches"][0]["conflicts"][0]["path"] == "vllm/c.py"
+    # the person's line differs from the patch's: ported differently, never "already upstream"
+    assert doc["patches"][0]["absorbed"] == [] and "not carried as written (ported differently or dropped by the " \
+        "person, not judged upstream): vllm/c.py @@" in doc["patches"][0]["evidence"]
+    assert "Already upstream" not in (root / TO / "REBASE.md").read_text()
     series = Series.load(root / TO)
     assert [p.name for p in series.patches] == ["clash.patch", "later.patch"]
     applied = apply_series(series.patches, lambda p: TARGET[p].encode() if p in TARGET else None)

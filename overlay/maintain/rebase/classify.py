@@ -142,11 +142,14 @@ def resume(work: Path, *, runner: TestRunner | None = None, left_out: str | None
     else:
         if git_text(["rev-list", "--count", f"{head_before}..{head}"], work).strip() != "1":
             raise RebaseError(f"{patch.name}: resolve into one commit on top of {head_before[:12]}")
-        kept, gone = absorbed_hunks(patch.raw, format_patch(work, head))
+        # A hunk the person's commit does not hold line for line was ported differently or dropped by
+        # them: the matcher cannot tell which, and neither is "already upstream" (Result.absorbed).
+        kept, other = absorbed_hunks(patch.raw, format_patch(work, head))
         res = Result(patch.name, "conflict-resolved",
                      f"{cause}; a person resolved it"
-                     + (f"; hunks no longer needed: {', '.join(gone)}" if gone else ""),
-                     still_needed=kept, absorbed=gone, behaviour=behaviour, conflicts=conflicts, carried=True)
+                     + (f"; hunks not carried as written (ported differently or dropped by the person, not "
+                        f"judged upstream): {', '.join(other)}" if other else ""),
+                     still_needed=kept, behaviour=behaviour, conflicts=conflicts, carried=True)
         state.exported[patch.name] = head
     why = " ".join(why.split())
     if why:

@@ -130,8 +130,8 @@ MATRIX_RELEASES ?= 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0
 patch-tests-matrix: $(BUILD_STAMP) ## every patch's tests on every release, without and with it: OUT/matrix.md; exit 0 green or explained, 1 a red cell [RELEASES="0.29.0 ... 0.33.0" OUT=patch-tests-matrix]
 	$(OVERLAY) patch-tests-matrix --vllm $(call q,VLLM) --releases$(if $(RELEASES),$(call qw,RELEASES),$(call qw,MATRIX_RELEASES)) --out $(if $(OUT),$(call q,OUT),patch-tests-matrix)
 
-rebase-continue: $(TOOL_STAMP) ## go on with a rebase that set patches aside, once the current one is resolved with git in .work/rebase-<TO>/
-	$(OVERLAY) rebase-continue$(if $(TO), --to $(call q,TO))$(if $(NO_TESTS), --no-tests)
+rebase-continue: $(TOOL_STAMP) ## go on with a rebase that set patches aside, once the current one is resolved with git in .work/rebase-<TO>/; LEFT_OUT=1 WHY="..." leaves it out of the series [TO= NO_TESTS=1 LEFT_OUT=1 WHY=]
+	$(OVERLAY) rebase-continue$(if $(TO), --to $(call q,TO))$(if $(NO_TESTS), --no-tests)$(if $(LEFT_OUT), --left-out)$(if $(WHY), --why $(call q,WHY))
 
 cherry-pick: $(TOOL_STAMP) ## add an upstream change to the series [REF=<PR number|commit|patch file> AFTER= BEFORE= NAME= ORIGIN= VLLM_REMOTE=]
 	@test -n $(call q,REF) || { echo "usage: make cherry-pick REF=<PR number|commit|patch file>" >&2; exit 1; }

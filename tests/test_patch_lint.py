@@ -52,6 +52,30 @@ def test_ruff_version_is_the_pre_commit_pin() -> None:
         ruff_version("repos:\n- repo: https://github.com/astral-sh/ruff-pre-commit\n  rev: main\n", "x")
 
 
+FROZEN_PRECOMMIT = """\
+# Revs are frozen to commit SHAs, bump them with `pre-commit autoupdate --freeze [--repo <url>]`
+repos:
+- repo: https://github.com/astral-sh/ruff-pre-commit
+  rev: f368fb366ff7f2f808dd324b83a6d32267799e19  # frozen: v0.17.2
+  hooks:
+  - id: ruff-check
+- repo: https://github.com/crate-ci/typos
+  rev: 9023c1f779400877cafdd98052113fc777e2cfdc  # frozen: v1.51.1
+"""
+
+
+def test_ruff_version_of_a_frozen_rev_is_its_comment() -> None:
+    """vLLM 0.34.0 freezes its hooks to commits (``pre-commit autoupdate --freeze``): the version is the
+    ``# frozen:`` comment of the ruff hook's own rev line, not another hook's."""
+    assert ruff_version(FROZEN_PRECOMMIT, "x") == "0.17.2"
+    bare = FROZEN_PRECOMMIT.replace("  # frozen: v0.17.2", "")
+    with pytest.raises(PatchLintError, match=r"rev 'f368fb36.*' is not a release version \(a commit without"):
+        ruff_version(bare, "x")
+    odd = FROZEN_PRECOMMIT.replace("frozen: v0.17.2", "frozen: main")
+    with pytest.raises(PatchLintError, match=r"rev f368fb366ff7 is frozen at 'main', not a release version"):
+        ruff_version(odd, "x")
+
+
 def test_format_regions_are_original_line_numbers() -> None:
     diff = """\
 --- vllm/a.py

@@ -231,6 +231,10 @@ def test_conflict_flow_end_to_end(tmp_path: Path) -> None:
     assert [(p["name"], p["outcome"]) for p in doc["patches"]] == [
         ("clash.patch", "conflict-resolved"), ("later.patch", "applied")]
     assert doc["patches"][0]["conflicts"][0]["path"] == "vllm/c.py"
+    # the person's line differs from the patch's: ported differently, never "already upstream"
+    assert doc["patches"][0]["absorbed"] == [] and "not carried as written (ported differently or dropped by the " \
+        "person, not judged upstream): vllm/c.py @@" in doc["patches"][0]["evidence"]
+    assert "Already upstream" not in (root / TO / "REBASE.md").read_text()
     series = Series.load(root / TO)
     assert [p.name for p in series.patches] == ["clash.patch", "later.patch"]
     applied = apply_series(series.patches, lambda p: TARGET[p].encode() if p in TARGET else None)
@@ -248,10 +252,64 @@ def test_conflict_resolved_by_committing_and_markers_refused(tmp_path: Path) -> 
         resume(work)
     (work / "vllm/c.py").write_text(TARGET["vllm/c.py"])  # the person decides upstream's line wins
     subprocess.run(["git", "-C", str(work), "add", "vllm/c.py"], check=True)
-    done = resume(work)
+    done = resume(work, why="upstream's line  does the same\n")  # WHY=: the person's reason, recorded
     entry = json.loads((root / TO / "rebase.json").read_text())["patches"][0]
     assert done.done and entry["outcome"] == "conflict-resolved" and entry["carried"] is False
     assert "resolved it to no change" in entry["evidence"]
+    assert entry["evidence"].endswith("; the person's reason: upstream's line does the same")
+    assert entry["reason"] == "upstream's line does the same"
+
+
+def test_a_set_aside_patch_is_left_out_with_the_reason(tmp_path: Path) -> None:
+    """``make rebase-continue LEFT_OUT=1 WHY=...``: the patch the run stopped at goes out of the series, the
+    worktree is back on the head it was tried on, the reason is in REBASE.md and rebase.json (never "judged
+    already upstream"), and the later patches are classified; ``make status`` says "left out", not upstream."""
+    from overlay.maintain.rebase.stale import later_pin_notes
+    from overlay.maintain.status import absorbed_in
+
+    root = tmp_path / "patches"
+    series_dir(root, {
+        "clash.patch": make_patch(tmp_path, "clash", CASES["clash"][0]),
+        "later.patch": make_patch(tmp_path, "later", {"vllm/a.py": lines("a", 40, l30="a_30 = 'patched'")}),
+    })
+    work = tmp_path / "work" / f"rebase-{TO}"
+    out = start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=work, tests_dir=tmp_path)
+    assert not out.done and 'LEFT_OUT=1 WHY="..."' in out.message
+    assert f'make rebase-continue TO={TO} LEFT_OUT=1 WHY="..."' in (work / "REBASE.md").read_text()
+    for blank in ("", " \n "):
+        with pytest.raises(RebaseError, match=r"^clash.patch: leaving a patch out needs the reason \(WHY=...\)"):
+            resume(work, left_out=blank)
+    (work / "vllm/c.py").write_text("half-edited by the person\n")  # undone, as the cherry-pick is
+    done = resume(work, left_out="  an opt-in kept on 0.1.0 only:\n its protocol changed upstream ")
+    assert done.done, done.message
+    doc = json.loads((root / TO / "rebase.json").read_text())
+    clash, later = doc["patches"]
+    assert (clash["outcome"], clash["carried"], later["outcome"]) == ("left-out", False, "applied")
+    assert clash["reason"] == "an opt-in kept on 0.1.0 only: its protocol changed upstream"
+    assert clash["evidence"] == ("the 3-way merge conflicted in vllm/c.py; a person left it out of the series: "
+                                 "an opt-in kept on 0.1.0 only: its protocol changed upstream")
+    assert "reason" not in later and clash["conflicts"][0]["path"] == "vllm/c.py"
+    assert [p.name for p in Series.load(root / TO).patches] == ["later.patch"]
+    report = (root / TO / "REBASE.md").read_text()
+    assert "| `clash.patch` | left-out | no | the 3-way merge conflicted in vllm/c.py |" in report
+    assert "a person left it out of the series: an opt-in kept on 0.1.0 only" in report
+    assert "already upstream" not in report.split("### `clash.patch`")[1].split("###")[0]
+    assert absorbed_in(root, FROM) == {}
+    assert [n.describe() for n in later_pin_notes(root, FROM)["clash.patch"]] == [
+        f"{TO}: left out: by a person: an opt-in kept on 0.1.0 only: its protocol changed upstream"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--left-out"], "LEFT_OUT=1 (--left-out) needs WHY="),
+    (["--left-out", "--why", "  "], "LEFT_OUT=1 (--left-out) needs WHY="),
+])
+def test_left_out_needs_its_reason(tmp_path: Path, args: list[str], message: str) -> None:
+    """Refused before any rebase is looked for (exit 1, one line)."""
+    proc = subprocess.run([sys.executable, "-m", "overlay", "rebase-continue", "--to", TO, *args],
+                          capture_output=True, text=True, cwd=tmp_path,
+                          env={**__import__("os").environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert proc.returncode == 1, proc.stderr
+    assert message in proc.stderr and "no rebase in progress" not in proc.stderr
 
 
 def test_nothing_written_on_failure(tmp_path: Path) -> None:

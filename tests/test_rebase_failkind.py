@@ -172,6 +172,24 @@ def test_a_gpu_only_error_raised_in_the_code_is_the_harness_s(tmp_path: Path, tr
     assert run.status == "harness"
 
 
+def test_an_accelerator_error_is_the_harness_s_wherever_it_surfaced(tmp_path: Path, tree: Path) -> None:
+    """0.34.0's FlashMLA-sparse ``__init__`` reads ``torch.accelerator.current_device_index()``: on CPU that
+    raises inside the harness's ``compat.exercising`` region (and in a rank, whose report the test re-raises
+    as a behaviour failure); the harness did not stand in for the GPU there, the patch did nothing wrong."""
+    (tree / "vllm" / "fix.py").write_text(CODE + "\n\ndef index():\n    raise RuntimeError('Cannot access "
+                                          "accelerator device when none is available.')\n")
+    tests = _write(tmp_path, {"test_acc.py": f"import sys\n\nsys.path.insert(0, {str(TESTS)!r})\nimport compat\n"
+                              "import vllm.fix\n\n\ndef test_in_region():\n    with compat.exercising('the layer'):\n"
+                              "        vllm.fix.index()\n\n\ndef test_rank_report():\n"
+                              "    raise compat.BehaviourFailure('rank 0: BehaviourFailure: the layer: RuntimeError: "
+                              "Cannot access accelerator device when none is available.')\n\n\n"
+                              "def test_still_behaviour():\n    with compat.exercising('the guard'):\n"
+                              "        vllm.fix.guard({})\n"})
+    run = run_files([tests / "test_acc.py"], tree, cwd=tests)
+    assert dict(zip(run.failed, run.kinds, strict=True)) == {
+        "test_in_region": "harness", "test_rank_report": "harness", "test_still_behaviour": "behaviour"}
+
+
 def test_reports_written_before_the_kinds_read_as_behaviour() -> None:
     old = {"status": "failed", "passed": ["a"], "failed": ["b"], "summary": "1 failed, 1 passed",
            "reasons": ["assert 1 == 2"]}

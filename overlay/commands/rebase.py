@@ -21,6 +21,12 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
         sp.add_argument("--to", required=name == "rebase", help="target release x.y.z")
         sp.add_argument("--tests", default="tests/patches", help="the patches' own tests (default %(default)s)")
         sp.add_argument("--no-tests", action="store_true", help="skip the upstream-by-behaviour test runs")
+        if name == "rebase-continue":
+            sp.add_argument("--left-out", action="store_true",
+                            help="leave the patch the rebase stopped at out of the series (needs --why)")
+            sp.add_argument("--why", default="", help="the person's reason for the resolution (with --left-out: "
+                                                      "for leaving the patch out), recorded in REBASE.md and "
+                                                      "rebase.json")
         sp.set_defaults(handler=handler)
 
     text = "add an upstream PR number, commit or patch file to the series; exit 2 at a conflict"
@@ -64,9 +70,13 @@ def cmd_rebase(ns: argparse.Namespace) -> int:
 
 
 def cmd_rebase_continue(ns: argparse.Namespace) -> int:
-    from overlay.maintain.rebase import continue_release
+    from overlay.maintain.rebase import RebaseError, continue_release
 
-    out = continue_release(ns.to or None, tests_dir=Path(ns.tests), run_tests=not ns.no_tests)
+    if ns.left_out and not ns.why.strip():
+        raise RebaseError("LEFT_OUT=1 (--left-out) needs WHY=\"...\" (--why): the reason the patch is left out, "
+                          "recorded in REBASE.md and rebase.json")
+    out = continue_release(ns.to or None, tests_dir=Path(ns.tests), run_tests=not ns.no_tests,
+                           left_out=ns.why if ns.left_out else None, why="" if ns.left_out else ns.why)
     if out.done:
         print(out.out_dir)
     return _print_outcome(out.message, out.done)

@@ -51,17 +51,31 @@ class Finding:
         return f"{self.patch}: {self.path}:{self.line}: {self.code} {self.message}"
 
 
+_RELEASE = re.compile(r"v?\d+\.\d+\.\d+")
+_FROZEN = re.compile(r"^\s*rev:\s*([0-9a-f]{40})\s*#\s*frozen:\s*(\S+)\s*$", re.M)
+
+
 def ruff_version(precommit: str, source: str) -> str:
-    """The ruff version a ``.pre-commit-config.yaml`` pins (``rev: v0.14.0`` of ruff-pre-commit)."""
+    """The ruff version a ``.pre-commit-config.yaml`` pins: ``rev: v0.14.0`` of ruff-pre-commit, or a rev
+    frozen to a commit with the version in pre-commit's own comment (``rev: f368fb3...  # frozen: v0.17.2``,
+    ``pre-commit autoupdate --freeze``; vLLM 0.34.0), which YAML drops, so it is read from the line."""
     try:
         doc = yaml.safe_load(precommit) or {}
     except yaml.YAMLError as exc:
         raise PatchLintError(f"{source}: not readable YAML: {exc}") from None
+    frozen = {sha: version for sha, version in _FROZEN.findall(precommit)}
     for repo in doc.get("repos") or []:
         if isinstance(repo, dict) and str(repo.get("repo", "")).rstrip("/").endswith(RUFF_HOOKS):
             rev = str(repo.get("rev", ""))
-            if not re.fullmatch(r"v?\d+\.\d+\.\d+", rev):
-                raise PatchLintError(f"{source}: {RUFF_HOOKS} rev {rev!r} is not a release version")
+            if rev in frozen:
+                if not _RELEASE.fullmatch(frozen[rev]):
+                    raise PatchLintError(f"{source}: {RUFF_HOOKS} rev {rev[:12]} is frozen at {frozen[rev]!r}, "
+                                         "not a release version")
+                return frozen[rev].lstrip("v")
+            if not _RELEASE.fullmatch(rev):
+                raise PatchLintError(f"{source}: {RUFF_HOOKS} rev {rev!r} is not a release version"
+                                     + (" (a commit without a `# frozen: vX.Y.Z` comment)"
+                                        if re.fullmatch(r"[0-9a-f]{40}", rev) else ""))
             return rev.lstrip("v")
     raise PatchLintError(f"{source}: no {RUFF_HOOKS} hook: the release does not lint with ruff")
 

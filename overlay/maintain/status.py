@@ -107,7 +107,9 @@ def absorbed_in(patches_root: Path, version: str) -> dict[str, str]:
             continue
         for entry in entries:
             outcome, evidence = entry.get("outcome"), str(entry.get("evidence", ""))
-            if outcome in UPSTREAM_OUTCOMES or entry.get("carried") is False:
+            if outcome == "left-out":
+                into = None  # left out by a person, not upstream: later_pin_notes says why
+            elif outcome in UPSTREAM_OUTCOMES or entry.get("carried") is False:
                 into = found  # dropped: upstream has it (a resolved conflict may drop it too)
             elif outcome == "partly-upstream" or evidence.startswith("partly upstream"):
                 into = partly

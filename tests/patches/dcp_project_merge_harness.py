@@ -117,6 +117,7 @@ def reference(name: str, rank: int, world: int, heads: int, nope: int, lora: int
 def make_layer(heads: int, nope: int, lora: int, v: int, rank: int, device: Any, project: bool):
     """An ``MLAAttention`` with the state the merge reads; real weight processing."""
     import compat
+    import sparse_dcp_harness
     import torch
     from vllm.config import get_current_vllm_config
 
@@ -142,7 +143,7 @@ def make_layer(heads: int, nope: int, lora: int, v: int, rank: int, device: Any,
     # weights (a no-op unless overridden) and checks the AMX path; unused by 0.28.0.
     layer.impl = types.SimpleNamespace(process_weights_after_loading=lambda act_dtype: None)
     layer.is_amx_bmm_enabled = False
-    layer.process_weights_after_loading(torch.bfloat16)
+    sparse_dcp_harness.process_weights_after_loading(layer, torch.bfloat16)
     return layer
 
 

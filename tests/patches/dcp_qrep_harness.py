@@ -125,6 +125,7 @@ def process_weights(layer, rank: int, heads: int, nope: int, lora: int, v: int, 
     with query replication ``qrep`` and the project-before-merge switch ``project`` (what ``__init__``
     sets up; ``W_UK_T_dcp_qrep`` and, patched, ``W_UV_dcp`` come from the DCP group's all-gather)."""
     import dcp_project_merge_harness as pm
+    import sparse_dcp_harness as h
     import torch
 
     kv_b_proj = torch.nn.Linear(lora, heads * (nope + v), bias=False, dtype=torch.bfloat16)
@@ -146,7 +147,7 @@ def process_weights(layer, rank: int, heads: int, nope: int, lora: int, v: int, 
     if not hasattr(layer, "impl"):
         layer.impl = types.SimpleNamespace()
     layer.impl.process_weights_after_loading = lambda act_dtype: None  # 0.29.0+ calls the backend's first
-    layer.process_weights_after_loading(torch.bfloat16)
+    h.process_weights_after_loading(layer, torch.bfloat16)
 
 
 class GroupStandIn:

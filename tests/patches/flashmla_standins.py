@@ -7,7 +7,7 @@
   ``indices``) as documented: natural-log LSE, +inf LSE and zero output for a query with no valid
   index;
 - :func:`localize_standin`: ``triton_filter_and_convert_dcp_index`` (global top-k positions to this
-  DCP rank's slots);
+  DCP rank's slots); :func:`neutralize_dcp_empty_rows_standin`: 0.34.0's ``neutralize_dcp_empty_rows_``;
 - :func:`cpu_kernels` installs them (and the DCP 1 index conversion, the scheduler metadata) at
   their call boundary in the backend module.
 
@@ -106,8 +106,23 @@ def cpu_kernels(monkeypatch: pytest.MonkeyPatch | None = None) -> None:
     if hasattr(fs, "triton_filter_and_convert_dcp_index"):  # the DCP path's localization (patched 0.28.0, 0.29.0+)
         set_attr(fs, "triton_filter_and_convert_dcp_index", localize_standin)
     set_attr(fs, "flash_mla_with_kvcache", kernel)
+    if hasattr(fs, "neutralize_dcp_empty_rows_"):  # 0.34.0's Triton kernel after the DCP decode
+        set_attr(fs, "neutralize_dcp_empty_rows_", neutralize_dcp_empty_rows_standin)
     # The scheduler-metadata holder comes from the compiled extension's interface module.
     set_attr(fs, "get_mla_metadata", lambda *a, **k: (object(), None))
+
+
+def neutralize_dcp_empty_rows_standin(out: torch.Tensor, lse: torch.Tensor, topk_indices: torch.Tensor) -> None:
+    """``neutralize_dcp_empty_rows_`` (vLLM 0.34.0's Triton kernel) in torch: on rows where this DCP rank
+    owns no top-k slot (every index -1), ``out`` 0 and ``lse`` -inf, the identity of the LSE merge."""
+    num_tokens, num_heads, _ = out.shape
+    assert lse.shape == (num_tokens, num_heads)
+    assert topk_indices.ndim == 2 and topk_indices.shape[0] == num_tokens
+    if num_tokens == 0:
+        return
+    empty = topk_indices.max(dim=1).values < 0
+    lse[empty] = float("-inf")
+    out[empty] = 0
 
 
 def localize_standin(req_id, block_table, token_indices, dcp_size, dcp_rank, cp_kv_cache_interleave_size=1,

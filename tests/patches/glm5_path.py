@@ -32,6 +32,7 @@ error it raised. ``test_glm5_path.py`` compares DCP 2 against DCP 1.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import math
 import os
@@ -261,9 +262,27 @@ class CpuEvent:
         pass
 
 
+class CpuStreamsTorch:
+    """``torch`` for the index-group module, whose builder makes its side stream and events with
+    ``torch.Stream`` / ``torch.Event`` itself (0.34.0): those are :class:`CpuStream` and
+    :class:`CpuEvent`, everything else is torch's own."""
+
+    Event = CpuEvent
+
+    @staticmethod
+    def Stream(*args: Any, **kwargs: Any) -> CpuStream:  # torch's name
+        return CpuStream()
+
+    def __getattr__(self, name: str) -> Any:
+        import torch
+
+        return getattr(torch, name)
+
+
 def install_cpu_streams() -> None:
     """0.31.0+: the sparse index group converts top-k on a side stream with events; on CPU that is
-    the one stream (its Triton conversion is ``flashmla_standins``'s)."""
+    the one stream (its Triton conversion is ``flashmla_standins``'s). 0.31.0-0.33.0 make them
+    through module functions, 0.34.0 with ``torch.Stream`` / ``torch.Event`` in its builder."""
     try:
         ig = importlib.import_module("vllm.v1.attention.backends.mla.index_group")
     except ImportError:
@@ -271,6 +290,7 @@ def install_cpu_streams() -> None:
     ig._create_side_stream = lambda device: CpuStream()
     ig._create_event = CpuEvent
     ig.current_stream = CpuStream
+    ig.torch = CpuStreamsTorch()
 
 
 def install_transports(rank_group: Any, calls: dict[str, int]) -> None:
@@ -346,8 +366,10 @@ def load_weights(layer: Any) -> None:
     with compat.setup("kv_b_proj's weight_loader"):
         param = layer.kv_b_proj.weight
         param.weight_loader(param, global_kv_b_proj())
+    # 0.34.0 takes no dtype (the layer's own act_dtype, set in __init__ under the model dtype)
+    takes_dtype = len(inspect.signature(layer.process_weights_after_loading).parameters) > 0
     with compat.exercising(f"{type(layer).__name__}.process_weights_after_loading"):
-        layer.process_weights_after_loading(torch.bfloat16)
+        layer.process_weights_after_loading(*((torch.bfloat16,) if takes_dtype else ()))
 
 
 # --------------------------------------------------------------------------------------------

@@ -156,6 +156,22 @@ def common_attention_metadata(**fields: Any):
     return CommonAttentionMetadata(**{k: v for k, v in fields.items() if k in have or k not in _OPTIONAL_FIELDS})
 
 
+def process_weights_after_loading(layer: Any, act_dtype: torch.dtype) -> None:
+    """vLLM's real ``process_weights_after_loading`` of an MLA layer built without ``__init__``:
+    0.28.0-0.33.0 are given the activation dtype, 0.34.0 reads the ``act_dtype`` its ``__init__`` set,
+    and whether the DCP manager projects over NCCL a2a by itself (``dcp_manager``: none here unless the
+    harness made one, as a layer without DCP has none)."""
+    import inspect
+
+    layer.act_dtype = act_dtype
+    if "dcp_manager" not in vars(layer) and "dcp_manager" not in getattr(layer, "_modules", {}):
+        layer.dcp_manager = None
+    if inspect.signature(layer.process_weights_after_loading).parameters:
+        layer.process_weights_after_loading(act_dtype)
+    else:
+        layer.process_weights_after_loading()
+
+
 def no_pinned_memory(set_attr: Callable[[Any, str, Any], None]) -> None:
     """``PIN_MEMORY`` off (pinned host memory needs an accelerator; no effect on the values) where
     vLLM reads it: ``vllm.utils.torch_utils`` and the modules that bind their own copy (0.30.0+:
@@ -170,12 +186,28 @@ def no_pinned_memory(set_attr: Callable[[Any, str, Any], None]) -> None:
             set_attr(mod, "PIN_MEMORY", False)
 
 
+class _OneDevice:
+    """``torch.accelerator`` where vLLM asks which device it runs on: device 0 (on CPU there is none
+    to ask, and the answer only picks the device whose compute units a stand-in reports)."""
+
+    @staticmethod
+    def current_device_index() -> int:
+        return 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.accelerator, name)
+
+
 class UnpinnedTorch:
     """``torch`` for a vLLM module that allocates pinned host memory unconditionally (0.29.0+'s
     FlashMLA-sparse builder: ``torch.empty(..., pin_memory=True)``), which needs an accelerator:
-    the same allocations, unpinned (no effect on the values). Everything else is torch's own."""
+    the same allocations, unpinned (no effect on the values); and asks for the current accelerator
+    (0.34.0's ``FlashMLASparseImpl.__init__``: ``torch.accelerator.current_device_index()``), device 0.
+    Everything else is torch's own."""
 
     def __getattr__(self, name: str) -> Any:
+        if name == "accelerator":
+            return _OneDevice()
         value = getattr(torch, name)
         if name in ("empty", "zeros", "ones", "full", "tensor", "arange"):
             def unpinned(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -368,6 +400,7 @@ def make_layer(vllm_config, layer_name: str, recorder: Recorder, seed: int = 0,
     # what MLADCPManager.__init__ leaves for project_combine (dcp-project-before-merge) over an
     # A2A transport without the fused opt-in; unread by a base without the patch
     manager.fused_project_combine, manager.project_first_min_tokens = None, 0
+    manager.v_up_proj_combine = None  # 0.34.0: set only for an NCCL a2a combine it built itself
     layer.dcp_manager = manager
     with set_current_vllm_config(vllm_config):
         vllm_config.compilation_config.static_forward_context[layer_name] = layer

@@ -249,6 +249,15 @@ def make_impl(vllm_config: Any, num_heads: int, topk_buffer: torch.Tensor,
         )
 
 
+def fp8_padded_heads(impl: Any) -> int:
+    """The heads FlashMLA's sparse FP8 decode kernel runs for ``impl`` (the DCP-gathered heads padded to
+    64 or 128): the impl's own attribute up to 0.33.0; 0.34.0 pads per call, from the heads the DCP
+    query all-gather hands it (``_compute_fp8_decode_padded_heads``)."""
+    if hasattr(impl, "fp8_decode_padded_heads"):
+        return impl.fp8_decode_padded_heads
+    return impl._compute_fp8_decode_padded_heads(impl.num_heads * max(impl.dcp_world_size, 1))
+
+
 def make_manager(vllm_config: Any, impl: Any, heads: int, device: str = "cpu") -> Any:
     """vLLM's ``MLADCPManager`` for ``impl`` (``heads`` per rank), built under ``vllm_config``."""
     from vllm.config import set_current_vllm_config
@@ -364,7 +373,7 @@ def test_dcp1_impl_is_unchanged(model_dir: Path, cpu_env: Any, monkeypatch: pyte
     buf[: batch.topk.shape[0]] = batch.topk
     impl = make_impl(vc, NUM_HEADS_TOTAL, buf)
     assert not impl.need_to_return_lse_for_decode
-    assert impl.fp8_decode_padded_heads == 64
+    assert fp8_padded_heads(impl) == 64
     meta = build_metadata(vc, make_layer(impl), batch, whole_table, "cpu")
     assert meta.fp8_use_mixed_batch  # 16 heads < MIN_HEADS_FOR_BF16_PREFILL, as before
     q = torch.randn((batch.topk.shape[0], NUM_HEADS_TOTAL, D_QK), generator=gen).bfloat16()
@@ -388,7 +397,7 @@ def test_dcp_refuses_more_gathered_heads_than_the_kernel_takes(model_dir: Path, 
     message = str(refused.value)
     assert "\n" not in message
     assert re.search(r"at most 128 heads.* 256 \(128 heads per rank x DCP size 2\)", message), message
-    assert make_impl(vc, 64, buf).fp8_decode_padded_heads == 128  # 128 gathered: the limit
+    assert fp8_padded_heads(make_impl(vc, 64, buf)) == 128  # 128 gathered: the limit
 
 
 # GLM-5's attention heads (num_attention_heads of its config.json) and the TP x DCP layouts it is
@@ -405,7 +414,7 @@ def test_glm5_layouts_stay_within_the_kernel_heads(tmp_path: Path, cpu_env: Any,
     heads = vc.model_config.get_num_attention_heads(vc.parallel_config)
     assert heads == GLM5_HEADS // tp
     impl = make_impl(vc, heads, torch.full((64, TOPK), -1, dtype=torch.int32))
-    assert impl.fp8_decode_padded_heads == 64
+    assert fp8_padded_heads(impl) == 64
 
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "bfloat16"])
@@ -601,7 +610,7 @@ def test_dcp_forward_merges_to_single_rank_result(
         cpu_env(dcp, rank)
         vc = make_vllm_config(model_dir, dcp=dcp, interleave=interleave)
         impl = make_impl(vc, NUM_HEADS_TOTAL // dcp, buffer())
-        assert impl.fp8_decode_padded_heads == 64
+        assert fp8_padded_heads(impl) == 64
         manager = make_manager(vc, impl, NUM_HEADS_TOTAL // dcp)
         meta = build_metadata(vc, make_layer(impl, manager), batch, dcp_table, "cpu")
         assert meta.fp8_use_mixed_batch

@@ -1,4 +1,4 @@
-"""flashmla-sparse-dcp-spec-cudagraphs on Model Runner V2, vLLM 0.33.0's default runner.
+"""flashmla-sparse-dcp-spec-cudagraphs on Model Runner V2, vLLM 0.33.0's default runner (0.34.0's only one).
 
 Both runners ask the builder for its CUDA-graph support (V1: ``builder_cls.get_cudagraph_support``
 in ``gpu_model_runner.py``; V2: the attention groups' builders in ``worker/gpu/attn_utils.py``) and
@@ -10,6 +10,8 @@ with spec decoding as V1's does, and keep FULL decode graphs without it.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import sparse_dcp_harness as h
@@ -29,8 +31,10 @@ def _resolve_v2(support, decode_query_len: int):
 
     cc = CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, cudagraph_capture_sizes=[1, 2, 4, 8, 16],
                            max_cudagraph_capture_size=16, splitting_ops=list(CompilationConfig._attention_ops))
-    return cc.resolve_cudagraph_mode_and_sizes(support, "FlashMLASparseBackend", decode_query_len,
-                                               use_v2_model_runner=True)
+    # 0.33.0 tells the resolution which runner asks; 0.34.0 has only V2 and no such argument
+    v2 = ({"use_v2_model_runner": True}
+          if "use_v2_model_runner" in inspect.signature(cc.resolve_cudagraph_mode_and_sizes).parameters else {})
+    return cc.resolve_cudagraph_mode_and_sizes(support, "FlashMLASparseBackend", decode_query_len, **v2)
 
 
 @pytest.mark.parametrize(("layout", "query_len", "mode"), [

@@ -54,7 +54,12 @@ def configs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
 
 
 def _runner(vc, env: str | None, monkeypatch: pytest.MonkeyPatch) -> str:
-    """"v1" or "v2": the model runner ``vc`` resolves to under ``VLLM_USE_V2_MODEL_RUNNER=env``."""
+    """"v1" or "v2": the model runner ``vc`` resolves to under ``VLLM_USE_V2_MODEL_RUNNER=env``. A release
+    without Model Runner V1 (0.34.0: no ``VllmConfig.use_v2_model_runner``) runs V2, and refuses ``=0``."""
+    if not hasattr(type(vc), "use_v2_model_runner"):
+        if env == "0":
+            v1.v1_runner_cls()  # skips: V1 removed, VLLM_USE_V2_MODEL_RUNNER=0 refused at start-up
+        return "v2"
     if env is None:
         monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     else:

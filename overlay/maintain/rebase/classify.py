@@ -101,13 +101,17 @@ def _keep_partial_report(work: Path, exc: BaseException) -> None:
           file=sys.stderr, flush=True)
 
 
-def resume(work: Path, *, runner: TestRunner | None = None) -> Outcome:
-    """Take up a rebase stopped at a conflict, once a person resolved it with git."""
+def resume(work: Path, *, runner: TestRunner | None = None, left_out: str | None = None, why: str = "") -> Outcome:
+    """Take up a rebase stopped at a conflict, once a person resolved it with git (``why``: their reason,
+    recorded with it); or, with ``left_out`` (the person's reason), leave the patch it stopped at out of
+    the series (``left-out``)."""
     state = State.load(work)
     series = Series.load(pin_dir(Path(state.patches_root), state.from_version))
     if [p.name for p in series.patches] != state.names:
         raise RebaseError(f"patches/{state.from_version}/series changed since the rebase started; start again")
     patch = series.patches[state.index]
+    if left_out is not None:
+        return _leave_out(work, state, series, patch, left_out, runner)
     left = unmerged(work)
     if left:
         raise RebaseError(f"{patch.name}: still unmerged: {', '.join(left)} (resolve, `git add`, then continue)")
@@ -127,27 +131,63 @@ def resume(work: Path, *, runner: TestRunner | None = None) -> Outcome:
     conflicts = state.pending.get("conflicts", [])
     where = ", ".join(sorted({c["path"] for c in conflicts}))
     if state.pending.get("outcome") == "contradicted":
-        why = "its tests contradicted the target's own behaviour" + (
+        cause = "its tests contradicted the target's own behaviour" + (
             f" and the 3-way merge conflicted in {where}" if conflicts else "")
     else:
-        why = f"the 3-way merge conflicted in {where}"
+        cause = f"the 3-way merge conflicted in {where}"
     if head == head_before:
         res = Result(patch.name, "conflict-resolved",
-                     f"{why}; a person resolved it to no change, so the patch "
+                     f"{cause}; a person resolved it to no change, so the patch "
                      "is dropped (judged already upstream)", behaviour=behaviour, conflicts=conflicts)
     else:
         if git_text(["rev-list", "--count", f"{head_before}..{head}"], work).strip() != "1":
             raise RebaseError(f"{patch.name}: resolve into one commit on top of {head_before[:12]}")
-        kept, gone = absorbed_hunks(patch.raw, format_patch(work, head))
+        # A hunk the person's commit does not hold line for line was ported differently or dropped by
+        # them: the matcher cannot tell which, and neither is "already upstream" (Result.absorbed).
+        kept, other = absorbed_hunks(patch.raw, format_patch(work, head))
         res = Result(patch.name, "conflict-resolved",
-                     f"{why}; a person resolved it"
-                     + (f"; hunks no longer needed: {', '.join(gone)}" if gone else ""),
-                     still_needed=kept, absorbed=gone, behaviour=behaviour, conflicts=conflicts, carried=True)
+                     f"{cause}; a person resolved it"
+                     + (f"; hunks not carried as written (ported differently or dropped by the person, not "
+                        f"judged upstream): {', '.join(other)}" if other else ""),
+                     still_needed=kept, behaviour=behaviour, conflicts=conflicts, carried=True)
         state.exported[patch.name] = head
+    why = " ".join(why.split())
+    if why:
+        res.evidence += f"; the person's reason: {why}"
+        res.reason = why
     res.source_sha256 = sha256_of(patch.raw)
     res.candidates = state.pending.get("candidates", [])
     if res.carried:
         _on_model_path(work, patch, res, runner)
+    state.results.append(asdict(res))
+    state.index += 1
+    state.pending = {}
+    state.save(work)
+    return _run(work, state, series, runner)
+
+
+def _leave_out(work: Path, state: State, series: Series, patch: Patch, why: str,
+               runner: TestRunner | None) -> Outcome:
+    """The patch the rebase stopped at, left out of the series for the person's reason ``why``: whatever
+    was done in the worktree is undone (the cherry-pick aborted, the tree back on the head it was tried
+    on), it is recorded ``left-out`` with the reason, and the later patches are classified."""
+    why = " ".join(why.split())
+    if not why:
+        raise RebaseError(f"{patch.name}: leaving a patch out needs the reason (WHY=...): it goes into "
+                          "REBASE.md and rebase.json")
+    head_before = state.pending["head"]
+    if in_progress(work):
+        abort(work)
+    git(["reset", "-q", "--hard", head_before], work)
+    git(["clean", "-fdq"], work)  # the report stays: it is excluded there
+    conflicts = state.pending.get("conflicts", [])
+    where = ", ".join(sorted({c["path"] for c in conflicts}))
+    was = ("its tests contradicted the target's own behaviour" if state.pending.get("outcome") == "contradicted"
+           else f"the 3-way merge conflicted in {where}" if where else "it was set aside")
+    res = Result(patch.name, "left-out", f"{was}; a person left it out of the series: {why}",
+                 behaviour=state.pending.get("behaviour", {}), conflicts=conflicts, reason=why)
+    res.source_sha256 = sha256_of(patch.raw)
+    res.candidates = state.pending.get("candidates", [])
     state.results.append(asdict(res))
     state.index += 1
     state.pending = {}
@@ -511,7 +551,8 @@ def _conflict_message(work: Path, patch: Patch, hunks: list[ConflictHunk], resul
     lines += [f"  {h.describe()}" for h in hunks]
     lines += [
         "resolve there with plain git (edit, `git add <file>`; `git cherry-pick --continue` is optional),",
-        "or make the patch empty (`git checkout HEAD -- .`) to drop it; then run `make rebase-continue`.",
+        "or make the patch empty (`git checkout HEAD -- .`) to drop it; then run `make rebase-continue`;",
+        "or leave it out of the series with your reason: `make rebase-continue LEFT_OUT=1 WHY=\"...\"`.",
     ]
     return "\n".join(lines)
 

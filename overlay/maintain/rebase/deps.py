@@ -20,6 +20,11 @@ wheel of torch (the release's exact pin, else this torch's version) that require
 requires, so torch's own dependencies are in the set and PyPI's CUDA ones are not; the family is
 never installed into the folder. The key is the wheel, Python, the machine, this torch and the
 runner: the same key is the same environment on every clone.
+
+A release may pin a version the index does not serve (0.34.0: ``flashinfer-python==0.7.3``, which
+PyPI never had; it has 0.7.2.post1 and 0.7.4): :data:`VERSION_STAND_INS` names the version resolved in
+its place, with the evidence, and the run says so. An exact pin the index lacks and the table does not
+name is one line naming the requirement and that table.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
@@ -54,6 +60,23 @@ RUNNER = ("pytest==9.2.0", "pytest-timeout==2.4.0")  # pyproject's test pins (he
 SCHEME = "whole-closure-1"  # how a folder is made: a new scheme is a new key
 _VERSION = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
 DONE = ".complete"
+
+
+@dataclass(frozen=True)
+class VersionStandIn:
+    """A version resolved in place of one the release pins exactly and the index does not serve."""
+
+    version: str
+    evidence: str
+
+
+VERSION_STAND_INS: dict[tuple[str, str], VersionStandIn] = {
+    ("flashinfer-python", "0.7.3"): VersionStandIn(
+        "0.7.4", "vLLM 0.34.0 requires flashinfer-python==0.7.3 (its requirements/cuda.txt), which PyPI does "
+                 "not serve (pip index versions, 2026-12-05: 0.7.2.post1, then 0.7.4); 0.7.4 is the next release "
+                 "it serves (on CPU the tests only import it: no flashinfer kernel runs there)"),
+}
+"""(canonical name, the release's exact pin) -> the version resolved instead (:func:`roots`)."""
 
 Resolver = Callable[[list[str]], list[str]]
 """``resolve(requirements)``: every distribution pip would install for them (``name==version``),
@@ -105,18 +128,30 @@ def _exact(req: Requirement) -> str | None:
     return None
 
 
+def stand_in_version(req: Requirement) -> str:
+    """``req`` as the resolution asks for it: an exact pin :data:`VERSION_STAND_INS` names at its
+    stand-in version (extras and markers kept), any other as written."""
+    pinned = _exact(req)
+    found = VERSION_STAND_INS.get((canonicalize_name(req.name), pinned or ""))
+    if found is None:
+        return str(req)
+    swapped = Requirement(str(req))
+    swapped.specifier = SpecifierSet(f"=={found.version}")
+    return str(swapped)
+
+
 def roots(wheel: Path, torch: Torch) -> tuple[list[str], dict[str, tuple[str, tuple[str, ...]]]]:
     """What the resolution starts from: the wheel's requirements for this machine less the torch
-    family, plus :data:`RUNNER`; and the stand-ins of the family, ``name -> (version, requires)``
-    (torch always, at the release's exact pin or else this torch's version; the others the release
-    pins exactly, requiring nothing)."""
+    family (an exact pin :data:`VERSION_STAND_INS` names at its stand-in version), plus :data:`RUNNER`;
+    and the stand-ins of the family, ``name -> (version, requires)`` (torch always, at the release's
+    exact pin or else this torch's version; the others the release pins exactly, requiring nothing)."""
     keep: list[str] = []
     stubs: dict[str, tuple[str, tuple[str, ...]]] = {}
     for text in requirements(wheel, skip=frozenset()):
         req = Requirement(text)
         name = canonicalize_name(req.name)
         if name not in FAMILY:
-            keep.append(text)
+            keep.append(stand_in_version(req))
         elif (pinned := _exact(req)) is not None:
             stubs[name] = (pinned, torch.requires if name == "torch" else ())
     if "torch" not in stubs:
@@ -140,6 +175,9 @@ def stub_wheel(folder: Path, name: str, version: str, requires: tuple[str, ...])
     return path
 
 
+_NO_SUCH_PIN = re.compile(r"No matching distribution found for ([A-Za-z0-9._-]+)==(\S+)")
+
+
 def _pip(args: list[str], what: str) -> None:
     cmd = [sys.executable, "-m", "pip", *args]
     with child_tmpdir() as env:  # a killed install's pip-* temporaries go with the next run's sweep
@@ -148,7 +186,17 @@ def _pip(args: list[str], what: str) -> None:
     if proc.returncode != 0:
         lines = [ln.strip() for ln in proc.stderr.strip().splitlines() if ln.strip()]
         errors = [ln for ln in lines if ln.startswith("ERROR")]
-        raise DepsError(f"pip could not {what}: {(errors or lines or [f'exit {proc.returncode}'])[-1]}")
+        last = (errors or lines or [f"exit {proc.returncode}"])[-1]
+        raise DepsError(f"pip could not {what}: {last}{_unserved_pin(last)}")
+
+
+def _unserved_pin(line: str) -> str:
+    """What to do when the release pins a version the index does not serve (``line``: pip's error)."""
+    found = _NO_SUCH_PIN.search(line)
+    if found is None:
+        return ""
+    return (f" (the release pins {found[1]}=={found[2]}, which the index does not serve: name the version to "
+            f"resolve in its place, with the evidence, in overlay/maintain/rebase/deps.py:VERSION_STAND_INS)")
 
 
 def pip_resolve(reqs: list[str]) -> list[str]:
@@ -187,6 +235,11 @@ def release_deps(release: str, wheel: Path, *, cache: Path | None = None, resolv
         return dest
     print(f"deps {release}: resolving its whole dependency set for the test runs (torch: this environment's "
           f"{torch.version}) into {dest} ...", file=sys.stderr, flush=True)
+    for text in requirements(wheel, skip=frozenset()):
+        swapped = stand_in_version(Requirement(text))
+        if swapped != str(Requirement(text)):
+            print(f"deps {release}: {text} resolved as {swapped} (deps.VERSION_STAND_INS: the index does not "
+                  "serve the release's pin)", file=sys.stderr, flush=True)
     with temp_dir(root, ".install-", legacy=(f".{dest.name}-",)) as tmp:  # a killed run's is removed by the next
         if resolver is None:
             stub_dir = tmp / ".stubs"

@@ -64,8 +64,11 @@ def check_forward(patches_root: Path, from_version: str, to_version: str) -> Non
 
 
 def continue_release(to_version: str | None = None, *, work_root: Path = Path(".work"),
-                     tests_dir: Path = Path("tests/patches"), run_tests: bool = True) -> Outcome:
-    """``make rebase-continue``: the one rebase in progress (or the one onto ``to_version``)."""
+                     tests_dir: Path = Path("tests/patches"), run_tests: bool = True,
+                     left_out: str | None = None, why: str = "") -> Outcome:
+    """``make rebase-continue``: the one rebase in progress (or the one onto ``to_version``); ``why``
+    (``WHY=...``): the person's reason for their resolution; with ``left_out`` (``LEFT_OUT=1 WHY=...``)
+    the patch it stopped at is left out for that reason."""
     if to_version:
         work = work_dir(check_version(to_version, "TO (--to)"), work_root)
     else:
@@ -87,7 +90,7 @@ def continue_release(to_version: str | None = None, *, work_root: Path = Path(".
                   target.version: fetch_wheel(target)}
         runner = maybe_cached(pytest_runner(tests_dir, cwd=Path.cwd(), deps=deps_for(wheels)), tests_dir,
                               cwd=Path.cwd())
-    return resume(work, runner=runner)
+    return resume(work, runner=runner, left_out=left_out, why=why)
 
 
 def _extract(wheel: Path, dest: Path) -> None:

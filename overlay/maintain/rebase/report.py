@@ -70,7 +70,7 @@ def write_report(dest: Path, state: State, results: list[Result], work: Path, *,
         "patches": [{"name": r.name, "outcome": r.outcome, "evidence": r.evidence, "carried": r.carried,
                      "still_needed": r.still_needed, "absorbed": r.absorbed, "behaviour": r.behaviour,
                      "conflicts": r.conflicts, "candidates": r.candidates, "source_sha256": r.source_sha256,
-                     "changes": r.changes}
+                     "changes": r.changes, **({"reason": r.reason} if r.reason else {})}
                     for r in results],
     }
     if state.facts:
@@ -122,7 +122,9 @@ def report_markdown(state: State, results: list[Result], *, work: Path | None = 
                   "commit on top: keep or amend it, or drop it with `git reset --hard HEAD~1`).",
                   "",
                   "1. Resolve there with plain git (edit, `git add <file>`), or make the patch empty "
-                  "(`git checkout HEAD -- .`) to drop it.",
+                  "(`git checkout HEAD -- .`) to drop it, or leave it out of the series with the reason: "
+                  f"`make rebase-continue TO={state.to_version} LEFT_OUT=1 WHY=\"...\"` (recorded as left-out, "
+                  "the reason in this report and rebase.json; no step 2 then).",
                   f"2. `make rebase-continue TO={state.to_version}`: it records the patch as conflict-resolved and "
                   "classifies the later patches again on top of it (candidates included), stopping at the next "
                   "patch that still needs a person.",

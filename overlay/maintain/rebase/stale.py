@@ -9,7 +9,8 @@ history stands in: the source patch as it was in the commit that last wrote the 
 copy (or, for a dropped patch, its ``rebase.json``).
 
 A patch of the base pin that a later pin's rebase never saw (added to the series afterwards)
-is ``missing``.
+is ``missing``; one a person left out of that pin (``make rebase-continue LEFT_OUT=1 WHY=...``) is
+``left out``, with the reason.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class LaterPinNote:
     """What one later pin says about one patch of the base pin."""
 
     pin: str
-    state: str  # "stale" | "missing"
+    state: str  # "stale" | "missing" | "left out"
     detail: str
 
     def describe(self) -> str:
@@ -105,6 +106,8 @@ def _note(patch: Patch, later: str, later_dir: Path, entry: dict | None, copy: P
     if entry is None and copy is None:
         return LaterPinNote(later, "missing", f"the rebase onto {later} did not see it (added to the series "
                                               f"later); `make rebase TO={later}` again, or carry it by hand")
+    if copy is None and entry is not None and entry.get("outcome") == "left-out":
+        return LaterPinNote(later, "left out", f"by a person: {entry.get('reason') or entry.get('evidence')}")
     if copy is not None and copy.raw == patch.raw:
         return None
     recorded, how = None, ""

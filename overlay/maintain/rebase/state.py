@@ -24,6 +24,8 @@ OUTCOMES: dict[str, str] = {
                       "the target with it and the later patches still merge"),
     "conflict": "set aside: needs a person",
     "conflict-resolved": "conflicted; resolved by a person",
+    "left-out": ("set aside, then left out of the series by a person for the reason given "
+                 "(`make rebase-continue LEFT_OUT=1 WHY=...`): neither carried nor judged upstream"),
     "off-model-path": ("carried, but off the model's path: with it, its tests find it in the tree but not on the "
                        "path GLM-5 runs in this release (it changes nothing GLM-5 runs); needs a person to carry "
                        "it onto that path"),
@@ -59,6 +61,7 @@ class Result:
     candidates: list[dict] = field(default_factory=list)  # resolution attempts (rebase_resolve.Attempt)
     source_sha256: str = ""  # the source patch file this result was classified from
     changes: list[str] = field(default_factory=list)  # carried: "path: Class.method, ..." its lines are in
+    reason: str = ""  # left-out: the person's reason (WHY=)
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:

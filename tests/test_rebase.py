@@ -205,15 +205,20 @@ def test_tests_that_do_not_run_on_the_target_decide_nothing(tmp_path: Path) -> N
     assert "its tests cannot run on the target (rc=2: ImportError: cannot import name 'X'): fix " in entry["evidence"]
 
 
-def test_conflict_flow_end_to_end(tmp_path: Path) -> None:
-    """Stop at the conflict, resolve with plain git in the worktree, continue: conflict-resolved."""
+def _stopped_at_clash(tmp_path: Path):
+    """A series of a conflicting patch and a later one, its rebase started: (patches root, worktree, outcome)."""
     root = tmp_path / "patches"
     series_dir(root, {
         "clash.patch": make_patch(tmp_path, "clash", CASES["clash"][0]),
         "later.patch": make_patch(tmp_path, "later", {"vllm/a.py": lines("a", 40, l30="a_30 = 'patched'")}),
     })
     work = tmp_path / "work" / f"rebase-{TO}"
-    out = start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=work, tests_dir=tmp_path)
+    return root, work, start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=work, tests_dir=tmp_path)
+
+
+def test_conflict_flow_end_to_end(tmp_path: Path) -> None:
+    """Stop at the conflict, resolve with plain git in the worktree, continue: conflict-resolved."""
+    root, work, out = _stopped_at_clash(tmp_path)
     assert not out.done
     assert [(h.path, h.start, h.ours, h.theirs) for h in out.conflict] == [("vllm/c.py", 10, 1, 1)]
     assert not (root / TO).exists() and not list(root.glob(".rebase-*"))
@@ -267,13 +272,7 @@ def test_a_set_aside_patch_is_left_out_with_the_reason(tmp_path: Path) -> None:
     from overlay.maintain.rebase.stale import later_pin_notes
     from overlay.maintain.status import absorbed_in
 
-    root = tmp_path / "patches"
-    series_dir(root, {
-        "clash.patch": make_patch(tmp_path, "clash", CASES["clash"][0]),
-        "later.patch": make_patch(tmp_path, "later", {"vllm/a.py": lines("a", 40, l30="a_30 = 'patched'")}),
-    })
-    work = tmp_path / "work" / f"rebase-{TO}"
-    out = start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=work, tests_dir=tmp_path)
+    root, work, out = _stopped_at_clash(tmp_path)
     assert not out.done and 'LEFT_OUT=1 WHY="..."' in out.message
     assert f'make rebase-continue TO={TO} LEFT_OUT=1 WHY="..."' in (work / "REBASE.md").read_text()
     for blank in ("", " \n "):

@@ -647,6 +647,21 @@ def test_stage_reuses_the_resolution_after_a_patch_edit(rig: StageRig, capsys: p
             == {k: v for k, v in second["resolution"].items() if k not in strip})
 
 
+def test_stage_resolves_an_unserved_pin_at_its_stand_in(rig: StageRig, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM 0.34.0 pins flashinfer-python==0.7.3, which PyPI never served: the device resolution asks for the
+    stand-in the rebase's test environments use (``overlay/build/stand_ins.py``), says so, and the manifest
+    records the swap with its evidence, so a run on the device is known to be a run with the stand-in."""
+    rig.requires = [*rig.requires, "flashinfer-python==0.7.3"]
+    manifest = rig.stage()
+    assert all("flashinfer-python==0.7.4" in asked and "flashinfer-python==0.7.3" not in asked
+               for asked in rig.pip.asked)
+    [line] = manifest["resolution"]["stand_ins"]
+    assert line.startswith("flashinfer-python==0.7.3 resolved as flashinfer-python==0.7.4 "
+                           "(overlay/build/stand_ins.py:VERSION_STAND_INS: vLLM 0.34.0 requires")
+    assert f"stand-in: {line}" in capsys.readouterr().err
+    assert "stand_ins" not in (rig.requires.pop(), rig.stage())[1]["resolution"]
+
+
 def test_stage_resolves_again_when_a_pin_or_a_requirement_changes(rig: StageRig) -> None:
     keys = [rig.stage()["resolution"]["cache_key"]]
     rig.write_packages({**DEVICE, "numpy": "2.5.3"})

@@ -60,19 +60,20 @@ def test_a_pin_the_index_does_not_serve_resolves_at_its_stand_in(tmp_path: Path,
     """0.34.0 pins flashinfer-python==0.7.3, which PyPI never served: the resolution asks for the version
     ``VERSION_STAND_INS`` names (extras and markers kept, another pin of the same name untouched); an
     unserved pin the table does not name is one line naming the requirement and the table."""
+    from overlay.build import stand_ins
     from overlay.maintain.rebase import deps
 
     wheel = _wheel(tmp_path, "flashinfer-python==0.7.3", "flashinfer-cubin==0.7.3",
                    'other[x]==1.0; python_version >= "3.8"', "numpy>=2")
-    monkeypatch.setitem(deps.VERSION_STAND_INS, ("other", "1.0"), deps.VersionStandIn("1.1", "test"))
+    monkeypatch.setitem(stand_ins.VERSION_STAND_INS, ("other", "1.0"), stand_ins.VersionStandIn("1.1", "test"))
     reqs, _ = roots(wheel, TORCH)
     assert reqs == ["flashinfer-cubin==0.7.3", "flashinfer-python==0.7.4", "numpy>=2",
                     'other[x]==1.1; python_version >= "3.8"', *RUNNER]
-    assert all(s.evidence.strip() for s in deps.VERSION_STAND_INS.values())
+    assert all(s.evidence.strip() for s in stand_ins.VERSION_STAND_INS.values())
     line = "ERROR: No matching distribution found for flashinfer-cubin==0.7.3"
     monkeypatch.setattr(deps.subprocess, "run", lambda *a, **k: SimpleNamespace(returncode=1, stderr=line + "\n"))
     with pytest.raises(deps.DepsError, match=r"flashinfer-cubin==0\.7\.3 \(the release pins flashinfer-cubin==0\.7\.3, "
-                                             r"which the index does not serve: .*deps.py:VERSION_STAND_INS\)$"):
+                                             r"which the index does not serve: .*stand_ins.py:VERSION_STAND_INS\)$"):
         deps.pip_resolve(["flashinfer-cubin==0.7.3"])
 
 

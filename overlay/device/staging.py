@@ -15,6 +15,7 @@ from packaging.version import InvalidVersion, Version
 
 from overlay.atomic import scratch
 from overlay.build.fetch import cache_dir, sha256_file
+from overlay.build.stand_ins import swap_all
 from overlay.device.carries import write_carries
 from overlay.device.files import download_wheels, stage_vllm
 from overlay.device.requirements import device_requirements, read_device_packages, wheel_requires_dist
@@ -169,6 +170,9 @@ def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: i
     log(f"release facts: {facts.summary()}")
     not_needed = {} if full else NOT_NEEDED
     requirements, skipped = device_requirements(requires, not_needed=not_needed)
+    requirements, swapped = swap_all(requirements)
+    for line in swapped:
+        log(f"stand-in: {line}")
     extra_reqs, extra_skipped = extra_device_requirements(extras)
     skipped += extra_skipped
     resolver = find_resolver(resolver_python)
@@ -193,6 +197,7 @@ def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: i
             "target": {"python": "3.12", "implementation": "cp", "platforms": list(PLATFORMS)},
             "resolver": resolver.description,
             "requirements": requirements,
+            **({"stand_ins": swapped} if swapped else {}),
             **({"extra_requirements": extra_reqs} if extra_reqs else {}),
             "not_requested": skipped,
             "device_packages": device_packages.name,

@@ -22,7 +22,7 @@ never installed into the folder. The key is the wheel, Python, the machine, this
 runner: the same key is the same environment on every clone.
 
 A release may pin a version the index does not serve (0.34.0: ``flashinfer-python==0.7.3``, which
-PyPI never had; it has 0.7.2.post1 and 0.7.4): :data:`VERSION_STAND_INS` names the version resolved in
+PyPI never had; it has 0.7.2.post1 and 0.7.4): ``overlay/build/stand_ins.py`` names the version resolved in
 its place, with the evidence, and the run says so. An exact pin the index lacks and the table does not
 name is one line naming the requirement and that table.
 """
@@ -43,7 +43,6 @@ from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
 from packaging.requirements import Requirement
-from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
@@ -52,6 +51,7 @@ from overlay.atomic import child_tmpdir, scratch, temp_dir
 from overlay.build.fetch import cache_dir
 from overlay.build.install import CPU_SKIP, requirements
 from overlay.build.pipeline import VERSION_PY
+from overlay.build.stand_ins import TABLE, exact_pin, stand_in_version, swap_all
 from overlay.errors import OverlayError
 from overlay.interrupt import bound_to_parent
 
@@ -61,22 +61,6 @@ SCHEME = "whole-closure-1"  # how a folder is made: a new scheme is a new key
 _VERSION = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
 DONE = ".complete"
 
-
-@dataclass(frozen=True)
-class VersionStandIn:
-    """A version resolved in place of one the release pins exactly and the index does not serve."""
-
-    version: str
-    evidence: str
-
-
-VERSION_STAND_INS: dict[tuple[str, str], VersionStandIn] = {
-    ("flashinfer-python", "0.7.3"): VersionStandIn(
-        "0.7.4", "vLLM 0.34.0 requires flashinfer-python==0.7.3 (its requirements/cuda.txt), which PyPI does "
-                 "not serve (pip index versions, 2026-12-05: 0.7.2.post1, then 0.7.4); 0.7.4 is the next release "
-                 "it serves (on CPU the tests only import it: no flashinfer kernel runs there)"),
-}
-"""(canonical name, the release's exact pin) -> the version resolved instead (:func:`roots`)."""
 
 Resolver = Callable[[list[str]], list[str]]
 """``resolve(requirements)``: every distribution pip would install for them (``name==version``),
@@ -120,29 +104,9 @@ def env_torch() -> Torch:
     return Torch(dist.version, tuple(dist.requires or ()), entries)
 
 
-def _exact(req: Requirement) -> str | None:
-    """The version of ``name==X``, else None."""
-    specs = list(req.specifier)
-    if len(specs) == 1 and specs[0].operator in ("==", "===") and "*" not in specs[0].version:
-        return specs[0].version
-    return None
-
-
-def stand_in_version(req: Requirement) -> str:
-    """``req`` as the resolution asks for it: an exact pin :data:`VERSION_STAND_INS` names at its
-    stand-in version (extras and markers kept), any other as written."""
-    pinned = _exact(req)
-    found = VERSION_STAND_INS.get((canonicalize_name(req.name), pinned or ""))
-    if found is None:
-        return str(req)
-    swapped = Requirement(str(req))
-    swapped.specifier = SpecifierSet(f"=={found.version}")
-    return str(swapped)
-
-
 def roots(wheel: Path, torch: Torch) -> tuple[list[str], dict[str, tuple[str, tuple[str, ...]]]]:
     """What the resolution starts from: the wheel's requirements for this machine less the torch
-    family (an exact pin :data:`VERSION_STAND_INS` names at its stand-in version), plus :data:`RUNNER`;
+    family (an exact pin ``overlay/build/stand_ins.py`` names at its stand-in version), plus :data:`RUNNER`;
     and the stand-ins of the family, ``name -> (version, requires)`` (torch always, at the release's
     exact pin or else this torch's version; the others the release pins exactly, requiring nothing)."""
     keep: list[str] = []
@@ -152,7 +116,7 @@ def roots(wheel: Path, torch: Torch) -> tuple[list[str], dict[str, tuple[str, tu
         name = canonicalize_name(req.name)
         if name not in FAMILY:
             keep.append(stand_in_version(req))
-        elif (pinned := _exact(req)) is not None:
+        elif (pinned := exact_pin(req)) is not None:
             stubs[name] = (pinned, torch.requires if name == "torch" else ())
     if "torch" not in stubs:
         stubs["torch"] = (Version(torch.version).public, torch.requires)
@@ -196,7 +160,7 @@ def _unserved_pin(line: str) -> str:
     if found is None:
         return ""
     return (f" (the release pins {found[1]}=={found[2]}, which the index does not serve: name the version to "
-            f"resolve in its place, with the evidence, in overlay/maintain/rebase/deps.py:VERSION_STAND_INS)")
+            f"resolve in its place, with the evidence, in {TABLE})")
 
 
 def pip_resolve(reqs: list[str]) -> list[str]:
@@ -235,11 +199,8 @@ def release_deps(release: str, wheel: Path, *, cache: Path | None = None, resolv
         return dest
     print(f"deps {release}: resolving its whole dependency set for the test runs (torch: this environment's "
           f"{torch.version}) into {dest} ...", file=sys.stderr, flush=True)
-    for text in requirements(wheel, skip=frozenset()):
-        swapped = stand_in_version(Requirement(text))
-        if swapped != str(Requirement(text)):
-            print(f"deps {release}: {text} resolved as {swapped} (deps.VERSION_STAND_INS: the index does not "
-                  "serve the release's pin)", file=sys.stderr, flush=True)
+    for line in swap_all(requirements(wheel, skip=frozenset()))[1]:
+        print(f"deps {release}: {line}", file=sys.stderr, flush=True)
     with temp_dir(root, ".install-", legacy=(f".{dest.name}-",)) as tmp:  # a killed run's is removed by the next
         if resolver is None:
             stub_dir = tmp / ".stubs"

@@ -8,6 +8,7 @@ import io
 import json
 import lzma
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -398,6 +399,65 @@ def test_pip_runner_for_real_with_stubs_offline(tmp_path: Path, monkeypatch: pyt
     assert [(d.name, d.reason) for d in res.dropped] == [("lib-b", "app 1.0 depends on lib-b<2")]
 
 
+def test_a_device_package_that_needs_a_replaced_one_is_staged_to_fit(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real pip: vLLM 0.34.0 needs huggingface-hub>=2 and the device's transformers 5.17.0 needs <2. With
+    the device's record of what its packages require, the stub of transformers says so: both pins are dropped
+    and a transformers that fits is staged, each with pip's reason. Pinned as versions only, hub 2.4 was staged
+    beside the device's transformers, and every engine stopped at import."""
+    index = tmp_path / "index"
+    index.mkdir()
+    _pure_wheel(index, "app", "1.0", {"app.py": b""}, ["hub>=2", "tf<5.23,>=5.16"])
+    _pure_wheel(index, "hub", "1.33", {"hub.py": b""})
+    _pure_wheel(index, "hub", "2.4", {"hub.py": b""})
+    _pure_wheel(index, "tf", "5.17.0", {"tf.py": b""}, ["hub<2,>=1.5"])
+    _pure_wheel(index, "tf", "5.22.0", {"tf.py": b""}, ["hub<3,>=2"])
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    monkeypatch.setenv("PIP_CONSTRAINT", "")
+    device = {"hub": "1.33", "tf": "5.17.0", "torch": "2.11.0"}
+    record = tmp_path / "device-requires.json"
+    record.write_text(json.dumps({"format": 1, "packages": {
+        "hub": {"version": "1.33", "requires": []},
+        "tf": {"version": "5.17.0", "requires": ["hub<2,>=1.5", "not-on-the-device>=1"]},
+        "torch": {"version": "2.11.0", "requires": []}}}))
+    needs, without = ds.read_device_requires(record, device)
+    assert needs == {"hub": (), "tf": ("hub<2,>=1.5",), "torch": ()} and without == []
+    work = tmp_path / "work"
+    work.mkdir()
+    run = ds.pip_runner(ds.Resolver(sys.executable, "this python", False), work, needs=needs)
+    res = ds.resolve(["app==1.0"], device, run)
+    assert [(w.name, w.version) for w in res.wheels] == [("app", "1.0"), ("hub", "2.4"), ("tf", "5.22.0")]
+    assert [(d.name, d.reason) for d in res.dropped] == [
+        ("hub", "app 1.0 depends on hub>=2"), ("tf", "tf 5.17.0+device depends on hub<2 and >=1.5")]
+
+
+def test_the_device_requires_record_refuses_bad_input_and_says_what_it_lacks(tmp_path: Path) -> None:
+    record = tmp_path / "device-requires.json"
+    record.write_text(json.dumps({"format": 1, "packages": {"a": {"version": "1.0", "requires": ["b>=2"]},
+                                                            "b": {"version": "2.0", "requires": []}}}))
+    needs, without = ds.read_device_requires(record, {"a": "1.1", "B": "2.0", "c": "3"})
+    assert needs == {"b": ()} and without == ["a==1.1: recorded at 1.0", "c==3: not recorded"]
+    for text in ("{not json", '{"packages": {"a": {"version": "1.0"}}}', "[]"):
+        record.write_text(text)
+        with pytest.raises(ds.DeviceStageError, match=rf"^{re.escape(str(record))}: not a record of "
+                                                      r"scripts/device-requires\.py \("):
+            ds.read_device_requires(record, {"a": "1.0"})
+    record.write_text(json.dumps({"packages": {"a": {"version": "1.0", "requires": ["b >>> 2"]}}}))
+    with pytest.raises(ds.DeviceStageError, match=r"device-requires\.json: a: 'b >>> 2': not a requirement"):
+        ds.read_device_requires(record, {"a": "1.0"})
+
+
+def test_the_recorded_device_requires_cover_the_device_packages() -> None:
+    """``scripts/device-requires.json`` was recorded on the device beside its ``pip freeze``: every device
+    package has its requirements there, at the frozen version."""
+    device = ds.read_device_packages(REPO / "scripts" / "device-packages.txt")
+    needs, without = ds.read_device_requires(REPO / "scripts" / "device-requires.json", device)
+    assert without == [] and len(needs) == len(device)
+    assert any(canon == "transformers" and any(r.startswith("huggingface-hub") for r in reqs)
+               for canon, reqs in needs.items())
+
+
 # --- carries ------------------------------------------------------------------------------------
 
 
@@ -556,7 +616,7 @@ class StageRig:
         monkeypatch.setattr(staging, "find_resolver",
                             lambda explicit=None: ds.Resolver(sys.executable, "scripted", True))
         monkeypatch.setattr(staging, "pip_runner",
-                            lambda resolver, work, platforms=ds.PLATFORMS, wheelhouse=None: self.pip)
+                            lambda resolver, work, platforms=ds.PLATFORMS, wheelhouse=None, needs=None: self.pip)
         monkeypatch.setattr(staging, "download_wheels", fake_download)
         for key in ds.PIP_ENV_KEYS:
             monkeypatch.delenv(key, raising=False)

@@ -23,6 +23,9 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--wheel", help="the patched wheel (default: the one make build writes for the series)")
     sp.add_argument("--device-packages", default="scripts/device-packages.txt",
                     help="the device's pip freeze (default %(default)s)")
+    sp.add_argument("--device-requires", default="scripts/device-requires.json",
+                    help="what each device package requires, recorded on the device by scripts/device-requires.py "
+                         "(default %(default)s; '' stages without it)")
     sp.add_argument("--limit-mib", type=positive("MiB"), default=60,
                     help="largest carry in MiB (default 60; less when the checkout and a carry would "
                          "pass the 64 MiB of a device call)")
@@ -52,7 +55,8 @@ def cmd_device_stage(ns: argparse.Namespace) -> int:
     result = stage(wheel, dest, device_packages=Path(ns.device_packages), name=ns.name,
                    limit=carry_limit(Path.cwd(), int(ns.limit_mib * MIB)), resolver_python=ns.resolver_python,
                    full=ns.full, resolution_cache=not ns.no_resolution_cache, extras=with_harness(ns.extra),
-                   beside=staged_lines(root(ns), ns.vllm, wheel) if wheel.is_file() else None)
+                   beside=staged_lines(root(ns), ns.vllm, wheel) if wheel.is_file() else None,
+                   device_requires=Path(ns.device_requires) if ns.device_requires else None)
     print(format_summary(result.manifest), file=sys.stderr)
     print(device_calls(result.manifest, dest, ns.command))
     return 0

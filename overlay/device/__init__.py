@@ -50,6 +50,7 @@ from overlay.device.requirements import (
     parse_conflict,
     pip_error_tail,
     read_device_packages,
+    read_device_requires,
     wheel_requires_dist,
 )
 from overlay.device.resolution_cache import PIP_ENV_KEYS, load_resolution, resolution_key, save_resolution
@@ -123,6 +124,7 @@ __all__ = [
     "pip_error_tail",
     "pip_runner",
     "read_device_packages",
+    "read_device_requires",
     "required_by",
     "resolution_key",
     "resolve",

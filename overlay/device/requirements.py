@@ -3,6 +3,7 @@ what pip said when a pin made the resolution impossible."""
 
 from __future__ import annotations
 
+import json
 import re
 import zipfile
 from collections.abc import Iterable, Mapping
@@ -10,12 +11,13 @@ from dataclasses import dataclass
 from email.parser import BytesParser
 from pathlib import Path
 
-from packaging.requirements import Requirement
+from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
 
 from overlay import textfile
 from overlay.build.wheel import dist_info_name
-from overlay.device.settings import DEVICE_ENV, TORCH_FAMILY, DeviceStageError
+from overlay.device.settings import DEVICE_ENV, STUB_LABEL, TORCH_FAMILY, DeviceStageError
 from overlay.errors import shown
 
 
@@ -32,6 +34,41 @@ def read_device_packages(path: Path) -> dict[str, str]:
             raise DeviceStageError(f"{path}:{lineno}: expected name==version, got {shown(raw)}")
         packages[canonicalize_name(name.strip())] = version.strip()
     return packages
+
+
+def read_device_requires(path: Path, device: Mapping[str, str]) -> tuple[dict[str, tuple[str, ...]], list[str]]:
+    """What each device package needs of the others, from the device's own record
+    (``scripts/device-requires.py``'s JSON): canonical name -> its ``Requires-Dist`` lines that name a
+    device package, for the packages recorded at the version ``device`` pins; and one line per package
+    left without them (recorded at another version, or not recorded)."""
+    try:
+        data = json.loads(textfile.decode(path.read_bytes(), str(path), DeviceStageError))
+        packages = data["packages"]
+        recorded = {canonicalize_name(n): (str(e["version"]), [str(r) for r in e["requires"]])
+                    for n, e in packages.items()}
+    except OSError as exc:
+        raise DeviceStageError(f"{path}: cannot read the device's requirements ({exc.strerror or exc})") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise DeviceStageError(f"{path}: not a record of scripts/device-requires.py ({type(exc).__name__}: "
+                               f"{shown(str(exc))})") from None
+    names = {canonicalize_name(n) for n in device}
+    needs: dict[str, tuple[str, ...]] = {}
+    without: list[str] = []
+    for name, version in sorted((canonicalize_name(n), v) for n, v in device.items()):
+        found = recorded.get(name)
+        if found is None or found[0] != version:
+            without.append(f"{name}=={version}: " + (f"recorded at {found[0]}" if found else "not recorded"))
+            continue
+        kept = []
+        for line in found[1]:
+            try:
+                req = Requirement(line)
+            except InvalidRequirement as exc:
+                raise DeviceStageError(f"{path}: {name}: {shown(line)}: not a requirement ({exc})") from None
+            if canonicalize_name(req.name) in names:
+                kept.append(line)
+        needs[name] = tuple(kept)
+    return needs, without
 
 
 def wheel_requires_dist(wheel: Path) -> tuple[str, list[str]]:
@@ -74,14 +111,17 @@ def device_requirements(requires_dist: Iterable[str], env: Mapping[str, str] = D
 
 @dataclass(frozen=True)
 class Conflict:
-    """pip's "The conflict is caused by:" block: the constraint pins it names, and its lines."""
+    """pip's "The conflict is caused by:" block: the device pins it names, and its lines. A device pin is
+    named as a constraint (``The user requested (constraint) hub==1.33.0+device``) or as a stub whose
+    recorded needs no longer fit (``transformers 5.17.0+device depends on huggingface-hub<2.0``)."""
 
     constraints: tuple[str, ...]  # canonical names, in the order pip printed them
     lines: tuple[str, ...]
 
     def reason(self, name: str) -> str:
         """The block's lines about ``name`` (all of them if none names it), for the log."""
-        about = list(dict.fromkeys(line for line in self.lines if _required_name(line) == name))
+        about = list(dict.fromkeys(line for line in self.lines
+                                   if name in (_required_name(line), _stub_dependent(line))))
         about = about or list(dict.fromkeys(self.lines))
         more = f"; ... ({len(about) - 4} more)" if len(about) > 4 else ""
         return ("; ".join(about[:4]) + more).replace("The user requested ", "vllm requires ")
@@ -89,6 +129,21 @@ class Conflict:
 
 _CONSTRAINT = re.compile(r"^The user requested \(constraint\) ([A-Za-z0-9][A-Za-z0-9._-]*)")
 _REQUIRED = re.compile(r"(?:depends on|The user requested) ([A-Za-z0-9][A-Za-z0-9._-]*)")
+
+
+_DEPENDENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*) (\S+) depends on ")
+
+
+def _stub_dependent(line: str) -> str | None:
+    """The device package whose stub (``<version>+device``) makes the requirement of ``line``."""
+    found = _DEPENDENT.match(line)
+    if not found:
+        return None
+    try:
+        local = Version(found[2]).local
+    except InvalidVersion:
+        return None
+    return canonicalize_name(found[1]) if local is not None and local.split(".")[-1] == STUB_LABEL else None
 
 
 def _required_name(line: str) -> str | None:
@@ -109,6 +164,7 @@ def parse_conflict(output: str) -> Conflict | None:
             break
         block.append(line.strip())
     pins = [canonicalize_name(m[1]) for m in map(_CONSTRAINT.match, block) if m]
+    pins += [name for name in map(_stub_dependent, block) if name]
     others = tuple(line for line in block if not _CONSTRAINT.match(line))
     return Conflict(tuple(dict.fromkeys(pins)), others)
 

@@ -27,10 +27,12 @@ PIP_ENV_KEYS: tuple[str, ...] = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FI
 
 def resolution_key(requirements: Sequence[str], device: Mapping[str, str], resolver: Resolver, *,
                    platforms: Sequence[str] = PLATFORMS, max_rounds: int = RESOLVE_MAX_ROUNDS,
-                   restore: bool = True, extra_requirements: Sequence[str] = ()) -> str:
+                   restore: bool = True, extra_requirements: Sequence[str] = (),
+                   needs: Mapping[str, Sequence[str]] | None = None) -> str:
     """sha256 of everything :func:`resolve` depends on, not of the wheel: a patch edit changes the
     wheel's version and sha256 but not its ``Requires-Dist``, and so keeps the key. The
-    ``--extra`` requirements enter only when there are some (without, the key is what it was)."""
+    ``--extra`` requirements and the device packages' recorded needs enter only when there are some
+    (without, the key is what it was)."""
     inputs = {
         "format": RESOLUTION_CACHE_FORMAT,
         "requirements": list(requirements),
@@ -44,6 +46,8 @@ def resolution_key(requirements: Sequence[str], device: Mapping[str, str], resol
         "restore": restore,
         "pip_env": [os.environ.get(k, "") for k in PIP_ENV_KEYS],
     }
+    if needs:
+        inputs["device_needs"] = {k: list(v) for k, v in sorted(needs.items())}
     if extra_requirements:
         inputs["extra_requirements"] = list(extra_requirements)
         inputs["extra_policy"] = EXTRA_POLICY

@@ -250,13 +250,16 @@ def requirement_name(text: str) -> str:
         return canonicalize_name(re.split(r"[<>=!~;\[ ]", text, maxsplit=1)[0])
 
 
-def write_stub_wheel(folder: Path, name: str, version: str) -> Path:
-    """A metadata-only wheel ``name-<version>+device-py3-none-any.whl`` with no dependencies."""
+def write_stub_wheel(folder: Path, name: str, version: str, requires: Sequence[str] = ()) -> Path:
+    """A metadata-only wheel ``name-<version>+device-py3-none-any.whl`` requiring ``requires`` (what the
+    device's package needs of the other device packages), so pip sees when a package the staging
+    replaces no longer fits a device package that stays."""
     dist = re.sub(r"[-_.]+", "_", name)
     full = stub_version(version)
     dist_info = f"{dist}-{full}.dist-info"
+    needs = "".join(f"Requires-Dist: {r}\n" for r in requires)
     files = {
-        f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {full}\n\n".encode(),
+        f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {full}\n{needs}\n".encode(),
         f"{dist_info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: vllm-overlay\nRoot-Is-Purelib: true\n"
                               b"Tag: py3-none-any\n",
     }
@@ -311,9 +314,10 @@ def find_resolver(explicit: str | None = None) -> Resolver:
 
 
 def pip_runner(resolver: Resolver, work: Path, platforms: Sequence[str] = PLATFORMS,
-               wheelhouse: Path | None = None) -> PipRun:
-    """A :data:`PipRun` that calls ``pip install --dry-run --report`` with stub wheels for the pins
-    (and the wheels :func:`sdist_builder` built, in ``wheelhouse``, when given)."""
+               wheelhouse: Path | None = None, needs: Mapping[str, Sequence[str]] | None = None) -> PipRun:
+    """A :data:`PipRun` that calls ``pip install --dry-run --report`` with stub wheels for the pins, each
+    requiring what ``needs`` records for it (the device's record, :func:`read_device_requires`), and the
+    wheels :func:`sdist_builder` built, in ``wheelhouse``, when given."""
 
     def run(requirements: Sequence[str], pins: Mapping[str, str]) -> PipOutcome:
         with temp_dir(work, "resolve-") as tmp:
@@ -321,7 +325,7 @@ def pip_runner(resolver: Resolver, work: Path, platforms: Sequence[str] = PLATFO
             stubs = root / "stubs"
             stubs.mkdir()
             for name, version in sorted(pins.items()):
-                write_stub_wheel(stubs, name, version)
+                write_stub_wheel(stubs, name, version, (needs or {}).get(name, ()))
             (root / "requirements.txt").write_text("".join(f"{r}\n" for r in requirements))
             (root / "constraints.txt").write_text(
                 "".join(f"{n}=={stub_version(v)}\n" for n, v in sorted(pins.items())))

@@ -18,7 +18,12 @@ from overlay.build.fetch import cache_dir, sha256_file
 from overlay.build.stand_ins import swap_all
 from overlay.device.carries import write_carries
 from overlay.device.files import download_wheels, stage_vllm
-from overlay.device.requirements import device_requirements, read_device_packages, wheel_requires_dist
+from overlay.device.requirements import (
+    device_requirements,
+    read_device_packages,
+    read_device_requires,
+    wheel_requires_dist,
+)
 from overlay.device.resolution_cache import load_resolution, resolution_cache_file, resolution_key, save_resolution
 from overlay.device.resolve import (
     Resolution,
@@ -146,7 +151,7 @@ def torch_preflight(wheel: Path, version: str, requires: Iterable[str], device: 
 def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: int = CARRY_LIMIT,
           cache: Path | None = None, resolver_python: str | None = None, jobs: int = 2,
           full: bool = False, resolution_cache: bool = True, extras: Sequence[str] = (),
-          beside: Mapping[str, bytes] | None = None) -> StageResult:
+          beside: Mapping[str, bytes] | None = None, device_requires: Path | None = None) -> StageResult:
     """Resolve, fetch and compress everything, then write the carries and manifest under ``dest``;
     ``beside`` (name -> content: the liveness lines file) travels in every carry next to the manifest.
 
@@ -164,6 +169,7 @@ def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: i
     _check_paths(wheel, dest, cache)
     version, requires = wheel_requires_dist(wheel)
     device = read_device_packages(device_packages)
+    needs = _device_needs(device_requires, device)
     torch, home = torch_preflight(wheel, version, requires, device)
     log(torch.line(home))
     facts = release_facts_of(wheel)
@@ -182,7 +188,7 @@ def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: i
         log(f"extra requirement(s): {', '.join(extra_reqs)}")
     if not resolver.exact:
         log("  warning: the resolver is not CPython 3.12: dependencies' markers are evaluated for it")
-    resolution, cached, key = _resolution(cache, requirements, extra_reqs, device, resolver, resolution_cache)
+    resolution, cached, key = _resolution(cache, requirements, extra_reqs, device, resolver, resolution_cache, needs)
     skipped += _leave_out_not_needed(resolution, not_needed, extra_reqs)
     staged_wheels = download_wheels(resolution.wheels, cache / "device-wheels", resolver)
     vllm_files, left_out = stage_vllm(wheel, cache / "device-xz", jobs, home)
@@ -201,6 +207,7 @@ def stage(wheel: Path, dest: Path, *, device_packages: Path, name: str, limit: i
             **({"extra_requirements": extra_reqs} if extra_reqs else {}),
             "not_requested": skipped,
             "device_packages": device_packages.name,
+            **({"device_requires": device_requires.name} if device_requires is not None else {}),
             "dropped_device_pins": [asdict(d) for d in resolution.dropped],
             "restored_device_pins": resolution.restored,
             "rounds": resolution.rounds,
@@ -237,8 +244,22 @@ def _check_paths(wheel: Path, dest: Path, cache: Path) -> None:
         raise DeviceStageError(f"{wheel}: no such wheel (make build writes it)")
 
 
+def _device_needs(path: Path | None, device: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    """What each device package needs of the others (:func:`read_device_requires`), said in the log;
+    none without the device's record (``--device-requires``): the stubs then pin versions only."""
+    if path is None:
+        log("  warning: no record of the device packages' requirements (scripts/device-requires.py): a package "
+            "staged over a device one is not checked against the device packages that need it")
+        return {}
+    needs, without = read_device_requires(path, device)
+    log(f"{path.name}: what {len(needs)} device package(s) need of the others"
+        + (f"; {len(without)} without a record at the pinned version: {', '.join(without)}" if without else ""))
+    return needs
+
+
 def _resolution(cache: Path, requirements: list[str], extra_reqs: list[str], device: dict[str, str],
-                resolver: Resolver, use_cache: bool) -> tuple[Resolution, bool, str]:
+                resolver: Resolver, use_cache: bool,
+                needs: Mapping[str, Sequence[str]] | None = None) -> tuple[Resolution, bool, str]:
     """What the device gets: vLLM's requirements resolved against its packages (cached), then the extras
     on top of that, the device pins it dropped staying dropped; with whether it came from the cache and
     its cache key."""
@@ -248,12 +269,14 @@ def _resolution(cache: Path, requirements: list[str], extra_reqs: list[str], dev
         def run() -> Resolution:
             with scratch("device-stage-") as work:
                 wheelhouse.mkdir(parents=True, exist_ok=True)
-                return resolve(requirements, pins, pip_runner(resolver, Path(work), wheelhouse=wheelhouse),
+                return resolve(requirements, pins,
+                               pip_runner(resolver, Path(work), wheelhouse=wheelhouse, needs=needs),
                                build=sdist_builder(resolver, wheelhouse), extra_requirements=extra)
         return run
 
-    base_key = resolution_key(requirements, device, resolver)
-    key = resolution_key(requirements, device, resolver, extra_requirements=extra_reqs) if extra_reqs else base_key
+    base_key = resolution_key(requirements, device, resolver, needs=needs)
+    key = (resolution_key(requirements, device, resolver, extra_requirements=extra_reqs, needs=needs)
+           if extra_reqs else base_key)
     resolution = load_resolution(resolution_cache_file(cache, key), key) if extra_reqs and use_cache else None
     if resolution is not None:
         log(f"resolution with the extras reused from the cache (key {key[:16]}): {resolution_cache_file(cache, key)}; "

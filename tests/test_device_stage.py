@@ -758,7 +758,7 @@ def test_no_resolution_cache_forces_a_resolve(rig: StageRig, capsys: pytest.Capt
     assert rig.stage(resolution_cache=False)["resolution"]["cached"] is False and rig.resolves == 2
     monkeypatch.setenv("VLLM_OVERLAY_CACHE", str(rig.cache))
     args = ["device-stage", "--wheel", str(rig.wheel("0.28.0+c")), "--dest", str(rig.tmp / "cli"),
-            "--device-packages", str(rig.packages)]
+            "--device-packages", str(rig.packages), "--no-device-requires"]
     # the CLI always stages the harness's own requirements (httpx-sse): one more resolution, then cached
     assert main(args) == 0 and rig.resolves == 3
     assert main(args) == 0 and rig.resolves == 3
@@ -836,7 +836,7 @@ def test_extra_with_a_missing_wheel_and_no_sdist_is_one_line(rig: StageRig, tmp_
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "empty-index"))
     monkeypatch.setenv("VLLM_OVERLAY_CACHE", str(rig.cache))
     args = ["device-stage", "--wheel", str(rig.wheel("0.28.0+c")), "--dest", str(tmp_path / "cli"),
-            "--device-packages", str(rig.packages), "--extra", LM_EVAL]
+            "--device-packages", str(rig.packages), "--no-device-requires", "--extra", LM_EVAL]
     capsys.readouterr()
     assert main(args) == 1
     err = capsys.readouterr().err

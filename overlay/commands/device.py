@@ -25,7 +25,9 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
                     help="the device's pip freeze (default %(default)s)")
     sp.add_argument("--device-requires", default="scripts/device-requires.json",
                     help="what each device package requires, recorded on the device by scripts/device-requires.py "
-                         "(default %(default)s; '' stages without it)")
+                         "(default %(default)s)")
+    sp.add_argument("--no-device-requires", action="store_true",
+                    help="stub the device packages as versions only (for a --device-packages of another machine)")
     sp.add_argument("--limit-mib", type=positive("MiB"), default=60,
                     help="largest carry in MiB (default 60; less when the checkout and a carry would "
                          "pass the 64 MiB of a device call)")
@@ -56,7 +58,7 @@ def cmd_device_stage(ns: argparse.Namespace) -> int:
                    limit=carry_limit(Path.cwd(), int(ns.limit_mib * MIB)), resolver_python=ns.resolver_python,
                    full=ns.full, resolution_cache=not ns.no_resolution_cache, extras=with_harness(ns.extra),
                    beside=staged_lines(root(ns), ns.vllm, wheel) if wheel.is_file() else None,
-                   device_requires=Path(ns.device_requires) if ns.device_requires else None)
+                   device_requires=None if ns.no_device_requires else Path(ns.device_requires))
     print(format_summary(result.manifest), file=sys.stderr)
     print(device_calls(result.manifest, dest, ns.command))
     return 0

@@ -221,7 +221,7 @@ OFF_PATH = TestRun("failed", passed=("test_bug",), failed=("test_on_glm5s_path",
                    kinds=("off-path",))
 
 
-def _carried(tmp_path: Path, with_it: TestRun) -> tuple[dict, str]:
+def _carried(tmp_path: Path, with_it: TestRun, tests_dir: Path = Path("tests/patches")) -> tuple[dict, str]:
     """Rebase an applying patch whose tests fail on the old base and on the target without it, and give
     ``with_it`` on the target with it; its rebase.json entry and REBASE.md."""
     def run(patch: Patch, tree: Path) -> TestRun:
@@ -232,7 +232,7 @@ def _carried(tmp_path: Path, with_it: TestRun) -> tuple[dict, str]:
     root = tmp_path / "patches"
     series_dir(root, {"p.patch": make_patch(tmp_path, "p", APPLIES)})
     out = start(root, FROM, TARGET_PIN, fill(BASE), fill(TARGET), work=tmp_path / "work",
-                tests_dir=Path("tests/patches"), runner=run)
+                tests_dir=tests_dir, runner=run)
     assert out.done
     return json.loads((root / TO / "rebase.json").read_text())["patches"][0], (root / TO / "REBASE.md").read_text()
 
@@ -253,3 +253,21 @@ def test_a_carried_patch_its_tests_pass_with_is_kept(tmp_path: Path) -> None:
     entry, report = _carried(tmp_path, PASSED)
     assert entry["outcome"] == "applied" and entry["behaviour"]["target-with-it"]["status"] == "passed"
     assert "On GLM-5's path: not found off it" in report
+
+
+def test_a_carried_patch_its_path_tests_pass_with_and_fail_without_is_on_the_path(tmp_path: Path) -> None:
+    """The tool says "on GLM-5's path" itself (no hand-written ``on_model_path``): the patch's GLM-5 path tests
+    (``test_<patch>__glm5_path.py``) all pass with it on the target and fail by behaviour without it. A path test
+    that fails with it, or a patch without path tests, is not put on the path."""
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_p__glm5_path.py").write_text("def test_bug():\n    pass\n\n\ndef helper():\n    pass\n")
+    entry, report = _carried(tmp_path / "a", PASSED, tests)
+    assert entry["outcome"] == "applied"
+    assert entry["on_model_path"] == ("test_p__glm5_path.py on the 0.2.0 tree: 1 passed with it, 1 failed by "
+                                      "behaviour without it")
+    assert f"On GLM-5's path: yes, by its GLM-5 path tests: {entry['on_model_path']}." in report
+    failing = TestRun("failed", passed=("test_other",), failed=("test_bug",), summary="1 failed, 1 passed",
+                      reasons=("AssertionError: x",), kinds=("behaviour",))
+    assert "on_model_path" not in _carried(tmp_path / "b", failing, tests)[0]
+    assert "on_model_path" not in _carried(tmp_path / "c", PASSED)[0]

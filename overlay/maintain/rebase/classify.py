@@ -17,6 +17,7 @@ from overlay.errors import KernelPatchError
 from overlay.git import git, git_text
 from overlay.interrupt import sigterm_as_interrupt
 from overlay.maintain.liveness import enclosing
+from overlay.maintain.rebase.model_path import on_path
 from overlay.maintain.rebase.report import write_release, write_report
 from overlay.maintain.rebase.resolve import NOTHING_LEFT, abort, pick, try_candidates
 from overlay.maintain.rebase.stale import sha256_of
@@ -158,7 +159,7 @@ def resume(work: Path, *, runner: TestRunner | None = None, left_out: str | None
     res.source_sha256 = sha256_of(patch.raw)
     res.candidates = state.pending.get("candidates", [])
     if res.carried:
-        _on_model_path(work, patch, res, runner)
+        _on_model_path(work, state, patch, res, runner)
     state.results.append(asdict(res))
     state.index += 1
     state.pending = {}
@@ -270,11 +271,12 @@ class OldBaseError(RebaseError):
     """A patch's tests cannot run on the old base: the tool's own test environment or harness failed."""
 
 
-def _on_model_path(work: Path, patch: Patch, res: Result, runner: TestRunner | None) -> None:
+def _on_model_path(work: Path, state: State, patch: Patch, res: Result, runner: TestRunner | None) -> None:
     """A carried patch, on the target with it (``HEAD``): the classes and methods its lines are in
     (``res.changes``), and its tests run there; those that find it in the tree but off the path GLM-5
     runs (``compat.OffModelPath``, the GLM-5 path harness) make it ``off-model-path``, never kept
-    silently: it would change nothing GLM-5 runs."""
+    silently: it would change nothing GLM-5 runs. Its path tests passing with it and failing by
+    behaviour without it put it on the path (``res.on_model_path``, :func:`model_path.on_path`)."""
     res.changes = changed_methods(work, "HEAD")
     if runner is None:
         return
@@ -288,6 +290,9 @@ def _on_model_path(work: Path, patch: Patch, res: Result, runner: TestRunner | N
         res.outcome = "off-model-path"
         res.evidence += (f"; with it on the target, {len(off)} of its tests find it off the path GLM-5 runs "
                          f"(`{off[0]}`): it changes nothing GLM-5 runs there")
+        return
+    without = TestRun.from_dict(res.behaviour["target"]) if res.behaviour.get("target") else None
+    res.on_model_path = on_path(Path(state.tests_dir), patch.name, state.to_version, run, without)
 
 
 def changed_methods(work: Path, rev: str) -> list[str]:
@@ -344,7 +349,7 @@ def _run(work: Path, state: State, series: Series, runner: TestRunner | None) ->
         if depends:
             res.evidence += "; " + depends
         if res.carried and not any(j == i for j, _ in aside):
-            _on_model_path(work, patch, res, runner)
+            _on_model_path(work, state, patch, res, runner)
         results.append(res)
         # What is known so far, in the worktree after every patch: a run killed mid-way (a test
         # run can take minutes per patch) leaves the classification of the patches it got through.

@@ -70,7 +70,8 @@ def write_report(dest: Path, state: State, results: list[Result], work: Path, *,
         "patches": [{"name": r.name, "outcome": r.outcome, "evidence": r.evidence, "carried": r.carried,
                      "still_needed": r.still_needed, "absorbed": r.absorbed, "behaviour": r.behaviour,
                      "conflicts": r.conflicts, "candidates": r.candidates, "source_sha256": r.source_sha256,
-                     "changes": r.changes, **({"reason": r.reason} if r.reason else {})}
+                     "changes": r.changes, **({"reason": r.reason} if r.reason else {}),
+                     **({"on_model_path": r.on_model_path} if r.on_model_path else {})}
                     for r in results],
     }
     if state.facts:
@@ -184,6 +185,8 @@ def on_model_path(r: Result) -> str:
     if not raw:
         return "not judged (no test run with it on the target)"
     run = TestRun.from_dict(raw)
+    if r.on_model_path:
+        return f"yes, by its GLM-5 path tests: {r.on_model_path}"
     if run.off_path_failed:
         return (f"no: {len(run.off_path_failed)} of its tests find it off the path GLM-5 runs "
                 f"(`{run.off_path_failed[0]}`)")

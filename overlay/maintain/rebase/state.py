@@ -62,6 +62,7 @@ class Result:
     source_sha256: str = ""  # the source patch file this result was classified from
     changes: list[str] = field(default_factory=list)  # carried: "path: Class.method, ..." its lines are in
     reason: str = ""  # left-out: the person's reason (WHY=)
+    on_model_path: str = ""  # carried: its GLM-5 path tests pass with it and fail without it (model_path.on_path)
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:

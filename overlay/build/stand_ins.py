@@ -67,8 +67,8 @@ def swap_all(requirements: list[str]) -> tuple[list[str], list[str]]:
     said: list[str] = []
     for text in requirements:
         req = Requirement(text)
-        swapped = stand_in_version(req)
-        out.append(swapped)
-        if swapped != str(req):
-            said.append(f"{text} resolved as {swapped} ({TABLE}: {stand_in_for(req).evidence})")  # type: ignore[union-attr]
+        out.append(stand_in_version(req))
+        found = stand_in_for(req)
+        if found is not None:
+            said.append(f"{text} resolved as {out[-1]} ({TABLE}: {found.evidence})")
     return out, said

@@ -47,6 +47,7 @@ from overlay.device.carries import Piece, carry_limit, checkout_bytes, device_ca
 from overlay.device.files import OTHER_LIBRARY, StagedFile, stage_vllm
 from overlay.device.requirements import (
     device_requirements,
+    is_stub,
     parse_conflict,
     pip_error_tail,
     read_device_packages,
@@ -61,7 +62,6 @@ from overlay.device.resolve import (
     Resolver,
     find_resolver,
     is_pure_wheel,
-    is_stub,
     no_such_version,
     pip_runner,
     required_by,

@@ -38,8 +38,9 @@ def read_device_packages(path: Path) -> dict[str, str]:
 
 def read_device_requires(path: Path, device: Mapping[str, str]) -> tuple[dict[str, tuple[str, ...]], list[str]]:
     """What each device package needs of the others, from the device's own record
-    (``scripts/device-requires.py``'s JSON): canonical name -> its ``Requires-Dist`` lines that name a
-    device package, for the packages recorded at the version ``device`` pins; and one line per package
+    (``scripts/device-requires.py``'s JSON): canonical name -> its ``Requires-Dist`` that name a device
+    package, markers evaluated for the device (:func:`device_requirements`: extras' lines drop out), for
+    the packages recorded at the version ``device`` pins; and one line per package
     left without them (recorded at another version, or not recorded)."""
     try:
         data = json.loads(textfile.decode(path.read_bytes(), str(path), DeviceStageError))
@@ -59,15 +60,13 @@ def read_device_requires(path: Path, device: Mapping[str, str]) -> tuple[dict[st
         if found is None or found[0] != version:
             without.append(f"{name}=={version}: " + (f"recorded at {found[0]}" if found else "not recorded"))
             continue
-        kept = []
+        kept: list[str] = []
         for line in found[1]:
-            try:
-                req = Requirement(line)
+            try:  # markers as the device has them: lines only an extra asks for drop out
+                kept += device_requirements([line], exclude=frozenset())[0]
             except InvalidRequirement as exc:
                 raise DeviceStageError(f"{path}: {name}: {shown(line)}: not a requirement ({exc})") from None
-            if canonicalize_name(req.name) in names:
-                kept.append(line)
-        needs[name] = tuple(kept)
+        needs[name] = tuple(r for r in kept if canonicalize_name(Requirement(r).name) in names)
     return needs, without
 
 
@@ -134,16 +133,19 @@ _REQUIRED = re.compile(r"(?:depends on|The user requested) ([A-Za-z0-9][A-Za-z0-
 _DEPENDENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*) (\S+) depends on ")
 
 
+def is_stub(version: str) -> bool:
+    """``version`` is a stub's: the device's version with the local label ``device``."""
+    try:
+        local = Version(version).local
+    except InvalidVersion:
+        return False
+    return local is not None and local.split(".")[-1] == STUB_LABEL
+
+
 def _stub_dependent(line: str) -> str | None:
     """The device package whose stub (``<version>+device``) makes the requirement of ``line``."""
     found = _DEPENDENT.match(line)
-    if not found:
-        return None
-    try:
-        local = Version(found[2]).local
-    except InvalidVersion:
-        return None
-    return canonicalize_name(found[1]) if local is not None and local.split(".")[-1] == STUB_LABEL else None
+    return canonicalize_name(found[1]) if found and is_stub(found[2]) else None
 
 
 def _required_name(line: str) -> str | None:

@@ -19,7 +19,7 @@ from packaging.version import InvalidVersion, Version
 
 from overlay.atomic import child_tmpdir, temp_dir
 from overlay.build.wheel import record_hash
-from overlay.device.requirements import Conflict, parse_conflict, pip_error_tail
+from overlay.device.requirements import Conflict, is_stub, parse_conflict, pip_error_tail
 from overlay.device.settings import DEVICE_ENV, PLATFORMS, STUB_LABEL, TORCH_FAMILY, DeviceStageError, log
 from overlay.interrupt import bound_to_parent
 
@@ -72,14 +72,6 @@ class Resolution:
 def stub_version(version: str) -> str:
     """The stub's version: the device's, with the local label ``device``."""
     return f"{version}.{STUB_LABEL}" if "+" in version else f"{version}+{STUB_LABEL}"
-
-
-def is_stub(version: str) -> bool:
-    try:
-        local = Version(version).local
-    except InvalidVersion:
-        return False
-    return local is not None and local.split(".")[-1] == STUB_LABEL
 
 
 def wheels_from_report(report: dict) -> list[ResolvedWheel]:

@@ -3,7 +3,6 @@ one of :data:`overlay.maintain.rebase.state.OUTCOMES`, resolving conflicts where
 
 from __future__ import annotations
 
-import re
 import shutil
 import sys
 from dataclasses import asdict, dataclass, field
@@ -16,7 +15,7 @@ from overlay.build.series import Patch, Series
 from overlay.errors import KernelPatchError
 from overlay.git import git, git_text
 from overlay.interrupt import sigterm_as_interrupt
-from overlay.maintain.liveness import enclosing
+from overlay.maintain.rebase import history
 from overlay.maintain.rebase.model_path import on_path
 from overlay.maintain.rebase.report import write_release, write_report
 from overlay.maintain.rebase.resolve import NOTHING_LEFT, abort, pick, try_candidates
@@ -116,7 +115,7 @@ def resume(work: Path, *, runner: TestRunner | None = None, left_out: str | None
     left = unmerged(work)
     if left:
         raise RebaseError(f"{patch.name}: still unmerged: {', '.join(left)} (resolve, `git add`, then continue)")
-    marked = _files_with_markers(work)
+    marked = history.files_with_markers(work)
     if marked:
         raise RebaseError(f"{patch.name}: conflict markers left in {', '.join(marked)}")
     head_before = state.pending["head"]
@@ -125,7 +124,7 @@ def resume(work: Path, *, runner: TestRunner | None = None, left_out: str | None
             git(["cherry-pick", "--skip"], work)
         else:
             git(["cherry-pick", "--continue"], work, env={"GIT_EDITOR": "true"})
-    head = _rev(work, "HEAD")
+    head = history.rev(work, "HEAD")
     if git(["diff", "--quiet", head_before, head], work, check=False).returncode == 0 and head != head_before:
         raise RebaseError(f"{patch.name}: the resolution commit is empty; reset it and continue")
     behaviour = state.pending.get("behaviour", {})
@@ -204,20 +203,6 @@ def _refuse_kernel(series: Series) -> None:
     )
 
 
-def _rev(repo: Path, rev: str) -> str:
-    return git_text(["rev-parse", rev], repo).strip()
-
-
-def _clear_worktree(repo: Path) -> None:
-    for entry in repo.iterdir():
-        if entry.name == ".git":
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink()
-
-
 def prepare(work: Path, series: Series, from_version: str, to: str,
              fill_base: TreeSource, fill_target: TreeSource) -> list[str]:
     """History ``base`` -> ``target`` (branch ``new``) and ``base`` + series (branch ``old``)."""
@@ -226,26 +211,14 @@ def prepare(work: Path, series: Series, from_version: str, to: str,
     old_commits: list[str] = []
     for patch in series.patches:
         am(work, patch, f"vllm {from_version} itself; fix the series first (`make status`)")
-        old_commits.append(_rev(work, "HEAD"))
+        old_commits.append(history.rev(work, "HEAD"))
     git(["checkout", "-q", "-b", "new", "base"], work)
-    _clear_worktree(work)
+    history.clear_worktree(work)
     fill_target(work)
     git(["add", "-A"], work)
     git(["commit", "-q", "--allow-empty", "-m", f"vllm {to}"], work)
     git(["tag", "target"], work)
     return old_commits
-
-
-def tree_at(work: Path, rev: str, dest: Path) -> Path:
-    """Check out ``rev`` into ``dest`` without touching the worktree or its index."""
-    dest.mkdir(parents=True, exist_ok=True)
-    import tarfile
-    from io import BytesIO
-
-    data = git(["archive", "--format=tar", rev], work).stdout
-    with tarfile.open(fileobj=BytesIO(data)) as tar:
-        tar.extractall(dest, filter="data")
-    return dest
 
 
 def _behaviour(work: Path, patch: Patch, old_parent: str, runner: TestRunner | None) -> dict[str, dict]:
@@ -254,7 +227,7 @@ def _behaviour(work: Path, patch: Patch, old_parent: str, runner: TestRunner | N
     runs: dict[str, dict] = {}
     with scratch("overlay-rebase-trees-") as tmp:  # two release trees: a killed run's removed by the next
         for label, rev in (("old-base", old_parent), ("target", "HEAD")):
-            tree = tree_at(work, rev, Path(tmp) / label)
+            tree = history.tree_at(work, rev, Path(tmp) / label)
             run = runner(patch, tree)
             if run is None:
                 return {}
@@ -277,11 +250,11 @@ def _on_model_path(work: Path, state: State, patch: Patch, res: Result, runner: 
     runs (``compat.OffModelPath``, the GLM-5 path harness) make it ``off-model-path``, never kept
     silently: it would change nothing GLM-5 runs. Its path tests passing with it and failing by
     behaviour without it put it on the path (``res.on_model_path``, :func:`model_path.on_path`)."""
-    res.changes = changed_methods(work, "HEAD")
+    res.changes = history.changed_methods(work, "HEAD")
     if runner is None:
         return
     with scratch("overlay-rebase-trees-") as tmp:  # a killed run's removed by the next
-        run = runner(patch, tree_at(work, "HEAD", Path(tmp) / "with-it"))
+        run = runner(patch, history.tree_at(work, "HEAD", Path(tmp) / "with-it"))
     if run is None:
         return
     res.behaviour["target-with-it"] = run.to_dict()
@@ -293,29 +266,6 @@ def _on_model_path(work: Path, state: State, patch: Patch, res: Result, runner: 
         return
     without = TestRun.from_dict(res.behaviour["target"]) if res.behaviour.get("target") else None
     res.on_model_path = on_path(Path(state.tests_dir), patch.name, state.to_version, run, without)
-
-
-def changed_methods(work: Path, rev: str) -> list[str]:
-    """``path: Class.method, ...`` for each Python file commit ``rev`` changes: where its added lines are."""
-    out = git_text(["diff", "-U0", "--no-color", f"{rev}~1", rev, "--", "*.py"], work)
-    added: dict[str, list[int]] = {}
-    path = ""
-    for line in out.splitlines():
-        if line.startswith("+++ "):
-            path = line[6:] if line.startswith("+++ b/") else ""
-        elif line.startswith("@@") and path:
-            m = re.match(r"@@ -\S+ \+(\d+)(?:,(\d+))? @@", line)
-            if m and (count := int(m.group(2) or 1)):
-                added.setdefault(path, []).extend(range(int(m.group(1)), int(m.group(1)) + count))
-    found = []
-    for path, numbers in sorted(added.items()):
-        text = git(["show", f"{rev}:{path}"], work).stdout.decode(errors="replace")
-        try:
-            names = enclosing(text, numbers)
-        except SyntaxError:
-            names = ["(does not parse)"]
-        found.append(f"{path}: {', '.join(names)}")
-    return found
 
 
 def _run(work: Path, state: State, series: Series, runner: TestRunner | None) -> Outcome:
@@ -334,7 +284,7 @@ def _run(work: Path, state: State, series: Series, runner: TestRunner | None) ->
         patch = series.patches[i]
         old_commit = state.old_commits[i]
         old_parent = state.old_commits[i - 1] if i else "base"
-        head = _rev(work, "HEAD")
+        head = history.rev(work, "HEAD")
         print(f"rebase {state.to_version}: {patch.name} ...", file=sys.stderr, flush=True)
         classified = _classify(work, state, patch, old_commit, old_parent, head, runner)
         res = classified.result
@@ -345,7 +295,7 @@ def _run(work: Path, state: State, series: Series, runner: TestRunner | None) ->
             later = list(zip([p.name for p in series.patches[i + 1:]], state.old_commits[i + 1:], strict=True))
             if _resolve(work, state, patch, res, classified.conflicts, head, old_commit, later, runner) is None:
                 aside.append((i, head))
-        depends = _rests_on(work, state, series, i, [j for j, _ in aside if j < i], res.outcome)
+        depends = history.rests_on(work, state, series, i, [j for j, _ in aside if j < i], res.outcome)
         if depends:
             res.evidence += "; " + depends
         if res.carried and not any(j == i for j, _ in aside):
@@ -368,7 +318,7 @@ def _resolve(work: Path, state: State, patch: Patch, res: Result, stop: list[Con
     res.conflicts = [c.to_dict() for c in stop]
     where = ", ".join(sorted({c.path for c in stop}))
     accepted, attempts, note = try_candidates(work, patch, head, old_commit, later, runner,
-                                              res.behaviour.get("target"), tree_at)
+                                              res.behaviour.get("target"), history.tree_at)
     res.candidates = [a.to_dict() for a in attempts]
     if accepted is None:
         tried = "; ".join(f"{a.name}: {a.why}" for a in attempts) or note
@@ -386,39 +336,6 @@ def _resolve(work: Path, state: State, patch: Patch, res: Result, stop: list[Con
                     f"accepted: {accepted.why}" + (f"; hunks dropped with it: {', '.join(gone)}" if gone else ""))
     state.exported[patch.name] = accepted.commit
     return accepted.commit
-
-
-_BLAME_COMMIT = re.compile(r"^([0-9a-f]{40}) \d+ \d+")
-
-
-def _rests_on(work: Path, state: State, series: Series, i: int, aside: list[int], outcome: str) -> str:
-    """Evidence that patch ``i`` depends on a set-aside patch: lines it changes or keeps as
-    context were written by that patch (``git blame`` on the old series)."""
-    if not aside:
-        return ""
-    writers = {state.old_commits[j]: series.patches[j].name for j in aside}
-    hits: dict[str, list[str]] = {}
-    for fd in series.patches[i].files:
-        if fd.old_path is None:
-            continue
-        for h in fd.hunks:
-            if not h.old_start:
-                continue
-            span = f"{h.old_start},+{max(h.old_len, 1)}"
-            proc = git(["blame", "--porcelain", "-L", span, state.old_commits[i - 1], "--", fd.old_path], work,
-                       check=False)
-            found = {m[1] for ln in proc.stdout.decode(errors="replace").splitlines()
-                     if (m := _BLAME_COMMIT.match(ln))}
-            for commit in found & writers.keys():
-                hits.setdefault(writers[commit], []).append(f"{fd.old_path} @@ -{h.old_start},{h.old_len}")
-    if not hits:
-        return ""
-    parts = [f"{name} ({', '.join(where)})" for name, where in hits.items()]
-    if outcome == "conflict":
-        return ("depends on set-aside " + "; ".join(parts) + ": its hunks rest on lines that patch wrote, so it "
-                "may conflict only because that patch is missing; resolve that one first")
-    return ("rests on lines written by set-aside " + "; ".join(parts)
-            + ": check it again once that patch is resolved")
 
 
 def _stop_at_first(work: Path, state: State, series: Series, results: list[Result],
@@ -496,7 +413,7 @@ def _classify(work: Path, state: State, patch: Patch, old_commit: str, old_paren
                                      "commit" + (f" ({moved})" if moved else ""), behaviour=runs))
         raise RebaseError(f"{patch.name}: git cherry-pick stopped: "
                           + stderr.decode(errors="replace").strip().splitlines()[-1])
-    new = _rev(work, "HEAD")
+    new = history.rev(work, "HEAD")
     if new == head or git(["diff", "--quiet", head, new], work, check=False).returncode == 0:
         if new != head:
             git(["reset", "-q", "--hard", head], work)
@@ -504,7 +421,7 @@ def _classify(work: Path, state: State, patch: Patch, old_commit: str, old_paren
                                  behaviour=runs))
     state.exported[patch.name] = new
     kept, gone = absorbed_hunks(patch.raw, format_patch(work, new))
-    renames = _renames(work, old_commit, new)
+    renames = history.renames(work, old_commit, new)
     how = "applies after a 3-way merge" + (f" ({'; '.join(filter(None, [renames, moved]))})"
                                           if renames or moved else "")
     if gone or verdict is Verdict.PARTIAL:
@@ -517,25 +434,6 @@ def _classify(work: Path, state: State, patch: Patch, old_commit: str, old_paren
                                  still_needed=kept + still, absorbed=gone + fixed, behaviour=runs, carried=True))
     return Classified(Result(patch.name, "refreshed", how + "; the refreshed patch is exported"
                              + (f" ({note})" if runs else ""), behaviour=runs, carried=True))
-
-
-def _renames(work: Path, old_commit: str, new_commit: str) -> str:
-    old_files = set(git_text(["diff-tree", "--no-commit-id", "--name-only", "-r", old_commit], work).split())
-    new_files = set(git_text(["diff-tree", "--no-commit-id", "--name-only", "-r", new_commit], work).split())
-    gone, came = sorted(old_files - new_files), sorted(new_files - old_files)
-    if not gone:
-        return ""
-    return f"followed {', '.join(gone)} to {', '.join(came) or 'nothing'}"
-
-
-def _files_with_markers(work: Path) -> list[str]:
-    changed = git_text(["diff", "--name-only", "HEAD"], work).split()
-    bad = []
-    for path in changed:
-        file = work / path
-        if file.is_file() and any(line.startswith(b"<<<<<<< ") for line in file.read_bytes().splitlines()):
-            bad.append(path)
-    return bad
 
 
 def _conflict_message(work: Path, patch: Patch, hunks: list[ConflictHunk], results: list[Result],

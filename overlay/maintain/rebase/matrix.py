@@ -41,7 +41,8 @@ from overlay.build.pins import check_version, pin_dir
 from overlay.build.series import Patch, Series
 from overlay.errors import OverlayError, SeriesError
 from overlay.git import git, git_text
-from overlay.maintain.rebase.classify import prepare, tree_at
+from overlay.maintain.rebase.classify import prepare
+from overlay.maintain.rebase.history import tree_at
 from overlay.maintain.rebase.resolve import abort, pick
 from overlay.maintain.rebase.testrun import TestRun, TestRunner, test_file
 from overlay.maintain.replay import am, in_progress, unmerged

@@ -187,6 +187,68 @@ def test_standin_takes_the_call_form_of_0_33_0s_wrapper() -> None:
     assert params["clean_logits"].default is True and params["indices"].default is None
 
 
+def test_logits_dtype_of_0_34_0() -> None:
+    """vLLM 0.34.0 passes ``logits_dtype`` to both logits kernels (float32 off SM100, bfloat16 on it):
+    float32 is the default form, bfloat16 its rounding, anything else refused as DeepGEMM does."""
+    c = make_mqa_case(seed=4)
+    width = max(e - s for s, e in zip(KS, KE, strict=True))
+    args = ((c.q, None), (c.k, c.k_scale), c.weights, c.ks, c.ke, width)
+    plain = dg.fp8_fp4_mqa_logits(*args)
+    assert torch.equal(dg.fp8_fp4_mqa_logits(*args, logits_dtype=torch.float32), plain)
+    half = dg.fp8_fp4_mqa_logits(*args, logits_dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and torch.equal(half, plain.to(torch.bfloat16))
+    with pytest.raises(TypeError, match=r"logits_dtype must be float32 or bfloat16, got torch\.float16"):
+        dg.fp8_fp4_mqa_logits(*args, logits_dtype=torch.float16)
+
+    case = make_paged_case(**PAGED_CASES["next2-2d"], seed=5)  # type: ignore[arg-type]
+    cache = case.cache()
+    paged = case.call(cache)
+    assert torch.equal(case.call(cache, logits_dtype=torch.float32), paged)
+    paged_half = case.call(cache, logits_dtype=torch.bfloat16)
+    assert paged_half.dtype == torch.bfloat16 and torch.equal(paged_half, paged.to(torch.bfloat16))
+    with pytest.raises(TypeError, match="logits_dtype must be float32 or bfloat16"):
+        case.call(cache, logits_dtype=torch.float16)
+
+
+def _wrapper_functions(release: str, names: tuple[str, ...], impls: dict[str, object]) -> dict[str, object]:
+    """``names`` from ``release``'s own ``vllm/utils/deep_gemm.py`` (its source text, compiled here),
+    their ``_*_impl`` globals bound to ``impls``: the calls that wheel makes into DeepGEMM, as written."""
+    import ast
+
+    from overlay.maintain.trees import base_tree
+
+    path = base_tree(REPO_PATCHES, release) / "vllm" / "utils" / "deep_gemm.py"
+    tree = ast.parse(path.read_text())
+    defs = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
+    assert {d.name for d in defs} == set(names), f"{path}: {names} not all defined"
+    namespace: dict[str, object] = {"torch": torch, "_lazy_init": lambda: None, **impls}
+    exec(compile(ast.Module(body=defs, type_ignores=[]), str(path), "exec"), namespace)
+    return {name: namespace[name] for name in names}
+
+
+@pytest.mark.slow
+def test_standin_takes_the_call_form_of_0_34_0s_wrapper() -> None:
+    """0.34.0's wrapper passes ``logits_dtype=`` to both kernels (the engine's first dummy run failed on
+    the device with ``unexpected keyword argument 'logits_dtype'`` before the stand-in took it); called
+    through that wrapper's own code, as ``sparse_attn_indexer`` calls it, the logits are right."""
+    funcs = _wrapper_functions(
+        "0.34.0",
+        ("fp8_fp4_mqa_logits", "fp8_fp4_paged_mqa_logits"),
+        {"_fp8_fp4_mqa_logits_impl": dg.fp8_fp4_mqa_logits,
+         "_fp8_fp4_paged_mqa_logits_impl": dg.fp8_fp4_paged_mqa_logits},
+    )
+    c = make_mqa_case(seed=8)
+    width = max(e - s for s, e in zip(KS, KE, strict=True))
+    got = funcs["fp8_fp4_mqa_logits"]((c.q, None), (c.k, c.k_scale), c.weights, c.ks, c.ke, width,
+                                      logits_dtype=torch.float32)
+    assert_logits_match(got, compressed(c.ref(), KS, KE, width))
+    case = make_paged_case(**PAGED_CASES["next2-1d"], seed=9)  # type: ignore[arg-type]
+    paged = funcs["fp8_fp4_paged_mqa_logits"]((case.q, None), case.cache(), case.weights, case.context_lens,
+                                              case.block_tables, torch.zeros(2, 2, dtype=torch.int32),
+                                              case.max_model_len, logits_dtype=torch.float32)
+    assert_logits_match(paged, case.ref())
+
+
 def test_mqa_check_catches_wrong_scale_and_mask() -> None:
     c = make_mqa_case(seed=2)
     ref = c.ref()

@@ -55,7 +55,10 @@ plain torch in fp32 (fp8 inputs are widened to float32; the dot products run on 
 which are exact in TF32 too, and the scale, ReLU, head weights and head sum follow in fp32), so
 results match DeepGEMM up to fp32 summation order, deterministically, only slower.
 ``clean_logits`` is ignored: positions outside the valid range are always ``-inf``, so stale
-values can never be picked. Top-k selection, the K-cache writer and gather, FlashMLA-sparse
+values can never be picked. vLLM 0.34.0 passes ``logits_dtype`` (keyword) to both logits kernels:
+``torch.float32`` (its default, and what it resolves off SM100) or ``torch.bfloat16`` (SM100's
+default); the stand-in computes in float32 and returns that dtype, and refuses any other dtype as
+DeepGEMM does. Top-k selection, the K-cache writer and gather, FlashMLA-sparse
 attention and the DCP paths remain vLLM's real kernels.
 
 Constraints kept: peak extra memory is bounded (rows / requests are processed in chunks of about
@@ -112,6 +115,14 @@ def _fp8_values(q: tuple[torch.Tensor, torch.Tensor | None] | torch.Tensor) -> t
     return values
 
 
+_LOGITS_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _check_logits_dtype(logits_dtype: torch.dtype) -> None:
+    if logits_dtype not in _LOGITS_DTYPES:
+        raise TypeError(f"deep_gemm stand-in: logits_dtype must be float32 or bfloat16, got {logits_dtype}")
+
+
 def fp8_fp4_mqa_logits(
     q: tuple[torch.Tensor, torch.Tensor | None] | torch.Tensor,
     kv: tuple[torch.Tensor, torch.Tensor],
@@ -121,10 +132,13 @@ def fp8_fp4_mqa_logits(
     clean_logits: bool | int = True,
     *,
     max_seqlen_k: int | None = None,
+    logits_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Non-paged (prefill) MQA logits ``[M, N]`` float32, ``-inf`` outside ``[ks[m], ke[m])``; with
     ``max_seqlen_k`` (an int sixth argument, vLLM 0.33.0's form) compressed ``[M, max_seqlen_k]``:
-    column ``j`` of row ``m`` is key ``ks[m] + j``, ``-inf`` from ``ke[m] - ks[m]`` on."""
+    column ``j`` of row ``m`` is key ``ks[m] + j``, ``-inf`` from ``ke[m] - ks[m]`` on. ``logits_dtype``
+    (vLLM 0.34.0's keyword) is the dtype returned."""
+    _check_logits_dtype(logits_dtype)
     if max_seqlen_k is None and not isinstance(clean_logits, bool):
         max_seqlen_k = int(clean_logits)  # the sixth positional argument of DeepGEMM >= 2.8
     # the full form is always clean: out-of-range positions are -inf
@@ -171,7 +185,7 @@ def fp8_fp4_mqa_logits(
         valid = (offsets < (ke[start:end] - ks[start:end])) & (keys < num_k)
         picked = logits.gather(1, keys.clamp(0, max(0, num_k - 1))) if num_k else logits.new_zeros(keys.shape)
         out[start:end] = torch.where(valid, picked, float("-inf"))
-    return out
+    return out if logits_dtype == torch.float32 else out.to(logits_dtype)
 
 
 def get_paged_mqa_logits_metadata(
@@ -212,8 +226,12 @@ def fp8_fp4_paged_mqa_logits(
     max_model_len: int,
     clean_logits: bool = True,
     indices: torch.Tensor | None = None,
+    *,
+    logits_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Paged (decode) MQA logits ``[B * next_n, max_model_len]`` float32; graph-capturable."""
+    """Paged (decode) MQA logits ``[B * next_n, max_model_len]`` in ``logits_dtype`` (float32 unless
+    vLLM 0.34.0 asks for bfloat16); graph-capturable."""
+    _check_logits_dtype(logits_dtype)
     del schedule_metadata, clean_logits  # metadata unused; out-of-range positions are always -inf
     if indices is not None:
         raise NotImplementedError("deep_gemm stand-in: varlen paged MQA logits (indices=...) are not implemented")
@@ -245,7 +263,7 @@ def fp8_fp4_paged_mqa_logits(
             f"got {tuple(context_lens.shape)}"
         )
 
-    out = torch.full((batch * next_n, max_model_len), float("-inf"), dtype=torch.float32, device=device)
+    out = torch.full((batch * next_n, max_model_len), float("-inf"), dtype=logits_dtype, device=device)
     num_table_blocks = min(block_tables.shape[1], -(-max_model_len // block_size))
     span = num_table_blocks * block_size  # positions covered by the block table
     width = min(span, max_model_len)

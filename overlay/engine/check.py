@@ -360,6 +360,27 @@ def torch_under_test(version: Callable[[str], str] | None = None,
     return f"{have} (vllm pins {pins[0]})" if pins and pins[0] != have else have
 
 
+def gpus_under_test(query: Callable[[list[str]], str] | None = None) -> str:
+    """The GPUs the engines see, for the record: ``1 x NVIDIA H100 80GB HBM3`` (``nvidia-smi``'s names of
+    the devices ``CUDA_VISIBLE_DEVICES`` leaves, counted per name); ``CUDA_VISIBLE_DEVICES`` itself (or "")
+    where ``nvidia-smi`` cannot say."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
+    def smi(args: list[str]) -> str:
+        return subprocess.run(args, capture_output=True, text=True, check=True, timeout=30).stdout
+
+    query = query or smi
+    args = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"] + (["-i", visible] if visible else [])
+    try:
+        names = [line.strip() for line in query(args).splitlines() if line.strip()]
+    except (OSError, subprocess.SubprocessError):
+        return visible
+    counts: dict[str, int] = {}
+    for name in names:
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{n} x {name}" for name, n in counts.items()) or visible
+
+
 @dataclass
 class CheckOptions:
     """What a person chose for one engine check (``overlay engine-check``'s options, by name)."""
@@ -421,7 +442,7 @@ def run_check(ns: CheckOptions) -> int:
     meta = {"model": str(model), "tree": str(ns.tree or ""), "vllm": release, "release_facts": facts.to_dict(),
             "series": series_under_test(ns.tree), "torch": torch_under_test(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", ""), "parallel": ns.parallel,
+            "gpus": gpus_under_test(), "parallel": ns.parallel,
             **({"liveness": str(measure.lines.path)} if measure else {})}
     t0 = time.monotonic()
 

@@ -52,8 +52,8 @@ def draw(docs: list[tuple[str, dict[str, Any]]], out: Path) -> Path:
         ax.set_xticks(list(xs), [r[0] for r in rows], rotation=60, ha="right", fontsize=7)
         ax.set_ylabel("max |logprob - reference| (nats)")
         ax.set_title(f"{title}: {doc['summary'].get('verdict', '?')}", fontsize=9)
-        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.55), ncol=4)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.55), ncol=2)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, bbox_inches="tight")  # the legend below the axes stays whole
     plt.close(fig)
     return out

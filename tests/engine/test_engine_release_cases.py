@@ -262,3 +262,29 @@ def test_engine_check_vllm_refuses_another_build_in_one_line(tmp_path: Path,
     assert err[0].endswith(f"engine-check --vllm 0.33.0: the engines would import vllm 0.28.0 (--tree {tree}); "
                            "install or stage the 0.33.0 build first")
     assert not (tmp_path / "model").exists()
+
+
+def test_the_gpus_under_test_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The record names the GPUs the engines saw (nvidia-smi's names of the visible devices), not only
+    CUDA_VISIBLE_DEVICES, whose "0,1" says nothing of the machine a record was measured on."""
+    asked: list[list[str]] = []
+
+    def smi(names: str) -> Callable[[list[str]], str]:
+        def query(args: list[str]) -> str:
+            asked.append(args)
+            return names
+        return query
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert check.gpus_under_test(smi("NVIDIA H200\nNVIDIA H200\n")) == "2 x NVIDIA H200"
+    assert asked[-1][-2:] == ["-i", "0,1"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert check.gpus_under_test(smi("NVIDIA H100 80GB HBM3\n")) == "1 x NVIDIA H100 80GB HBM3"
+    assert "-i" not in asked[-1]
+
+    def missing(args: list[str]) -> str:
+        raise FileNotFoundError(args[0])
+
+    assert check.gpus_under_test(missing) == ""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert check.gpus_under_test(missing) == "3"

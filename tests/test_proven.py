@@ -100,6 +100,32 @@ def test_a_record_of_another_version_of_the_patch_says_so(tmp_path: Path) -> Non
     assert by["guard.patch"].on_path.startswith("not judged"), by["guard.patch"].on_path
 
 
+def test_a_run_that_carried_a_patch_and_ran_none_of_it_is_said_and_proves_nothing(tmp_path: Path) -> None:
+    """A coverage run of the build that carried this version of a patch, passed, and ran none of its lines
+    (a DCP patch at DCP 1) is named as not proving it, rather than "never"; one of another version is not."""
+    root = _setup(tmp_path)
+    sha = {p.name: p.sha256 for p in Series.load(root / "0.28.0").patches}
+    quiet = {"patches": [{"patch": "quiet.patch", "ran": 0, "added": 7},
+                         {"patch": "guard.patch", "ran": 1, "added": 2}]}
+    _record(tmp_path, "0.28.0-1xh100-2026-12-06", {"vllm": "0.28.0+ovlcccc", "gpus": "1 x NVIDIA H100",
+                                                  "started": "2026-12-06T05:00:00",
+                                                  "series": [{"name": n, "sha256": s} for n, s in sha.items()]},
+            [_case("ref-dcp1", 1, "reference", liveness=quiet), _case("ref-dcp1-mtp", 1, "reference", liveness=quiet)])
+    by = {p.name: p for p in proven(root, tmp_path / RECORDS)[0][0].patches}
+    assert by["quiet.patch"].engine == ("not proven: 0.28.0-1xh100-2026-12-06 (2026-12-06, GPUs 1 x NVIDIA H100) "
+                                        "DCP 1: its build served with this version and 2 case(s) passed, but none "
+                                        "of its 7 added statements ran",)
+    assert by["quiet.patch"].on_path.startswith("not judged")
+    # a patch a run proves keeps only its proofs
+    assert not any(line.startswith("not proven") for line in by["guard.patch"].engine)
+    # another version of the patch in that build: nothing said of this one
+    doc = json.loads((tmp_path / RECORDS / "0.28.0-1xh100-2026-12-06" / "results.json").read_text())
+    doc["meta"]["series"] = [{"name": "quiet.patch", "sha256": "0" * 64}]
+    (tmp_path / RECORDS / "0.28.0-1xh100-2026-12-06" / "results.json").write_text(json.dumps(doc))
+    by = {p.name: p for p in proven(root, tmp_path / RECORDS)[0][0].patches}
+    assert by["quiet.patch"].engine == ("never: no engine-check record of this build shows it",)
+
+
 def test_on_path_by_the_glm5_path_tests_of_its_rebase(tmp_path: Path) -> None:
     """A patch carried onto GLM-5's path by a person says which of its tests showed it there."""
     root = _setup(tmp_path)

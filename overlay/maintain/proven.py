@@ -17,7 +17,7 @@ from pathlib import Path
 from overlay.build.pins import release_order
 from overlay.build.series import Patch, Series
 from overlay.errors import OverlayError
-from overlay.maintain.engine_records import EngineRun, Proof, engine_runs, proofs, unattributed
+from overlay.maintain.engine_records import RAN, EngineRun, Proof, engine_runs, proofs, unattributed
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,24 @@ def _engine_lines(patch: Patch, runs: list[EngineRun]) -> tuple[list[str], list[
     return lines, current
 
 
+def _unexercised(patch: Patch, runs: list[EngineRun]) -> list[str]:
+    """For a patch no run proves: the runs that carried this version of it (``meta.series``), passed, and
+    measured its lines under coverage with none of them run. Not a proof, said so: the build served with it,
+    and the cases did not reach it (e.g. a DCP patch at DCP 1)."""
+    lines = []
+    for run in runs:
+        if run.series.get(patch.name) != patch.sha256:
+            continue
+        seen = [(c.dcp, added) for c in run.cases if not c.variant and c.verdict in RAN
+                for name, _, added in c.liveness if name == patch.name]
+        if seen:
+            gpus = f", GPUs {run.gpus}" if run.gpus else ""
+            dcp = ", ".join(map(str, sorted({d for d, _ in seen})))
+            lines.append(f"not proven: {run.where} ({run.day}{gpus}) DCP {dcp}: its build served with this version "
+                         f"and {len(seen)} case(s) passed, but none of its {seen[0][1]} added statements ran")
+    return lines
+
+
 def _on_path(entry: dict | None, current: list[Proof]) -> str:
     if entry and (entry.get("off_model_path") or entry.get("outcome") == "off-model-path"):
         return "no: off-model-path in its rebase.json (the patch is in the tree, GLM-5's path does not take it)"
@@ -110,7 +128,8 @@ def release_proof(patches_root: Path, release: str, runs: list[EngineRun]) -> Re
             rebased = f"{entry.get('outcome')} from {base}"
         lines, current = _engine_lines(patch, runs)
         rows.append(PatchProof(patch.name, rebased, _on_path(entry, current),
-                               tuple(lines) or ("never: no engine-check record of this build shows it",)))
+                               tuple(lines or _unexercised(patch, runs))
+                               or ("never: no engine-check record of this build shows it",)))
     recorded = tuple(f"{r.where} ({r.when}): {r.verdict}; DCP {', '.join(map(str, sorted({c.dcp for c in r.cases})))}"
                      for r in runs)
     return ReleaseProof(release, f"rebased from {base}" if base else "written on this release", tuple(rows), recorded)

@@ -57,8 +57,8 @@ results match DeepGEMM up to fp32 summation order, deterministically, only slowe
 ``clean_logits`` is ignored: positions outside the valid range are always ``-inf``, so stale
 values can never be picked. vLLM 0.34.0 passes ``logits_dtype`` (keyword) to both logits kernels:
 ``torch.float32`` (its default, and what it resolves off SM100) or ``torch.bfloat16`` (SM100's
-default); the stand-in computes in float32 and returns that dtype, and refuses any other dtype as
-DeepGEMM does. Top-k selection, the K-cache writer and gather, FlashMLA-sparse
+default); the stand-in computes in float32 and returns that dtype, and refuses any other dtype
+(0.34.0's wrapper documents only those two). Top-k selection, the K-cache writer and gather, FlashMLA-sparse
 attention and the DCP paths remain vLLM's real kernels.
 
 Constraints kept: peak extra memory is bounded (rows / requests are processed in chunks of about

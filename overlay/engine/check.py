@@ -38,6 +38,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -375,10 +376,7 @@ def gpus_under_test(query: Callable[[list[str]], str] | None = None) -> str:
         names = [line.strip() for line in query(args).splitlines() if line.strip()]
     except (OSError, subprocess.SubprocessError):
         return visible
-    counts: dict[str, int] = {}
-    for name in names:
-        counts[name] = counts.get(name, 0) + 1
-    return ", ".join(f"{n} x {name}" for name, n in counts.items()) or visible
+    return ", ".join(f"{n} x {name}" for name, n in Counter(names).items()) or visible
 
 
 @dataclass

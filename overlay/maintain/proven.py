@@ -67,6 +67,11 @@ def _version_note(proof: Proof, patch: Patch) -> str | None:
     return ""
 
 
+def _run_label(run: EngineRun) -> str:
+    """``where (day, GPUs ...)``: how a line names the run it speaks of."""
+    return f"{run.where} ({run.day}" + (f", GPUs {run.gpus}" if run.gpus else "") + ")"
+
+
 def _engine_lines(patch: Patch, runs: list[EngineRun]) -> tuple[list[str], list[Proof]]:
     """One line per run that proves ``patch``, and the proofs of runs that carried this version of it."""
     lines, current = [], []
@@ -75,8 +80,7 @@ def _engine_lines(patch: Patch, runs: list[EngineRun]) -> tuple[list[str], list[
         note = _version_note(proof, patch) if proof else None
         if proof is None or note is None:
             continue
-        gpus = f", GPUs {run.gpus}" if run.gpus else ""
-        lines.append(f"{run.where} ({run.day}{gpus}) DCP {proof.dcp}: {proof.detail}{note}")
+        lines.append(f"{_run_label(run)} DCP {proof.dcp}: {proof.detail}{note}")
         if not note:  # a run of another version of the patch says nothing of where this one runs
             current.append(proof)
     return lines, current
@@ -93,9 +97,8 @@ def _unexercised(patch: Patch, runs: list[EngineRun]) -> list[str]:
         seen = [(c.dcp, added) for c in run.cases if not c.variant and c.verdict in RAN
                 for name, _, added in c.liveness if name == patch.name]
         if seen:
-            gpus = f", GPUs {run.gpus}" if run.gpus else ""
             dcp = ", ".join(map(str, sorted({d for d, _ in seen})))
-            lines.append(f"not proven: {run.where} ({run.day}{gpus}) DCP {dcp}: its build served with this version "
+            lines.append(f"not proven: {_run_label(run)} DCP {dcp}: its build served with this version "
                          f"and {len(seen)} case(s) passed, but none of its {seen[0][1]} added statements ran")
     return lines
 

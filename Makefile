@@ -2,13 +2,22 @@
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
 
-VLLM ?= $(shell head -n 1 patches/DEFAULT)
+# The release every target uses unless VLLM= names another: the one line of patches/DEFAULT, read here
+# and nowhere else in the Makefile (flipping the default is a one-line change of that file).
+DEFAULT_VLLM := $(shell head -n 1 patches/DEFAULT)
+VLLM ?= $(DEFAULT_VLLM)
 VENV ?= .venv
 TEST_JOBS ?= auto
 PY := $(VENV)/bin/python
 PYTHON ?= python3
+# The tool's environment (.venv) runs on the default release's own torch: the `torch` field of its
+# pin.toml (the wheel's Requires-Dist pin, which the build checks it against).
+TORCH := $(shell sed -n 's/^torch *= *"\([0-9.]*\)".*/\1/p' patches/$(DEFAULT_VLLM)/pin.toml)
+# Where `make build` installs: the tool's environment for the default release, an environment of its own
+# (.venv-<release>, on that release's torch) for any other: one environment holds one release's torch.
+INSTALL ?= $(if $(filter $(DEFAULT_VLLM),$(VLLM)),$(VENV),$(VENV)-$(VLLM))
 TOOL_STAMP := $(VENV)/.overlay-tool
-BUILD_STAMP := $(VENV)/.overlay-build-$(VLLM)
+BUILD_STAMP := $(INSTALL)/.overlay-build-$(VLLM)
 # q: a variable's value as one shell word ($(call q,TO)), so that no value a user gives (TO, REF,
 # PROFILE, NAME, OUT, ...) ever becomes shell code; it takes the variable's name, so commas in the
 # value are kept. qw: each whitespace-separated word of a list variable (RELEASES, TAGS, ARGS, ...)
@@ -45,9 +54,11 @@ endif
 help: ## list every target
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  %-16s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-$(TOOL_STAMP): pyproject.toml | venv-python
+$(TOOL_STAMP): pyproject.toml patches/DEFAULT patches/$(DEFAULT_VLLM)/pin.toml | venv-python
+	@test -n '$(TORCH)' || { echo "make: patches/$(DEFAULT_VLLM)/pin.toml has no torch = \"X.Y.Z\" (the release's torch pin)" >&2; exit 2; }
 	@test -x $(call q,PY) || $(call q,PYTHON) -m venv $(call q,VENV)
-	$(call q,PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	@echo "make: $(VENV) on torch $(TORCH), vLLM $(DEFAULT_VLLM)'s pin (a CUDA build from PyPI runs on the CPU too) ..." >&2
+	$(call q,PY) -m pip install -q --disable-pip-version-check torch==$(TORCH)
 	$(call q,PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	@touch $(call q,TOOL_STAMP)
 
@@ -59,12 +70,12 @@ venv-python:
 	if { [ -L "$$py" ] && [ ! -e "$$py" ]; } || { [ -e "$$py" ] && ! "$$py" -c pass 2>/dev/null; }; then \
 		echo "make: $$py -> $$(readlink "$$py") does not run (its Python is gone): remove $$venv (rm -rf $$venv) and run make again" >&2; exit 2; fi
 
-build: $(TOOL_STAMP) ## build dist/vllm-<base>+<tag>-*.whl from the pinned wheel + series, install into .venv [VLLM=0.28.0]
-	$(OVERLAY) build --vllm $(call q,VLLM) --install $(call q,VENV)
+build: $(TOOL_STAMP) ## build dist/vllm-<base>+<tag>-*.whl from the pinned wheel + series, install into .venv (another release: .venv-<release>) [VLLM=<patches/DEFAULT> INSTALL=]
+	$(OVERLAY) build --vllm $(call q,VLLM) --install $(call q,INSTALL)
 	@touch $(call q,BUILD_STAMP)
 
 $(BUILD_STAMP): $(TOOL_STAMP) $(wildcard patches/$(VLLM)/*) $(wildcard overlay/*.py overlay/build/*.py)
-	$(OVERLAY) build --vllm $(call q,VLLM) --install $(call q,VENV)
+	$(OVERLAY) build --vllm $(call q,VLLM) --install $(call q,INSTALL)
 	@touch $(call q,BUILD_STAMP)
 
 test: $(BUILD_STAMP) ## the CPU test suite but the long tests, on TEST_JOBS workers (lint included, then upstream-tests); .ci/run runs it, then test-long [TEST_JOBS=auto]
@@ -86,10 +97,10 @@ lint: $(TOOL_STAMP) ## ruff on the tool, and patch-lint
 	$(OVERLAY) patch-lint --vllm $(call q,VLLM)
 
 .PHONY: patch-lint
-patch-lint: $(TOOL_STAMP) ## the lines the series adds, through the release's own ruff check + ruff format; exit 0 clean, 1 findings [VLLM=0.28.0]
+patch-lint: $(TOOL_STAMP) ## the lines the series adds, through the release's own ruff check + ruff format; exit 0 clean, 1 findings [VLLM=<patches/DEFAULT>]
 	$(OVERLAY) patch-lint --vllm $(call q,VLLM)
 
-status: $(TOOL_STAMP) ## each patch: subject, origin, kind, files, applies; per release and patch: rebased, on GLM-5's path, proven in an engine [VLLM=0.28.0]
+status: $(TOOL_STAMP) ## each patch: subject, origin, kind, files, applies; per release and patch: rebased, on GLM-5's path, proven in an engine [VLLM=<patches/DEFAULT>]
 	$(OVERLAY) status --vllm $(call q,VLLM)
 
 workspace: $(TOOL_STAMP) ## git tree .work/<VLLM> of the base + one commit per patch, to edit patches
@@ -126,9 +137,8 @@ rebase: $(TOOL_STAMP) ## carry the series onto release TO: every patch classifie
 	$(OVERLAY) rebase --vllm $(call q,VLLM) --to $(call q,TO)$(if $(NO_TESTS), --no-tests)
 
 .PHONY: patch-tests-matrix
-MATRIX_RELEASES ?= 0.29.0 0.30.0 0.31.0 0.32.0 0.33.0
-patch-tests-matrix: $(BUILD_STAMP) ## every patch's tests on every release, without and with it: OUT/matrix.md; exit 0 green or explained, 1 a red cell [RELEASES="0.29.0 ... 0.33.0" OUT=patch-tests-matrix]
-	$(OVERLAY) patch-tests-matrix --vllm $(call q,VLLM) --releases$(if $(RELEASES),$(call qw,RELEASES),$(call qw,MATRIX_RELEASES)) --out $(if $(OUT),$(call q,OUT),patch-tests-matrix)
+patch-tests-matrix: $(BUILD_STAMP) ## every patch's tests on every release, without and with it: OUT/matrix.md; exit 0 green or explained, 1 a red cell [RELEASES="x.y.z ..." (default: every pinned release newer than VLLM) OUT=patch-tests-matrix]
+	$(OVERLAY) patch-tests-matrix --vllm $(call q,VLLM)$(if $(RELEASES), --releases$(call qw,RELEASES)) --out $(if $(OUT),$(call q,OUT),patch-tests-matrix)
 
 rebase-continue: $(TOOL_STAMP) ## go on with a rebase that set patches aside, once the current one is resolved with git in .work/rebase-<TO>/; LEFT_OUT=1 WHY="..." leaves it out of the series [TO= NO_TESTS=1 LEFT_OUT=1 WHY=]
 	$(OVERLAY) rebase-continue$(if $(TO), --to $(call q,TO))$(if $(NO_TESTS), --no-tests)$(if $(LEFT_OUT), --left-out)$(if $(WHY), --why $(call q,WHY))

@@ -10,6 +10,7 @@ download that matches the fixed pin is taken without a download).
 
 from __future__ import annotations
 
+import dataclasses
 import contextlib
 import json
 import os
@@ -256,5 +257,8 @@ def fetch_release(
             copy_into_cache(unpinned, cache / "wheels", sha)
         except FetchError:
             pass  # not the published file: fetch_wheel downloads it
-    return pin, fetch_wheel(pin, cache=cache, downloader=downloader,
-                            expected_from="the sha256 the package index publishes")
+    wheel = fetch_wheel(pin, cache=cache, downloader=downloader,
+                        expected_from="the sha256 the package index publishes")
+    from overlay.build.install import torch_pin
+
+    return dataclasses.replace(pin, torch=torch_pin(wheel)), wheel

@@ -1,9 +1,12 @@
 """Install a built wheel into a virtual environment (``.venv`` by default), safely and fast.
 
-On our CPU machines the environment holds the CPU build of torch 2.13.0, vLLM's other
-requirements, and the wheel itself. PyPI's torchvision, torchaudio and torchcodec are CUDA
-builds that break ``import vllm`` beside CPU torch (docs/ARCHITECTURE.md, "Pins"), so they are left
-out here; on a GPU machine the wheel installs with a plain ``pip install``.
+The environment holds the torch the release pins (its wheel's ``Requires-Dist: torch==X``, also written
+as ``torch`` in its ``pin.toml``), vLLM's other requirements, and the wheel itself. torchvision,
+torchaudio and torchcodec are left out: they are not needed to import vLLM's modules, and PyPI's CUDA
+builds of them break ``import vllm`` beside a CPU torch (docs/ARCHITECTURE.md, "Pins"); on a GPU
+machine the wheel installs with a plain ``pip install``. One environment holds one release's torch:
+a wheel whose pin differs from the torch an environment already has is refused
+(:func:`torch_mismatch`), never swapped in under the other release's installs.
 
 The wheel never goes into the live environment piece by piece: it is staged next to it and
 swapped in (:mod:`overlay.build.swap`), so a kill leaves the old or the new vLLM importable and the
@@ -54,7 +57,6 @@ from overlay.interrupt import bound_to_parent
 
 # CUDA-only builds on PyPI that fail to import beside the CPU torch (docs/ARCHITECTURE.md, "Pins").
 CPU_SKIP = frozenset({"torchvision", "torchaudio", "torchcodec"})
-TORCH_CPU = "torch==2.13.0"
 DIST = "vllm"
 LOCK_NAME = ".overlay-install.lock"
 # Installed files up to this size are checked by hash before they are reused; larger ones
@@ -96,17 +98,47 @@ def requirements(wheel: Path, *, python_version: str = "", skip: frozenset[str] 
     return [str(req) for req in _requires_dist(wheel, python_version) if canonicalize_name(req.name) not in skip]
 
 
-def cpu_installable(wheel: Path) -> str | None:
-    """Why ``wheel`` cannot go into the CPU environment, or None when it can.
-
-    Later releases pin a newer torch (0.33.0: torch 2.14.0, a CUDA build of several GB), which
-    would replace the CPU torch 2.13.0 the environment and the tests are built on.
-    """
-    cpu = TORCH_CPU.split("==", 1)[1]
+def torch_pin(wheel: Path) -> str | None:
+    """The torch version the wheel pins exactly (``torch==X``), else None."""
     for req in _requires_dist(wheel):
-        if canonicalize_name(req.name) == "torch" and req.specifier and not req.specifier.contains(cpu):
-            return f"it requires torch{req.specifier}, and this environment is built on CPU torch {cpu}"
+        if canonicalize_name(req.name) == "torch":
+            pinned = [s.version for s in req.specifier if s.operator == "=="]
+            return pinned[0] if len(pinned) == 1 else None
     return None
+
+
+def check_torch_pin(pin_torch: str | None, wheel: Path, source: str) -> None:
+    """A :class:`~overlay.errors.PinError` naming ``source`` (the pin file) when its ``torch`` field is
+    missing or differs from the torch the wheel itself pins."""
+    from overlay.errors import PinError
+
+    pinned = torch_pin(wheel)
+    if pinned is not None and pin_torch != pinned:
+        have = f"is {pin_torch!r}" if pin_torch else "is missing"
+        raise PinError(f"{source}: field 'torch' {have}, but {wheel.name} pins torch=={pinned}: "
+                       f"write torch = \"{pinned}\" there")
+
+
+def installed_torch(python: Path) -> str | None:
+    """The torch version installed in the environment of ``python`` (local label dropped), else None."""
+    code = ("import importlib.metadata as m\ntry: print(m.version('torch'))\n"
+            "except m.PackageNotFoundError: print('')")
+    proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=False)
+    found = proc.stdout.strip() if proc.returncode == 0 else ""
+    return found.split("+", 1)[0] or None
+
+
+def torch_mismatch(wheel: Path, env_dir: Path) -> str | None:
+    """Why ``wheel`` cannot go into ``env_dir``, or None when it can: the environment already holds
+    another torch than the wheel pins (one environment, one release's torch)."""
+    python = env_dir / "bin" / "python"
+    pinned = torch_pin(wheel)
+    if pinned is None or not python.exists():
+        return None
+    have = installed_torch(python)
+    if have is None or have == pinned:
+        return None
+    return f"it pins torch=={pinned}, and {env_dir} holds torch {have} (another release's)"
 
 
 def _pip(python: Path, args: list[str], *, bound: bool = False) -> None:
@@ -173,9 +205,13 @@ def _install(wheel: Path, python: Path, site: Path, scripts: Path, *, with_deps:
             return InstallResult(python, "incremental", written=written)
     print(f"installing with pip: {why}", file=sys.stderr, flush=True)
     if with_deps:
-        print("installing requirements (torch CPU and vLLM's dependencies) ...", file=sys.stderr, flush=True)
-        _pip(python, ["install", "--disable-pip-version-check", TORCH_CPU])
-        _pip(python, ["install", "--disable-pip-version-check", TORCH_CPU, *requirements(wheel)])
+        reqs = requirements(wheel)
+        torch = [r for r in reqs if canonicalize_name(Requirement(r).name) == "torch"]
+        print(f"installing requirements ({', '.join(torch) or 'torch'} and vLLM's dependencies) ...",
+              file=sys.stderr, flush=True)
+        if torch:  # first alone: its own download is the largest, and a failure here names it
+            _pip(python, ["install", "--disable-pip-version-check", *torch])
+        _pip(python, ["install", "--disable-pip-version-check", *reqs])
     print(f"installing {wheel.name} ...", file=sys.stderr, flush=True)
     stage = swap.new_stage(site)
     try:

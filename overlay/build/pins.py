@@ -1,6 +1,9 @@
-"""``Pin``: the base release a series applies to (version, wheel file name, sha256).
+"""``Pin``: the base release a series applies to (version, wheel file name, sha256, its torch).
 
-Read from and written to ``patches/<version>/pin.toml``.
+Read from and written to ``patches/<version>/pin.toml``. ``torch`` is the release's own exact torch pin
+(its wheel's ``Requires-Dist: torch==X``), written here so that the Makefile can make the tool's
+environment on that torch before any Python of ours runs; the build refuses a pin whose ``torch``
+differs from the wheel's (:func:`overlay.build.install.check_torch_pin`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ INSIDE_PATCHES = "a series, pin or patch is read only from inside the patches fo
 (:func:`overlay.textfile.refuse_link_out`)."""
 _SHA256 = re.compile(r"^[0-9a-f]{64}\Z")
 _VERSION = re.compile(r"^\d+\.\d+\.\d+(?:\.post\d+|rc\d+)?\Z")  # \Z: "$" lets a trailing newline through
+_TORCH = re.compile(r"^\d+\.\d+\.\d+\Z")
 _PARTS = re.compile(r"^(?P<major>\d+)\.(?P<minor>\d+)\.(?P<patch>\d+)(?:\.post(?P<post>\d+)|rc(?P<rc>\d+))?\Z")
 
 
@@ -30,6 +34,7 @@ class Pin:
     sha256: str
     sdist: str | None = None
     sdist_sha256: str | None = None
+    torch: str | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, object], source: str) -> Pin:
@@ -52,7 +57,8 @@ class Pin:
         sha256 = text("sha256", True)
         sdist = text("sdist", False)
         sdist_sha256 = text("sdist_sha256", False)
-        unknown = sorted(set(data) - {"version", "wheel", "sha256", "sdist", "sdist_sha256"})
+        torch = text("torch", False)
+        unknown = sorted(set(data) - {"version", "wheel", "sha256", "sdist", "sdist_sha256", "torch"})
         if unknown:
             problems.append(f"unknown field(s) {', '.join(shown(str(k)) for k in unknown)}")
         if version is not None and not _VERSION.match(version):
@@ -61,13 +67,15 @@ class Pin:
             problems.append(f"field 'sha256' is not 64 lowercase hex digits: {shown(sha256)}")
         if sdist_sha256 is not None and not _SHA256.match(sdist_sha256):
             problems.append(f"field 'sdist_sha256' is not 64 lowercase hex digits: {shown(sdist_sha256)}")
+        if torch is not None and not _TORCH.match(torch):
+            problems.append(f"field 'torch' is not a torch release like 2.14.0: {shown(torch)}")
         if wheel is not None and version is not None and _VERSION.match(version):
             if not (wheel.startswith(f"vllm-{version}-") and wheel.endswith(".whl")):
                 problems.append(f"field 'wheel' {shown(wheel)} is not a vllm {version} wheel file name")
         if problems:
             raise PinError(f"{source}: " + "; ".join(problems))
         assert version and wheel and sha256
-        return cls(version, wheel, sha256, sdist, sdist_sha256)
+        return cls(version, wheel, sha256, sdist, sdist_sha256, torch)
 
     @classmethod
     def load(cls, path: Path, patches_root: Path | None = None) -> Pin:
@@ -104,6 +112,9 @@ class Pin:
             lines.append(f'sdist = "{self.sdist}"')
         if self.sdist_sha256:
             lines.append(f'sdist_sha256 = "{self.sdist_sha256}"')
+        if self.torch:
+            lines.append("# The release's own torch pin (its wheel's Requires-Dist), which its environment is made on.")
+            lines.append(f'torch = "{self.torch}"')
         return "\n".join(lines) + "\n"
 
 

@@ -22,6 +22,7 @@ from overlay import digest
 from overlay.build.apply import apply_series, wheel_reader
 from overlay.build.distdir import write_into
 from overlay.build.fetch import fetch_wheel, verify
+from overlay.build.install import check_torch_pin
 from overlay.build.pins import Pin, load_pin, pin_dir
 from overlay.build.series import Series
 from overlay.build.wheel import rewrite_wheel
@@ -150,6 +151,7 @@ def build(
             "the overlay cannot change prebuilt kernels: use `make image`, which rebuilds them"
         )
     wheel = _check_base(base_wheel, pin) or fetch_wheel(pin)
+    check_torch_pin(pin.torch, wheel, str(pin_dir(patches_root, version) / "pin.toml"))
     tag, full_version = target_wheel.tag, target_wheel.version
     with _readable(wheel, given=base_wheel is not None), zipfile.ZipFile(wheel) as zf:
         read = wheel_reader(zf)

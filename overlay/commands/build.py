@@ -24,7 +24,7 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_build(ns: argparse.Namespace) -> int:
-    from overlay.build.install import cpu_installable, install
+    from overlay.build.install import install, torch_mismatch
     from overlay.build.pipeline import build
 
     kernels = None
@@ -36,10 +36,11 @@ def cmd_build(ns: argparse.Namespace) -> int:
                    base_wheel=Path(ns.base_wheel) if ns.base_wheel else None, kernels=kernels)
     print(f"built {result.wheel} ({result.version}, {result.patches} patch(es), {result.seconds:.2f} s)",
           file=sys.stderr)
-    why_not = cpu_installable(result.wheel) if ns.install else None
+    why_not = torch_mismatch(result.wheel, Path(ns.install)) if ns.install else None
     if why_not:
-        print(f"not installed into {ns.install}: {why_not}; install it on a GPU machine with "
-              f"`pip install {result.wheel}`", file=sys.stderr)
+        print(f"not installed into {ns.install}: {why_not}; install it into its own environment "
+              f"(`make build VLLM=<release>` uses .venv-<release> for a release that is not the default) "
+              f"or on a GPU machine with `pip install {result.wheel}`", file=sys.stderr)
     elif ns.install:
         t0 = time.perf_counter()
         done = install(result.wheel, Path(ns.install), with_deps=not ns.no_deps)

@@ -1,11 +1,14 @@
 """Shared fixtures. ``OVERLAY_VLLM_TREE=<dir>`` makes ``import vllm`` load that tree.
 
 The patch tests use it to run against the unpatched base tree (see
-``tests/test_patches_against_base.py``); without it they test the installed patched wheel.
+``tests/test_patches_against_base.py``); without it they test the installed patched wheel, and only the
+tests of the patches in that wheel's series run here: every other carried release's patches are judged
+once, on their own release, by ``tests/test_patches_against_base.py``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -23,6 +26,62 @@ DEFAULT_VLLM = default_version(PATCHES)
 _tree = os.environ.get("OVERLAY_VLLM_TREE")
 if _tree:
     sys.path.insert(0, _tree)
+
+
+@functools.cache
+def installed_release() -> str | None:
+    """The release of the vLLM this environment imports (its public version), or None without one."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm").split("+", 1)[0]
+    except PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def _owners() -> dict[str, tuple[str, ...]]:
+    """Patch test stem (``flashmla_sparse_dcp``) -> the carried releases whose series hold that patch."""
+    from overlay.build.pins import carried_releases
+    from overlay.build.series import Series
+
+    owners: dict[str, tuple[str, ...]] = {}
+    for r in carried_releases(PATCHES):
+        for p in Series.load(PATCHES / r).patches:
+            stem = p.name.removesuffix(".patch").replace("-", "_")
+            owners[stem] = (*owners.get(stem, ()), r)
+    return owners
+
+
+def _patch_test_owner(path: Path, release: str) -> str | None:
+    """For a patch test file (``tests/patches/test_<patch>[__part].py``) of a patch some carried release has
+    and ``release``'s series lacks: that release. None for every other file."""
+    if path.parent != REPO / "tests" / "patches" or not path.name.startswith("test_"):
+        return None
+    found = _owners().get(path.stem.removeprefix("test_").split("__", 1)[0])
+    if not found or release in found:
+        return None
+    return found[-1]
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The tests of patches the installed release's series lacks are not collected here (not even imported:
+    they are written for their own release's modules); ``tests/test_patches_against_base.py`` runs them
+    there. A run on a given tree (``OVERLAY_VLLM_TREE``) collects what it is given."""
+    release = installed_release()
+    if release is None or _tree or collection_path.suffix != ".py":
+        return None
+    return True if _patch_test_owner(collection_path, release) is not None else None
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    release = installed_release()
+    if release is None or _tree:
+        return None
+    others = sorted(p.name for p in (REPO / "tests" / "patches").glob("test_*.py")
+                    if _patch_test_owner(p, release) is not None)
+    return (f"vLLM {release} installed: {len(others)} patch test file(s) of other carried releases run on their "
+            "own release in tests/test_patches_against_base.py") if others else None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

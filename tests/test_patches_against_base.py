@@ -1,59 +1,103 @@
-"""Every patch's tests fail without it: on the release plus the patches before it (and pass on the patched tree).
+"""Every carried release's patches, each judged once on its own release: their tests fail without the patch
+(on the release plus the patches before it) and pass with the series.
 
-The tests in ``tests/patches/test_<patch>.py`` (and its parts ``test_<patch>__<part>.py``) run
-in this process against the installed patched wheel. Here each file is run again in a
-subprocess with ``OVERLAY_VLLM_TREE`` set to the series' prefix tree, the base with every patch
-before this one (``overlay.maintain.trees.prefix_tree``), as ``make rebase`` and the patch-tests
-matrix judge a patch: it must fail there by behaviour, which proves it tests its own fix, not an
-earlier patch's (on the bare base a test can fail through an earlier patch's bug alone).
+The tests in ``tests/patches/test_<patch>.py`` (and its parts ``test_<patch>__<part>.py``) of the installed
+release's series run in this process against the installed patched wheel (``tests/conftest.py`` collects
+no others). Here each file is run again in a subprocess with ``OVERLAY_VLLM_TREE`` set to its release's
+prefix tree, the base with every patch before this one (``overlay.maintain.trees.prefix_tree``), as ``make
+rebase`` and the patch-tests matrix judge a patch: it must fail there by behaviour, which proves it tests its
+own fix, not an earlier patch's (on the bare base a test can fail through an earlier patch's bug alone).
+
+Every other carried release (``patches/<release>/``, found by :func:`overlay.build.pins.carried_releases`,
+none named here) runs in an environment of its own: its whole resolved dependency set on its own torch
+(``overlay.maintain.rebase.deps.release_deps``); its patch tests run there on its patched tree, where they
+must pass, and on each prefix, where they must fail.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import installed_release
 
+from overlay.build.fetch import fetch_wheel
+from overlay.build.pins import carried_releases, load_pin
 from overlay.build.series import Series
 from overlay.maintain import rebase  # not its test_file/test_files by name: pytest would collect them
 from overlay.maintain.rebase.testrun import describe, run_files
 from overlay.maintain.trees import base_tree, prefix_tree
 
 REPO = Path(__file__).resolve().parent.parent
+PATCHES = REPO / "patches"
 TESTS = REPO / "tests" / "patches"
-VERSION = "0.28.0"
-SERIES = Series.load(REPO / "patches" / VERSION)
+RELEASES = carried_releases(PATCHES)
+SERIES = {r: Series.load(PATCHES / r) for r in RELEASES}
+INSTALLED = installed_release()
 
 
-@pytest.mark.parametrize("patch", SERIES.patches, ids=lambda p: p.name)
-def test_patch_has_tests(patch) -> None:
+@functools.cache
+def _deps(release: str) -> Path | None:
+    """The environment ``release``'s runs get: None (this one) for the installed release, else its own."""
+    if release == INSTALLED:
+        return None
+    from overlay.maintain.rebase.deps import release_deps
+
+    return release_deps(release, fetch_wheel(load_pin(PATCHES, release)))
+
+
+def _files(release: str) -> list[tuple[int, Path]]:
+    return [(i, f) for i, p in enumerate(SERIES[release].patches) for f in rebase.test_files(TESTS, p.name)]
+
+
+def _id(value: object) -> str:
+    return value.stem if isinstance(value, Path) else str(value)
+
+
+@pytest.mark.parametrize(("release", "patch"), [(r, p) for r in RELEASES for p in SERIES[r].patches],
+                         ids=lambda v: v if isinstance(v, str) else v.name)
+def test_patch_has_tests(release: str, patch) -> None:
     main = rebase.test_file(TESTS, patch.name)
-    assert main.is_file(), f"{patch.name} has no {main.name}"
+    assert main.is_file(), f"{release}: {patch.name} has no {main.name}"
 
 
-@pytest.mark.parametrize(("index", "file"), [(i, f) for i, p in enumerate(SERIES.patches)
-                                             for f in rebase.test_files(TESTS, p.name)],
-                         ids=lambda v: v.stem if isinstance(v, Path) else str(v))
-def test_patch_tests_fail_without_the_patch(index: int, file: Path) -> None:
+@pytest.mark.parametrize(("release", "index", "file"), [(r, i, f) for r in RELEASES for i, f in _files(r)], ids=_id)
+def test_patch_tests_fail_without_the_patch(release: str, index: int, file: Path) -> None:
     """Some test fails on the release plus the patches before this one, and every failure there is about
     the behaviour: a harness error (the test's own setup, helpers or fixtures;
     ``overlay/maintain/rebase/failkind.py``) would prove nothing."""
-    tree = prefix_tree(REPO / "patches", VERSION, SERIES.patches[:index])
-    run = run_files([file], tree, cwd=REPO, timeout=900)
-    before = SERIES.patches[index - 1].name if index else "none"
-    assert run.behaviour_failed, (f"expected behaviour failures without {SERIES.patches[index].name} (the release "
-                                  f"plus the patches up to {before}), got {describe(run)}")
+    series = SERIES[release]
+    tree = prefix_tree(PATCHES, release, series.patches[:index])
+    run = run_files([file], tree, cwd=REPO, timeout=900, deps=_deps(release))
+    before = series.patches[index - 1].name if index else "none"
+    assert run.behaviour_failed, (f"expected behaviour failures without {series.patches[index].name} (vLLM "
+                                  f"{release} plus the patches up to {before}), got {describe(run)}")
     assert not run.harness_failed, f"harness errors without the patch: {run.first_error()}"
 
 
-def test_the_prefix_tree_holds_the_earlier_patches_only() -> None:
+@pytest.mark.parametrize(("release", "file"), [(r, f) for r in RELEASES if r != INSTALLED for _, f in _files(r)],
+                         ids=_id)
+def test_patch_tests_pass_on_their_release(release: str, file: Path) -> None:
+    """A carried release that is not installed here: its patches' tests pass on its patched tree, in its own
+    environment (the installed release's pass in this process)."""
+    series = SERIES[release]
+    tree = prefix_tree(PATCHES, release, series.patches)
+    run = run_files([file], tree, cwd=REPO, timeout=900, deps=_deps(release))
+    assert run.status == "passed", f"vLLM {release} with its series: {describe(run)}: {run.first_error()}"
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_prefix_tree_holds_the_earlier_patches_only(release: str) -> None:
     """The tree a patch is judged on carries every earlier patch's added lines and none of its own."""
-    patches = SERIES.patches
-    k = next(i for i, p in enumerate(patches) if i > 0 and any(f.endswith(".py") for f in p.touched))
-    tree = prefix_tree(REPO / "patches", VERSION, patches[:k])
+    patches = SERIES[release].patches
+    k = next((i for i, p in enumerate(patches) if i > 0 and any(f.endswith(".py") for f in p.touched)), None)
+    if k is None:
+        pytest.skip(f"vLLM {release}'s series has no second patch of Python files")
+    tree = prefix_tree(PATCHES, release, patches[:k])
     for i, patch in enumerate(patches[:k + 1]):
         for f in patch.files:
             if not f.new_path or not f.new_path.endswith(".py") or not f.added:
@@ -68,7 +112,8 @@ def test_the_prefix_tree_holds_the_earlier_patches_only() -> None:
 
 def test_base_tree_is_importable_and_unpatched() -> None:
     """The switch itself works: the subprocess really imports the base tree."""
-    tree = base_tree(REPO / "patches", VERSION)
+    release = INSTALLED or RELEASES[-1]
+    tree = base_tree(PATCHES, release)
     code = "import vllm, json; print(vllm.__file__); print(vllm.__version__)"
     env = dict(os.environ, OVERLAY_VLLM_TREE=str(tree))
     out = subprocess.run(
@@ -76,4 +121,4 @@ def test_base_tree_is_importable_and_unpatched() -> None:
         env=env, capture_output=True, text=True, check=True,
     ).stdout.split()
     assert out[0].startswith(str(tree))
-    assert out[1] == VERSION
+    assert out[1] == release

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from overlay.build.pins import carried_releases
+
 from overlay.build.sdist import extract_subtree
 from overlay.errors import FetchError
 from overlay.maintain.upstream_tests import (
@@ -102,14 +104,16 @@ def test_expectations_validation() -> None:
         "expected_failure[1]: test 'a.py' is not a node id (tests/...py::name)")
 
 
-def test_shipped_expectations_load() -> None:
+@pytest.mark.parametrize("release", carried_releases(Path(__file__).resolve().parent.parent / "patches"))
+def test_every_carried_release_has_its_expectations(release: str) -> None:
+    """Each release keeps its own reviewed expectations in its folder, naming only its own patches."""
     from overlay.build.series import Series
-    from overlay.maintain.upstream_tests import EXPECTED_DIR
+    from overlay.maintain.upstream_tests import EXPECTED_NAME
 
-    repo = Path(__file__).resolve().parent.parent
-    names = {p.name for p in Series.load(repo / "patches" / "0.28.0").patches}
-    exp = Expectations.load(EXPECTED_DIR / "0.28.0.toml", names)
-    assert exp.expected and all(e.reason for e in exp.expected)
+    patches = Path(__file__).resolve().parent.parent / "patches"
+    names = {p.name for p in Series.load(patches / release).patches}
+    exp = Expectations.load(patches / release / EXPECTED_NAME, names)
+    assert all(e.reason for e in exp.expected) and all(e.reason for e in exp.exclude_modules)
 
 
 def test_relative_results_and_tree_paths_work_from_the_repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

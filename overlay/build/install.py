@@ -51,6 +51,7 @@ from overlay import digest, lock
 from overlay.atomic import child_tmpdir
 from overlay.atomic import umask as current_umask
 from overlay.build import swap
+from overlay.build.stand_ins import swap_all
 from overlay.build.wheel import dist_info_name, read_record, record_hash
 from overlay.errors import OverlayError
 from overlay.interrupt import bound_to_parent
@@ -205,7 +206,9 @@ def _install(wheel: Path, python: Path, site: Path, scripts: Path, *, with_deps:
             return InstallResult(python, "incremental", written=written)
     print(f"installing with pip: {why}", file=sys.stderr, flush=True)
     if with_deps:
-        reqs = requirements(wheel)
+        reqs, swapped = swap_all(requirements(wheel))
+        for line in swapped:  # an exact pin the index does not serve: its stand-in, said
+            print(f"installing requirements: {line}", file=sys.stderr, flush=True)
         torch = [r for r in reqs if canonicalize_name(Requirement(r).name) == "torch"]
         print(f"installing requirements ({', '.join(torch) or 'torch'} and vLLM's dependencies) ...",
               file=sys.stderr, flush=True)

@@ -6,8 +6,8 @@ lines, the series *up to* that fix: the tree as it was before the fix), plus ``s
 unpatched base. For each, this writes ``<variant>.tar.gz`` holding every file the whole series
 touches, with that variant's contents (the base's where the variant leaves a file alone), and
 ``variants.json`` naming what each variant is and what the check must see (the bug report's
-symptom; for a later release, ``RELEASE_EXPECT``: its own, one or more cases each, ``pass`` where the
-fix does nothing there). On the device, ``scripts/device-variants.sh`` lays each variant over the staged tree
+symptom; for a release whose code makes a variant show something else, the ``[[expect]]`` of its own
+``patches/<release>/engine.toml``: one or more cases each, ``pass`` where the fix does nothing there). On the device, ``scripts/device-variants.sh`` lays each variant over the staged tree
 as a symlink farm (``/tmp/variants/<variant>/vllm``), and ``overlay engine-check --tree`` runs it
 (``overlay engine-variants`` writes them).
 """
@@ -24,6 +24,7 @@ from overlay.build.archive import tar_bytes
 from overlay.build.fetch import fetch_wheel
 from overlay.build.pins import load_pin, pin_dir
 from overlay.build.series import Patch, Series
+from overlay.engine import release_table
 from overlay.errors import ApplyError
 
 # The fix patches: what the engine check must see without each (the seed's bug reports), and
@@ -60,28 +61,11 @@ EXPECT: dict[str, tuple[str, str, str | None]] = {
 }
 
 
-# A later release's own expectations, where its code makes a variant show something else than on the
-# default pin (``stock`` is that release unpatched): one or more (expect, symptom, case) per variant,
-# ``pass`` where the fix does nothing there. The rest follow EXPECT.
-RELEASE_EXPECT: dict[str, dict[str, tuple[tuple[str, str, str | None], ...]]] = {
-    "0.33.0": {
-        # 0.33.0 has FlashMLA-sparse DCP of its own: unpatched, it serves; what it still lacks at DCP 1
-        # is the prompt-logprobs fix, under the V1 model runner
-        "stock": (("mismatch", "the unpatched 0.33.0 under VLLM_USE_V2_MODEL_RUNNER=0: MTP moves prompt "
-                               "logprobs (upstream #53488, as on 0.28.0)", "ref-dcp1-mtp-v1"),),
-        "spec-decode-prompt-logprobs-graph-pool.patch": (
-            ("pass", "Model Runner V2 (0.33.0's default) computes prompt logprobs from the target's own "
-                     "hidden states: without the patch nothing changes", "ref-dcp1-mtp"),
-            ("mismatch", "under VLLM_USE_V2_MODEL_RUNNER=0 MTP moves prompt logprobs: computed from drafter "
-                         "output in the CUDA-graph pool, as on 0.28.0", "ref-dcp1-mtp-v1"),
-        ),
-    },
-}
-
-
 def expectations(version: str, key: str) -> tuple[tuple[str, str, str | None], ...]:
-    """What the variant of ``key`` (``stock`` or a patch file name) must show on ``version``'s build."""
-    own = RELEASE_EXPECT.get(version, {}).get(key)
+    """What the variant of ``key`` (``stock`` or a patch file name) must show on ``version``'s build: the
+    release's own ``[[expect]]`` jobs (``patches/<version>/engine.toml``, where its code makes a variant show
+    something else than EXPECT says: ``pass`` where the fix does nothing there), else :data:`EXPECT`."""
+    own = release_table.load(version).expect.get(key)
     return own if own is not None else (EXPECT[key],)
 
 
@@ -93,13 +77,14 @@ NO_VARIANT: dict[str, str] = {
 }
 
 
-# Trees for bench-engine's A/B, not bugs: the series plus a patch of ``variant_patches/`` that
-# brings an earlier behaviour back (``<version>-<name>.patch``). No case: nothing is expected of them.
+# Trees for bench-engine's A/B, not bugs: the series plus a patch of the release's own
+# ``patches/<version>/bench-variants/<name>.patch`` that brings an earlier behaviour back. No case: nothing
+# is expected of them.
 BENCH_VARIANTS: dict[str, str] = {
     "mtp-as-prefills": "MTP steps built as prefills under DCP and spec decoding in PIECEWISE graphs "
                        "(the series before 2026-12-01): bench-engine's B for the MTP graph-mode A/B",
 }
-VARIANT_PATCHES = Path(__file__).resolve().parent / "variant_patches"
+BENCH_VARIANTS_DIR = "bench-variants"
 
 
 def build_variants(patches_root: Path, version: str, out: Path, *, base_wheel: Path | None = None) -> dict[str, Any]:
@@ -131,7 +116,7 @@ def build_variants(patches_root: Path, version: str, out: Path, *, base_wheel: P
                 plans.append((f"minus-{p.name.removesuffix('.patch')}", series.patches[:i],
                               f"the series up to {p.name} (without it a later patch does not apply: {reason})"))
         for name, what in BENCH_VARIANTS.items():
-            extra = VARIANT_PATCHES / f"{version}-{name}.patch"
+            extra = pin_dir(patches_root, version) / BENCH_VARIANTS_DIR / f"{name}.patch"
             if extra.is_file():
                 plans.append((name, (*series.patches, Patch.load(extra)), what))
         for variant, patches, what in plans:

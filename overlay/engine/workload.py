@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from overlay.engine import release_table
+
 if TYPE_CHECKING:
     from overlay.releases.facts import ReleaseFacts
 
@@ -71,9 +73,6 @@ PROFILE_SETTINGS: dict[str, dict[str, Any]] = {
                                                           "VLLM_DCP_PROJECT_BEFORE_MERGE": "1"}},
     "tiny-glm5-tp2-dcp2-agrs-mtp5": {"backend": "ag_rs", "env": {"VLLM_DCP_PROJECT_BEFORE_MERGE": "1"}},
 }
-# The series whose ACTS cases() declares when no release facts are given (patches/DEFAULT:
-# tests/engine/test_liveness_run.py).
-DEFAULT_RELEASE = "0.28.0"
 # A fixed KV cache per GPU instead of vLLM's free-memory profiling: engines of the check run side
 # by side on the same GPUs (``engine.check --parallel``), and a profile would count the others'
 # allocations as its own. 2 GiB holds about 600k tokens of this checkpoint (fp8_ds_mla 656 B +
@@ -212,35 +211,16 @@ def _v1_runner(c: Case) -> bool:
     return c.env.get("VLLM_USE_V2_MODEL_RUNNER") == V1_RUNNER_ENV["VLLM_USE_V2_MODEL_RUNNER"]
 
 
-# Which patches must act in a case of a release's build (``Case.acts``): patch file name -> whether it must
-# in that case, from what each patch changes. The rest are reported only. The names must be in the
-# release's series (tests/engine/test_liveness_run.py; engine-check --coverage refuses one that is not).
-ACTS: dict[str, dict[str, Callable[[Case], bool]]] = {
-    "0.28.0": {
-        # FlashMLA-sparse's DCP decode (LSE, top-k localized to the rank's shard): every DCP > 1 engine
-        "flashmla-sparse-dcp.patch": lambda c: c.dcp > 1,
-        "flashmla-sparse-dcp-spec-cudagraphs.patch": _piecewise_mtp,
-        # MLAAttention's __init__ decides the projection (on, or off by VLLM_DCP_PROJECT_BEFORE_MERGE=0)
-        # and forward_impl's DCP merge takes it: every DCP > 1 engine
-        "dcp-project-before-merge.patch": lambda c: c.dcp > 1,
-        # every request asks for prompt logprobs; 0.28.0 runs the V1 runner, whose sample_tokens it changes
-        "spec-decode-prompt-logprobs-graph-pool.patch": lambda c: c.mtp,
-    },
-    "0.33.0": {
-        # off by default on 0.33.0 (no DCP > 1 engine run of its build yet): it acts where a case turns it
-        # on at DCP > 1, in DeepseekV32Attention._sparse_indexer_and_attn's merge (and forward_impl's)
-        "dcp-project-before-merge.patch": lambda c: c.dcp > 1 and c.env.get("VLLM_DCP_PROJECT_BEFORE_MERGE") == "1",
-        "flashmla-sparse-dcp-spec-cudagraphs.patch": _piecewise_mtp,
-        # the V1 runner only: Model Runner V2 (0.33.0's default) has its own sample path
-        "spec-decode-prompt-logprobs-graph-pool.patch": lambda c: c.mtp and _v1_runner(c),
-    },
-}
-
-
 def declared_acts(case: Case, release: str | None) -> tuple[str, ...]:
-    """The patches that must act in ``case`` on ``release``'s build (None: ``DEFAULT_RELEASE``), by
-    :data:`ACTS`; none for a release it does not list."""
-    return tuple(name for name, applies in ACTS.get(release or DEFAULT_RELEASE, {}).items() if applies(case))
+    """The patches that must act in ``case`` on ``release``'s build (None: the default release's), by the
+    ``[acts]`` of that release's own ``patches/<release>/engine.toml`` (:mod:`overlay.engine.release_table`);
+    none for a release without one. The names must be in the release's series
+    (tests/engine/test_liveness_run.py; engine-check --coverage refuses one that is not)."""
+    from overlay.build.pins import REPO_PATCHES, default_version
+
+    table = release_table.load(release or default_version(REPO_PATCHES))
+    return tuple(name for name, conds in table.acts.items()
+                 if release_table.predicate(conds, _piecewise_mtp, _v1_runner)(case))
 
 
 def cases(tp: int = 2, facts: ReleaseFacts | None = None) -> list[Case]:

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from overlay.build.pins import release_order
+from overlay.build.pins import carried_releases, release_order
 from overlay.build.series import Patch, Series
 from overlay.errors import OverlayError
 from overlay.maintain.engine_records import RAN, EngineRun, Proof, engine_runs, proofs, unattributed
@@ -140,7 +140,7 @@ def release_proof(patches_root: Path, release: str, runs: list[EngineRun]) -> Re
 
 def proven(patches_root: Path, records: Path) -> tuple[list[ReleaseProof], list[str]]:
     """Every release ``patches_root`` holds a series for, oldest first, and the records that name no build."""
-    releases = sorted((p.name for p in patches_root.iterdir() if (p / "series").is_file()), key=release_order)
+    releases = carried_releases(patches_root)
     runs = engine_runs(records)
     out = []
     for release in releases:

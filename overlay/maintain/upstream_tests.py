@@ -4,7 +4,7 @@ The release's ``tests/`` tree comes from its verified sdist (``<cache>/sdists/``
 into ``<cache>/upstream-tests/<version>-<sdist sha256[:12]>/tests/``. The selection rule: every
 ``test_*.py`` file there that imports a Python module the series touches (``import vllm.a.b``,
 ``from vllm.a.b import x``, ``from vllm.a import b``, at any depth of the file), less the modules
-and files the expected file (``overlay/maintain/upstream_expected/<version>.toml``) leaves out, each with
+and files the release's expected file (``patches/<version>/upstream-tests.toml``) leaves out, each with
 its reason. The files run in one pytest process against the installed vLLM with a per-test
 timeout; tests needing CUDA skip themselves (vLLM's ``skipif`` / ``current_platform`` checks).
 
@@ -33,7 +33,7 @@ from overlay.build.series import Series
 from overlay.errors import OverlayError
 from overlay.interrupt import bound_to_parent
 
-EXPECTED_DIR = Path(__file__).resolve().parent / "upstream_expected"
+EXPECTED_NAME = "upstream-tests.toml"  # in the release's folder, beside its pin and series: the release's own
 PLUGIN = "overlay.maintain.upstream_plugin"
 RESULTS_ENV = "OVERLAY_UPSTREAM_RESULTS"
 # vLLM's tests/conftest.py imports tblib (a test requirement of vLLM's, not of vLLM) only to
@@ -66,7 +66,7 @@ class ExpectedFailure:
 
 @dataclass(frozen=True)
 class Expectations:
-    """``overlay/maintain/upstream_expected/<version>.toml``: selection exclusions and expected failures."""
+    """``patches/<version>/upstream-tests.toml``: selection exclusions and expected failures."""
 
     exclude_modules: tuple[Excluded, ...] = ()
     exclude_tests: tuple[Excluded, ...] = ()
@@ -342,7 +342,7 @@ def run(patches_root: Path, version: str, out: Path, *, timeout: int = 300, cach
         source = str(patches_root / version / "pin.toml")
         _, sdist_sha = sdist_fields(pin, source)
         series = Series.load(patches_root / version)
-        expected_file = expected_file or EXPECTED_DIR / f"{version}.toml"
+        expected_file = expected_file or patches_root / version / EXPECTED_NAME
         exp = Expectations.load(expected_file, {p.name for p in series.patches})
         sdist = sdist or fetch_sdist(pin, source, cache=cache, downloader=pip_url_download_sdist)
         root = tests_tree(sdist, sdist_sha, version, cache)

@@ -14,12 +14,16 @@ build`` had filled ``.venv`` the runs worked, on a fresh clone (``make rebase`` 
 only) the old base's tests stopped at ``No module named 'uvloop'`` and two patches were set aside as
 conflicts. A verdict now depends on the release and the key, not on what happened to be installed.
 
-The torch family is left to this environment's CPU build (PyPI's builds are CUDA ones that do not
-import beside it; 0.33.0 pins torch 2.14.0 and runs on 2.13.0 here): the resolution sees a stand-in
-wheel of torch (the release's exact pin, else this torch's version) that requires what this torch
-requires, so torch's own dependencies are in the set and PyPI's CUDA ones are not; the family is
-never installed into the folder. The key is the wheel, Python, the machine, this torch and the
-runner: the same key is the same environment on every clone.
+Torch is the release's own: a release that pins exactly the torch this environment has runs on it
+(the resolution sees a stand-in wheel of torch that requires what this torch requires, so torch's own
+dependencies are in the set and nothing is installed twice); a release that pins another torch gets
+that torch resolved and installed into its folder with the rest (production's release pins torch
+2.13.0, which this machine's pip takes from its CPU build on disk; elsewhere PyPI's build, a CUDA one,
+which runs on the CPU too), and the run then puts no torch of this environment on its path.
+torchvision, torchaudio and torchcodec are never installed (vLLM's modules import without them, and
+PyPI's CUDA builds of them break ``import vllm`` beside a CPU torch). The key is the wheel, Python,
+the machine, the torch the run gets and the runner: the same key is the same environment on every
+clone.
 
 A release may pin a version the index does not serve (0.34.0: ``flashinfer-python==0.7.3``, which
 PyPI never had; it has 0.7.2.post1 and 0.7.4): ``overlay/build/stand_ins.py`` names the version resolved in
@@ -46,7 +50,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from overlay import digest
+from overlay import digest, lock
 from overlay.atomic import child_tmpdir, scratch, temp_dir
 from overlay.build.fetch import cache_dir
 from overlay.build.install import CPU_SKIP, requirements
@@ -55,7 +59,8 @@ from overlay.build.stand_ins import TABLE, exact_pin, stand_in_version, swap_all
 from overlay.errors import OverlayError
 from overlay.interrupt import bound_to_parent
 
-FAMILY = CPU_SKIP | {"torch"}  # the environment's own CPU torch serves every release; the rest stay out
+FAMILY = CPU_SKIP | {"torch"}  # torch: this environment's, or the release's own in its folder; the rest stay out
+OWN_TORCH = "torch"  # the folder's own torch package: present, the run takes it instead of this environment's
 RUNNER = ("pytest==9.2.0", "pytest-timeout==2.4.0")  # pyproject's test pins (held there by a test)
 SCHEME = "whole-closure-1"  # how a folder is made: a new scheme is a new key
 _VERSION = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
@@ -104,21 +109,37 @@ def env_torch() -> Torch:
     return Torch(dist.version, tuple(dist.requires or ()), entries)
 
 
+def own_torch(wheel: Path, torch: Torch) -> str | None:
+    """The torch the release pins exactly when it is not this environment's (its folder then holds it),
+    else None (the run takes this environment's torch)."""
+    for text in requirements(wheel, skip=frozenset()):
+        req = Requirement(text)
+        if canonicalize_name(req.name) == "torch":
+            pinned = exact_pin(req)
+            if pinned is not None and Version(pinned).public != Version(torch.version).public:
+                return pinned
+    return None
+
+
 def roots(wheel: Path, torch: Torch) -> tuple[list[str], dict[str, tuple[str, tuple[str, ...]]]]:
     """What the resolution starts from: the wheel's requirements for this machine less the torch
-    family (an exact pin ``overlay/build/stand_ins.py`` names at its stand-in version), plus :data:`RUNNER`;
-    and the stand-ins of the family, ``name -> (version, requires)`` (torch always, at the release's
-    exact pin or else this torch's version; the others the release pins exactly, requiring nothing)."""
+    family (an exact pin ``overlay/build/stand_ins.py`` names at its stand-in version), plus :data:`RUNNER`
+    (and ``torch==X`` when the release pins a torch this environment lacks: :func:`own_torch`);
+    and the stand-ins of the family, ``name -> (version, requires)`` (torch when it is this environment's,
+    at its version; the others the release pins exactly, requiring nothing)."""
     keep: list[str] = []
     stubs: dict[str, tuple[str, tuple[str, ...]]] = {}
+    own = own_torch(wheel, torch)
     for text in requirements(wheel, skip=frozenset()):
         req = Requirement(text)
         name = canonicalize_name(req.name)
         if name not in FAMILY:
             keep.append(stand_in_version(req))
+        elif name == "torch" and own is not None:
+            keep.append(f"torch=={own}")
         elif (pinned := exact_pin(req)) is not None:
             stubs[name] = (pinned, torch.requires if name == "torch" else ())
-    if "torch" not in stubs:
+    if "torch" not in stubs and own is None:
         stubs["torch"] = (Version(torch.version).public, torch.requires)
     return sorted(set(keep)) + list(RUNNER), stubs
 
@@ -170,8 +191,10 @@ def pip_resolve(reqs: list[str]) -> list[str]:
         _pip(["install", "-q", "--dry-run", "--ignore-installed", "--prefer-binary", "--disable-pip-version-check",
               "--report", str(report), *reqs], f"resolve the test environment ({len(reqs)} requirements)")
         items = json.loads(report.read_text(encoding="utf-8")).get("install") or []
+    keep_torch = any(canonicalize_name(Requirement(r).name) == "torch" and " @ " not in r for r in reqs)
     pins = {f"{canonicalize_name(i['metadata']['name'])}=={i['metadata']['version']}" for i in items
-            if canonicalize_name(i["metadata"]["name"]) not in FAMILY}
+            if canonicalize_name(i["metadata"]["name"]) not in FAMILY
+            or (keep_torch and canonicalize_name(i["metadata"]["name"]) == "torch")}
     return sorted(pins)
 
 
@@ -182,8 +205,10 @@ def pip_target(pins: list[str], dest: Path) -> None:
 
 
 def key_of(wheel: Path, torch: Torch, reqs: list[str], stubs: dict[str, tuple[str, tuple[str, ...]]]) -> str:
-    """What makes a release's environment: its wheel, Python, the machine, this torch, the runner."""
-    parts = [SCHEME, wheel.name, sys.version, platform.machine(), torch.version, *torch.requires, *reqs,
+    """What makes a release's environment: its wheel, Python, the machine, the torch its runs get (this
+    environment's, unless ``reqs`` name the release's own), the runner."""
+    env = (torch.version, *torch.requires) if "torch" in stubs else ()
+    parts = [SCHEME, wheel.name, sys.version, platform.machine(), *env, *reqs,
              *(f"{n}=={v}" for n, (v, _) in sorted(stubs.items()))]
     return digest.of_text("\n".join(parts))[:12]
 
@@ -197,8 +222,21 @@ def release_deps(release: str, wheel: Path, *, cache: Path | None = None, resolv
     dest = root / f"{release}-{key_of(wheel, torch, reqs, stubs)}"
     if (dest / DONE).is_file():
         return dest
-    print(f"deps {release}: resolving its whole dependency set for the test runs (torch: this environment's "
-          f"{torch.version}) into {dest} ...", file=sys.stderr, flush=True)
+    root.mkdir(parents=True, exist_ok=True)
+    # One maker per folder: two test workers (or two commands) asking at once would each install it, and the
+    # second's replace would pull the folder from under the first's runs.
+    with lock.held(root / f".{dest.name}.lock", f"another run making {dest.name}"):
+        if not (dest / DONE).is_file():
+            _make(release, wheel, torch, reqs, stubs, root, dest, resolver, installer)
+    return dest
+
+
+def _make(release: str, wheel: Path, torch: Torch, reqs: list[str], stubs: dict[str, tuple[str, tuple[str, ...]]],
+          root: Path, dest: Path, resolver: Resolver | None, installer: Installer | None) -> None:
+    own = own_torch(wheel, torch)
+    which = f"its own {own}" if own else f"this environment's {torch.version}"
+    print(f"deps {release}: resolving its whole dependency set for the test runs (torch: {which}) into {dest} ...",
+          file=sys.stderr, flush=True)
     for line in swap_all(requirements(wheel, skip=frozenset()))[1]:
         print(f"deps {release}: {line}", file=sys.stderr, flush=True)
     with temp_dir(root, ".install-", legacy=(f".{dest.name}-",)) as tmp:  # a killed run's is removed by the next
@@ -216,7 +254,7 @@ def release_deps(release: str, wheel: Path, *, cache: Path | None = None, resolv
         if dest.exists():
             shutil.rmtree(dest)  # an earlier attempt that did not complete
         os.replace(tmp, dest)
-    return dest
+
 
 
 def deps_for(wheels: dict[str, Path]) -> Callable[[str], Path | None]:
@@ -236,8 +274,10 @@ def deps_for(wheels: dict[str, Path]) -> Callable[[str], Path | None]:
 
 def run_path(deps: Path, scratch: Path, torch: Torch | None = None) -> list[Path]:
     """What a test run of a tree puts after the tree on ``sys.path`` (its Python started with ``-S``,
-    so nothing else of this environment): ``deps``, then a folder in ``scratch`` of links to this
-    environment's torch."""
+    so nothing else of this environment): ``deps``, then, unless ``deps`` holds the release's own torch,
+    a folder in ``scratch`` of links to this environment's torch."""
+    if (deps / OWN_TORCH).is_dir():
+        return [deps]
     torch = torch or env_torch()
     view = scratch / "torch"
     view.mkdir(parents=True, exist_ok=True)
@@ -251,9 +291,9 @@ def run_path(deps: Path, scratch: Path, torch: Torch | None = None) -> list[Path
 def environment_of(deps: Path, torch: Torch | None = None) -> str:
     """The run environment of ``deps`` as one digest (its resolved set, this torch, Python), for the
     test runs kept (:mod:`overlay.maintain.rebase.runcache`)."""
-    torch = torch or env_torch()
     try:
         pins = (deps / DONE).read_text(encoding="utf-8")
     except OSError:
         pins = ""
-    return digest.of_text("\n".join([sys.version, deps.name, pins, f"torch=={torch.version}"]))
+    version = "own" if (deps / OWN_TORCH).is_dir() else (torch or env_torch()).version
+    return digest.of_text("\n".join([sys.version, deps.name, pins, f"torch=={version}"]))

@@ -11,7 +11,7 @@ import pytest
 
 from overlay.build.apply import apply_series
 from overlay.build.fetch import fetch_release, sha256_file
-from overlay.build.pins import Pin, load_pin
+from overlay.build.pins import Pin, carried_releases, load_pin
 from overlay.build.series import Patch, Series
 from overlay.errors import FetchError
 from overlay.maintain.rebase import RebaseError, TestRun, pytest_runner, resume, start
@@ -470,18 +470,19 @@ def test_real_releases_rename_dcp_utils_to_dcp(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_committed_0_33_0_series_applies_to_its_wheel() -> None:
-    """``patches/0.33.0`` (written by the real rebase) applies to the pinned 0.33.0 wheel, as in
-    ``overlay status --vllm 0.33.0``; the wheel is fetched once into the cache and verified."""
+@pytest.mark.parametrize("release", carried_releases(REPO_PATCHES))
+def test_committed_series_applies_to_its_wheel(release: str) -> None:
+    """Every carried ``patches/<release>`` applies to its pinned wheel, as in ``overlay status --vllm
+    <release>``; the wheel is fetched once into the cache and verified."""
     from overlay.build.fetch import fetch_wheel
     from overlay.build.pins import load_pin
     from overlay.maintain.status import series_status
 
-    pin = load_pin(REPO_PATCHES, "0.33.0")
+    pin = load_pin(REPO_PATCHES, release)
     wheel = fetch_wheel(pin)
     assert sha256_file(wheel) == pin.sha256
-    rows = series_status(REPO_PATCHES, "0.33.0", base_wheel=wheel)
-    assert [r.name for r in rows] == [p.name for p in Series.load(REPO_PATCHES / "0.33.0").patches]
+    rows = series_status(REPO_PATCHES, release, base_wheel=wheel)
+    assert [r.name for r in rows] == [p.name for p in Series.load(REPO_PATCHES / release).patches]
     assert rows and all(r.applies for r in rows), [(r.name, r.detail) for r in rows if not r.applies]
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from overlay.build.pins import carried_releases
 from overlay.releases import derive
 from overlay.releases.facts import ReleaseFacts, ReleaseFactsError, glm5_path, release_facts
 from overlay.releases.source import FolderTree, WheelTree, open_tree
@@ -26,18 +27,18 @@ def _pinned_tree(version: str) -> Path:
 
 def _sdist_tree(version: str) -> factskit.MemoryTree:
     """The release's Python files from its sdist (fetched through pip from PyPI, verified against
-    ``tests/pins/<version>/pin.toml``, cached): the wheel is not needed to read them."""
+    ``patches/<version>/pin.toml`` or ``tests/pins/<version>/pin.toml``, cached): the wheel is not needed."""
     from overlay.build.pins import load_pin
     from overlay.build.sdist import fetch_sdist, read_sources
 
-    pins = REPO / "tests" / "pins"
+    pins = REPO / "patches" if (REPO / "patches" / version / "pin.toml").is_file() else REPO / "tests" / "pins"
     sdist = fetch_sdist(load_pin(pins, version), f"{pins / version / 'pin.toml'}")
     return factskit.MemoryTree(read_sources(sdist, lambda rel: rel.startswith("vllm/") and rel.endswith(".py")),
                                str(sdist))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("version", ["0.28.0", "0.33.0"])
+@pytest.mark.parametrize("version", carried_releases(REPO / "patches"))
 def test_the_pinned_releases_facts_are_their_shapes(version: str) -> None:
     assert release_facts(_pinned_tree(version)) == factskit.facts(version)
 

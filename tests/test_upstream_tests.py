@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from overlay.build.pins import carried_releases
-
 from overlay.build.sdist import extract_subtree
 from overlay.errors import FetchError
 from overlay.maintain.upstream_tests import (

@@ -10,8 +10,8 @@ download that matches the fixed pin is taken without a download).
 
 from __future__ import annotations
 
-import dataclasses
 import contextlib
+import dataclasses
 import json
 import os
 import shutil

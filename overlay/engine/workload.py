@@ -26,7 +26,6 @@ Each case also names the patches that must act in it (``Case.acts``, from :data:
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 

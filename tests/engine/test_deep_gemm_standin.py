@@ -168,25 +168,6 @@ def test_mqa_logits_compressed_form_of_0_33_0(budget: int | None, monkeypatch: p
     assert_logits_match(wider, compressed(c.ref(), KS, KE, width + 3))
 
 
-@pytest.mark.slow
-def test_standin_takes_the_call_form_of_0_33_0s_wrapper() -> None:
-    """0.33.0's vllm.utils.deep_gemm calls the prefill kernel with max_seqlen_k sixth and the paged one
-    without clean_logits; the stand-in's signature takes both (its wheel's text)."""
-    from overlay.maintain.trees import base_tree
-
-    text = (base_tree(REPO_PATCHES, "0.33.0") / "vllm" / "utils" / "deep_gemm.py").read_text()
-    prefill = text[text.index("def fp8_fp4_mqa_logits("):]
-    prefill = prefill[:prefill.index("\ndef ")]
-    assert re.search(r"_fp8_fp4_mqa_logits_impl\(\s*q,\s*kv,\s*weights,\s*cu_seqlen_ks,\s*cu_seqlen_ke,\s*"
-                     r"max_seqlen_k,\s*\)", prefill), "0.33.0's prefill call changed"
-    paged = text[text.index("def fp8_fp4_paged_mqa_logits("):]
-    paged = paged[:paged.index("\ndef ")]
-    call = re.search(r"_fp8_fp4_paged_mqa_logits_impl\(([^)]*)\)", paged)
-    assert call is not None and "clean_logits" not in call.group(1) and "**kwargs" in call.group(1)
-    params = inspect.signature(dg.fp8_fp4_paged_mqa_logits).parameters
-    assert params["clean_logits"].default is True and params["indices"].default is None
-
-
 def test_logits_dtype_of_0_34_0() -> None:
     """vLLM 0.34.0 passes ``logits_dtype`` to both logits kernels (float32 off SM100, bfloat16 on it):
     float32 is the default form, bfloat16 its rounding, anything else refused as DeepGEMM does."""

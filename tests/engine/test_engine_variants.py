@@ -84,33 +84,44 @@ def test_mtp_as_prefills_brings_the_old_graph_mode_back(variants: tuple[Path, di
 
 
 @pytest.mark.slow
-def test_the_0_33_0_variants_show_what_that_release_does(tmp_path: Path) -> None:
-    """On 0.33.0 (FlashMLA-sparse DCP of its own, Model Runner V2 by default) the variants follow
-    RELEASE_EXPECT: unpatched, it serves, and only the V1 runner's prompt logprobs under MTP move;
-    without the prompt-logprobs fix, V2 passes and V1 mismatches. Every case named exists on its build."""
-    from overlay.engine.variants import RELEASE_EXPECT
+def test_the_0_34_0_variants_show_what_that_release_does(tmp_path: Path) -> None:
+    """On 0.34.0 (FlashMLA-sparse DCP of its own, Model Runner V2 only) the variants follow the release's own
+    ``patches/0.34.0/engine.toml``: unpatched, it serves; without the CUDA-graph fix the default expectation
+    stands. Every case named exists on its build."""
+    from overlay.engine import release_table
     from overlay.engine.workload import cases
     from overlay.maintain.trees import base_tree
     from overlay.releases.facts import release_facts
 
-    manifest = build_variants(REPO / "patches", "0.33.0", tmp_path)
+    manifest = build_variants(REPO / "patches", "0.34.0", tmp_path)
     table = manifest["variants"]
-    assert set(table) == {"stock", "minus-flashmla-sparse-dcp-spec-cudagraphs",
-                          "minus-spec-decode-prompt-logprobs-graph-pool"}
+    assert set(table) == {"stock", "minus-flashmla-sparse-dcp-spec-cudagraphs"}
     shows = {name: [(j["expect"], j["case"]) for j in v.get("jobs") or [v]] for name, v in table.items()}
-    assert shows["stock"] == [("mismatch", "ref-dcp1-mtp-v1")]
-    assert shows["minus-spec-decode-prompt-logprobs-graph-pool"] == [("pass", "ref-dcp1-mtp"),
-                                                                     ("mismatch", "ref-dcp1-mtp-v1")]
+    assert shows["stock"] == [("pass", "ref-dcp1-mtp")]
     assert shows["minus-flashmla-sparse-dcp-spec-cudagraphs"] == [
         (EXPECT["flashmla-sparse-dcp-spec-cudagraphs.patch"][0], "dcp-a2a-direct-proj1-graph-mtp-il16")]
-    facts = release_facts(base_tree(REPO / "patches", "0.33.0"))  # the build's cases, by its own tree's facts
+    facts = release_facts(base_tree(REPO / "patches", "0.34.0"))  # the build's cases, by its own tree's facts
     names = {c.name for c in cases(2, facts)} | {c.name for c in cases(1, facts)}
     assert {case for s in shows.values() for _, case in s} <= names
-    assert set(RELEASE_EXPECT["0.33.0"]) <= {"stock", *EXPECT}
-    runner = "vllm/v1/worker/gpu_model_runner.py"
-    wheel = fetch_wheel(load_pin(REPO / "patches", "0.33.0"))
+    assert set(release_table.load("0.34.0").expect) <= {"stock", *EXPECT}
+    builder = "vllm/v1/attention/backends/mla/flashmla_sparse.py"
+    wheel = fetch_wheel(load_pin(REPO / "patches", "0.34.0"))
     with zipfile.ZipFile(wheel) as zf:
-        base = zf.read(runner)
-    assert _files(tmp_path / "minus-spec-decode-prompt-logprobs-graph-pool.tar.gz").get(runner, base) == base
-    full = _files(tmp_path / "minus-flashmla-sparse-dcp-spec-cudagraphs.tar.gz")[runner]
-    assert full != base  # the other variants keep the fix
+        base = zf.read(builder)
+    assert _files(tmp_path / "stock.tar.gz")[builder] == base
+    assert _files(tmp_path / "minus-flashmla-sparse-dcp-spec-cudagraphs.tar.gz").get(builder, base) == base
+
+
+def test_a_release_table_names_what_is_wrong(tmp_path: Path) -> None:
+    """A bad ``engine.toml`` is one line naming the file and each problem."""
+    from overlay.engine.release_table import ReleaseTableError, load
+
+    (tmp_path / "9.9.9").mkdir()
+    (tmp_path / "9.9.9" / "engine.toml").write_text(
+        '[acts]\n"a.patch" = ["dcp>2"]\n[[expect]]\nvariant = "stock"\nexpect = "maybe"\nsymptom = "s"\ncase = ""\n')
+    with pytest.raises(ReleaseTableError) as exc:
+        load("9.9.9", tmp_path)
+    assert str(exc.value) == (f"{tmp_path / '9.9.9' / 'engine.toml'}: acts 'a.patch': unknown condition(s) ['dcp>2'] "
+                              "(known: dcp>1, mtp, piecewise-mtp, v1-runner, env:NAME=VALUE); expect[0]: variant and "
+                              "symptom must be given, expect one of pass, mismatch, crash:<text>")
+    assert load("9.9.8", tmp_path).acts == {}  # a release without the file: no acts, default expectations

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from overlay.build.pins import carried_releases, default_version
 from overlay.cli import main
-from overlay.engine import check, liveness_run, verdict
+from overlay.engine import check, liveness_run, release_table, verdict
 from overlay.engine.inputs import EngineCheckError
 from overlay.engine.liveness_lines import FORMAT, Lines, load_lines
-from overlay.engine.workload import ACTS, DEFAULT_RELEASE, Case, cases
+from overlay.engine.workload import Case, cases
 from overlay.maintain import liveness
 from tests import factskit
 
@@ -287,26 +288,26 @@ def test_the_lines_file_is_checked_before_anything_runs(tmp_path: Path, monkeypa
 
 
 def test_each_case_declares_what_the_patches_change() -> None:
-    assert DEFAULT_RELEASE == (REPO / "patches" / "DEFAULT").read_text().strip()
-    for release, declared in ACTS.items():
+    for release in carried_releases(REPO / "patches"):
+        declared = release_table.load(release).acts
         series = (REPO / "patches" / release / "series").read_text().split()
         assert set(declared) <= set(series), f"{release}: {set(declared) - set(series)} not in its series"
-    acts = {c.name: set(c.acts) for c in cases(2)}
+    acts = {c.name: set(c.acts) for c in cases(2, factskit.facts("0.28.0"))}
     # 0.28.0: the DCP patches at DCP > 1, the spec-cudagraphs patch where it changes something (interleave > 1)
     assert acts["ref-dcp1"] == set() and acts["ref-dcp1-mtp"] == {"spec-decode-prompt-logprobs-graph-pool.patch"}
     assert {"flashmla-sparse-dcp.patch", "dcp-project-before-merge.patch"} <= acts["dcp-agrs-proj0-graph"]
     assert [n for n, a in acts.items() if "flashmla-sparse-dcp-spec-cudagraphs.patch" in a] == [
         "dcp-a2a-direct-proj1-graph-mtp-il16"]
-    # 0.33.0: the projection (off by default there) only where a DCP > 1 case turns it on; the
-    # prompt-logprobs fix under V1 only
-    late = {c.name: set(c.acts) for c in cases(1, factskit.facts("0.33.0"))}
-    assert not any("dcp-project-before-merge.patch" in a for a in late.values())
-    two = {c.name: set(c.acts) for c in cases(2, factskit.facts("0.33.0"))}
+    # 0.34.0: the projection (off by default there) only where a DCP > 1 case turns it on
+    late = {c.name: set(c.acts) for c in cases(1, factskit.facts("0.34.0"))}
+    assert not any(late.values())
+    two = {c.name: set(c.acts) for c in cases(2, factskit.facts("0.34.0"))}
     assert [n for n, a in two.items() if "dcp-project-before-merge.patch" in a and n.startswith("dcp-defaults")] == [
         "dcp-defaults-proj1-graph-mtp"]
-    assert "spec-decode-prompt-logprobs-graph-pool.patch" in late["ref-dcp1-mtp-v1"]
-    assert "spec-decode-prompt-logprobs-graph-pool.patch" not in late["ref-dcp1-mtp"]  # Model Runner V2
-    assert all(not c.acts for c in cases(2, factskit.facts("0.31.0", like="0.33.0")))  # a series ACTS lacks: none
+    assert all(not c.acts for c in cases(2, factskit.facts("0.31.0", like="0.33.0")))  # no engine.toml: none
+    # the default release's table when no facts are given
+    default = default_version(REPO / "patches")
+    assert [c.acts for c in cases(2)] == [c.acts for c in cases(2, factskit.facts(default))]
     # not an engine setting: run_case and --reuse see the cases as before
     c = next(c for c in cases(2) if c.acts)
     assert "acts" not in c.to_dict() and Case(**{k: tuple(v) if k == "prompt_lens" else v

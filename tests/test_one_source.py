@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from overlay.build.pins import default_version
+from overlay.build.pins import carried_releases, default_version
 from overlay.build.series import Series
 from overlay.engine.variants import EXPECT, NO_VARIANT
 from overlay.maintain.rebase import failkind
@@ -28,11 +28,12 @@ REBASE_GUIDE = (REPO / "docs" / "rebase" / "README.md").read_text()
 
 
 VERSION = default_version(REPO / "patches")
+RELEASES = carried_releases(REPO / "patches")
 SERIES_FILE = f"patches/{VERSION}/series"
 
 
-def series_names() -> list[str]:
-    series = Series.load(REPO / "patches" / VERSION)
+def series_names(release: str = VERSION) -> list[str]:
+    series = Series.load(REPO / "patches" / release)
     return [p.name.removesuffix(".patch") for p in series.patches]
 
 
@@ -44,15 +45,18 @@ def section(text: str, heading: str) -> str:
 # Every place a patch must reach, derived from ``series``: a patch missing from one fails naming the
 # place. Its own tests (``tests/patches/test_<patch>.py``) are held by tests/test_patches_against_base.py.
 
-def readme_series_rows() -> list[str]:
-    return re.findall(r"(?m)^\| `([a-z0-9-]+)` \|", section(README, "## The series"))
+def readme_series_rows(release: str = VERSION) -> list[str]:
+    """The rows of the README's series table of ``release`` (its ``### <release>`` under ``## The series``)."""
+    part = section(README, "## The series").split(f"\n### {release} ", 1)
+    rows = part[1].split("\n### ", 1)[0] if len(part) == 2 else ""
+    return re.findall(r"(?m)^\| `([a-z0-9-]+)` \|", rows)
 
 
 def problem_items() -> list[list[str]]:
     """The series patches each numbered item of ARCHITECTURE's problem list names."""
     problem = section(ARCHITECTURE, "## The problem")
     items = re.findall(r"(?ms)^\d+\. .*?(?=^\d+\. |^\s*$)", problem)
-    names = set(series_names())
+    names = {n for r in RELEASES for n in series_names(r)}
     return [[n for n in re.findall(r"`([a-z0-9-]+)`", item) if n in names] for item in items]
 
 
@@ -69,19 +73,20 @@ def build_guide_counts() -> list[int]:
 
 
 PLACES = {
-    "README.md's series table (## The series)": lambda p: p in readme_series_rows(),
+    "README.md's series table of its release (## The series, ### <release>)":
+        lambda p, r: p in readme_series_rows(r),
     "docs/ARCHITECTURE.md's problem list (an item, or its 'plus' line)":
-        lambda p: p == problem_plus() or any(p in item for item in problem_items()),
+        lambda p, r: p == problem_plus() or any(p in item for item in problem_items()),
     "overlay/engine/variants.py's EXPECT (or NO_VARIANT, saying why)":
-        lambda p: f"{p}.patch" in EXPECT or f"{p}.patch" in NO_VARIANT,
+        lambda p, r: f"{p}.patch" in EXPECT or f"{p}.patch" in NO_VARIANT,
 }
 
 
-@pytest.mark.parametrize("patch", series_names())
-def test_every_patch_reaches_every_place(patch: str) -> None:
+@pytest.mark.parametrize(("release", "patch"), [(r, p) for r in RELEASES for p in series_names(r)])
+def test_every_patch_reaches_every_place(release: str, patch: str) -> None:
     """A fix missing from ``EXPECT`` got no seed-bug variant, and ``make engine-variants`` did not say so."""
-    missing = [place for place, has in PLACES.items() if not has(patch)]
-    assert not missing, f"{SERIES_FILE}: {patch} is missing from " + "; ".join(missing)
+    missing = [place for place, has in PLACES.items() if not has(patch, release)]
+    assert not missing, f"patches/{release}/series: {patch} is missing from " + "; ".join(missing)
 
 
 def test_the_build_guides_example_counts_the_series() -> None:
@@ -90,11 +95,12 @@ def test_the_build_guides_example_counts_the_series() -> None:
     assert set(counts) == {n}, f"docs/build/README.md's example says {counts} patch(es); {SERIES_FILE} has {n}"
 
 
-def test_the_readme_series_table_is_the_series_in_order() -> None:
-    rows, names = readme_series_rows(), series_names()
+@pytest.mark.parametrize("release", RELEASES)
+def test_the_readme_series_table_is_the_series_in_order(release: str) -> None:
+    rows, names = readme_series_rows(release), series_names(release)
     stale = [r for r in rows if r not in names]
-    assert not stale, f"README.md's series table names {stale}, not in {SERIES_FILE}"
-    assert rows == [n for n in names if n in rows], f"README.md's series table is not in {SERIES_FILE}'s order"
+    assert not stale, f"README.md's series table of {release} names {stale}, not in patches/{release}/series"
+    assert rows == [n for n in names if n in rows], f"README.md's series table of {release} is not in its order"
 
 
 def test_the_architecture_problem_list_names_one_patch_per_item() -> None:
@@ -107,12 +113,12 @@ def test_the_architecture_problem_list_names_one_patch_per_item() -> None:
 
 
 def test_the_seed_bug_variants_name_only_patches_of_the_series() -> None:
-    patches = {f"{n}.patch" for n in series_names()}
+    patches = {f"{n}.patch" for r in RELEASES for n in series_names(r)}
     fixes = set(EXPECT) - {"stock"}
     both = sorted(fixes & set(NO_VARIANT))
     assert not both, f"overlay/engine/variants.py: {both} both in EXPECT and in NO_VARIANT"
     stale = sorted((fixes | set(NO_VARIANT)) - patches)
-    assert not stale, f"overlay/engine/variants.py's EXPECT / NO_VARIANT name {stale}, not in {SERIES_FILE}"
+    assert not stale, f"overlay/engine/variants.py's EXPECT / NO_VARIANT name {stale}, in no carried series"
     assert all(why.strip() for why in NO_VARIANT.values()), "variants.py: a NO_VARIANT entry without its why"
 
 

@@ -118,3 +118,16 @@ def test_a_release_that_is_not_a_version_is_one_line(tmp_path: Path) -> None:
                           capture_output=True, text=True, check=False, cwd=Path(__file__).resolve().parent.parent)
     assert proc.returncode == 1
     assert proc.stderr.strip() == "error: --releases: 'latest' is not a release version like 0.30.0"
+
+
+def test_the_default_columns_are_the_pinned_releases_newer_than_the_series(tmp_path: Path) -> None:
+    """No RELEASES: every release newer than --vllm pinned in patches/ or the test pins, none named in code."""
+    from overlay.maintain.rebase.matrix import newer_pinned
+
+    for root, version in ((tmp_path / "patches", "0.28.0"), (tmp_path / "patches", "0.40.0"),
+                          (tmp_path / "pins", "0.31.0"), (tmp_path / "patches", "0.27.0")):
+        (root / version).mkdir(parents=True)
+        (root / version / "pin.toml").write_text("")
+    (tmp_path / "patches" / "notes").mkdir()
+    assert newer_pinned("0.28.0", [tmp_path / "patches", tmp_path / "pins"]) == ["0.31.0", "0.40.0"]
+    assert newer_pinned("0.40.0", [tmp_path / "patches", tmp_path / "pins"]) == []

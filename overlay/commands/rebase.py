@@ -47,7 +47,9 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
             "one table of patch x release; exit 1 when a cell is red")
     sp = sub.add_parser("patch-tests-matrix", help=text, description=text)
     add_vllm(sp)
-    sp.add_argument("--releases", nargs="+", required=True, metavar="X.Y.Z", help="the releases to run on")
+    sp.add_argument("--releases", nargs="+", metavar="X.Y.Z",
+                    help="the releases to run on (default: every release newer than --vllm pinned in patches/ "
+                         "or --pins)")
     sp.add_argument("--out", default="patch-tests-matrix", help="report folder (default %(default)s)")
     sp.add_argument("--tests", default="tests/patches", help="the patches' own tests (default %(default)s)")
     sp.add_argument("--pins", default="tests/pins", help="pins of releases without a series "

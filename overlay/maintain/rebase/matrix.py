@@ -37,7 +37,7 @@ from functools import partial
 from pathlib import Path
 
 from overlay.atomic import scratch
-from overlay.build.pins import check_version, pin_dir
+from overlay.build.pins import check_version, pin_dir, release_order
 from overlay.build.series import Patch, Series
 from overlay.errors import OverlayError, SeriesError
 from overlay.git import git, git_text
@@ -228,16 +228,37 @@ def markdown(cells: list[Cell], releases: list[str], from_version: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(patches_root: Path, from_version: str, releases: list[str], out: Path, tests_dir: Path,
+def newer_pinned(from_version: str, roots: list[Path]) -> list[str]:
+    """Every release newer than ``from_version`` with a ``pin.toml`` in one of ``roots`` (the release
+    folders of ``patches/`` and the pins kept for tests), oldest first: the matrix's default columns."""
+    found = {p.parent.name for root in roots if root.is_dir() for p in root.glob("*/pin.toml")}
+    found = {v for v in found if _is_version(v)}
+    return sorted((v for v in found if release_order(v) > release_order(from_version)), key=release_order)
+
+
+def _is_version(text: str) -> bool:
+    try:
+        check_version(text, "")
+    except OverlayError:
+        return False
+    return True
+
+
+def main(patches_root: Path, from_version: str, releases: list[str] | None, out: Path, tests_dir: Path,
          pins_roots: list[Path]) -> int:
     """The CLI's run: fetch and verify each release's tree, run the matrix, write the report;
-    exit 1 when a cell is red."""
+    exit 1 when a cell is red. No ``releases``: :func:`newer_pinned`."""
     from overlay.build.fetch import fetch_wheel
     from overlay.maintain.rebase.deps import deps_for
     from overlay.maintain.rebase.runcache import maybe_cached
     from overlay.maintain.rebase.testrun import pytest_runner
     from overlay.maintain.trees import release_tree
 
+    if releases is None:
+        releases = newer_pinned(from_version, [patches_root, *pins_roots])
+        if not releases:
+            raise OverlayError(f"no release newer than {from_version} is pinned in {patches_root}/ or "
+                               f"{', '.join(map(str, pins_roots))}: name the columns (RELEASES=\"x.y.z ...\")")
     for release in releases:
         check_version(release, "--releases")
     twice = sorted({r for r in releases if releases.count(r) > 1}, key=releases.index)

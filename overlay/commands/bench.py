@@ -49,7 +49,7 @@ def cmd_bench_merge(ns: argparse.Namespace) -> int:
 
     return run(Path(ns.out), tokens=ns.tokens, replays=ns.replays,
                plot_from=Path(ns.plot) if ns.plot else None, ranks=ns.ranks, bounds=ns.bounds,
-               profile_tokens=tuple(ns.profile_eager))
+               profile_tokens=tuple(ns.profile_eager), release=ns.vllm)
 
 
 def _ports(text: str) -> tuple[int, ...]:

@@ -70,10 +70,17 @@ def test_image_smoke_on_every_change_to_the_image_inputs() -> None:
     runs = _runs(doc)
     assert any("mmdebstrap" in r and "apt-get install" in r for r in runs)
     assert any(r.startswith("sudo --preserve-env=PATH,HOME scripts/image-smoke-ci.sh") for r in runs)
-    from overlay.build.install import TORCH_CPU
-
     torch = next(r for r in runs if "pip download" in r)
-    assert f'"{TORCH_CPU}+cpu"' in torch  # the stand-in's CPU torch is the release's pin
+    # the stand-in's CPU torch is the default release's pin, read from its pin.toml
+    pin = "patches/$(head -n 1 patches/DEFAULT)/pin.toml"
+    assert '"torch==$(sed -n ' in torch and pin in torch and torch.rstrip().endswith("/whl/cpu")
+    import subprocess
+
+    shell = torch.split('"torch==', 1)[1].split('+cpu"', 1)[0]
+    got = subprocess.run(["bash", "-c", f"echo {shell}"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    from overlay.build.pins import default_version, load_pin
+
+    assert got == load_pin(REPO / "patches", default_version(REPO / "patches")).torch
 
 
 def test_image_smoke_ci_script_checks_both_negative_cases() -> None:

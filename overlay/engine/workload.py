@@ -19,7 +19,7 @@ query replication to it) and with the query all-gather named explicitly, each ju
 reference and on what the engine resolved (``Case.resolves``); a release that defaults to Model Runner
 V2 and still has V1 (0.33.0) runs its DCP 1 references under both (:func:`runner_cases`).
 
-Each case also names the patches that must act in it (``Case.acts``, from :data:`ACTS`): under
+Each case also names the patches that must act in it (``Case.acts``, from the release's own ``patches/<release>/engine.toml``): under
 ``engine-check --coverage`` a named patch none of whose added statements ran fails the case.
 """
 
@@ -123,7 +123,7 @@ class Case:
     # what its engine's log must show (each a substring of one line), e.g. that a direct exchange was built
     log_lines: tuple[str, ...] = ()
     # the patches (file names in the release's series) that must act here: engine-check --coverage fails the
-    # case when one ran none of its added statements (:data:`ACTS`). Not an engine setting, so neither in
+    # case when one ran none of its added statements (:func:`declared_acts`). Not an engine setting, so neither in
     # to_dict nor compared: run_case and --reuse see the case as before.
     acts: tuple[str, ...] = field(default=(), compare=False)
 
@@ -224,7 +224,7 @@ def declared_acts(case: Case, release: str | None) -> tuple[str, ...]:
 
 def cases(tp: int = 2, facts: ReleaseFacts | None = None) -> list[Case]:
     """Every case for TP ``tp`` (DCP = TP), references first, then by value, for the build whose release
-    ``facts`` describe (None: the generic cases, the default series' ``ACTS``). A release whose GLM-5 config
+    ``facts`` describe (None: the generic cases, the default release's ``engine.toml``). A release whose GLM-5 config
     chooses the DCP defaults runs :func:`release_cases` first after the references, then the others, each
     judged on what it resolved there too; one on Model Runner V2 that still has V1 adds
     :func:`runner_cases`. Each names the patches that must act in it (:func:`declared_acts`).

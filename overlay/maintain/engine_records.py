@@ -7,7 +7,7 @@ A record is any ``*.json`` under the folder that reads as an engine check's ``re
 counted for a release; ``meta.series`` (each patch's name and sha256, written since 2026-12-05) says which
 version of each patch the build carried. What a run proves of a patch, strongest first (:func:`proofs`):
 its seed-bug variant (the build without it) failed a case as expected; its added statements ran in a case
-that passed (``engine-check --coverage``); a case that declares it acts (``overlay.engine.workload.ACTS``)
+that passed (``engine-check --coverage``); a case that declares it acts (the release's ``engine.toml`` ``[acts]``)
 passed.
 """
 
@@ -114,7 +114,8 @@ def unattributed(root: Path) -> list[str]:
 
 
 def _acts(case: CaseRun, release: str) -> tuple[str, ...]:
-    """The patches the case declares must act on ``release``'s build (``ACTS``, as the engine check reads it)."""
+    """The patches the case declares must act on ``release``'s build (its ``engine.toml`` ``[acts]``, as the
+    engine check reads them)."""
     from overlay.engine.workload import Case, declared_acts
 
     names = {f.name for f in fields(Case)}

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from overlay.build.pins import default_version
+from tests.releasekit import installed_release
 
 REPO = Path(__file__).resolve().parent.parent
 PATCHES = REPO / "patches"
@@ -26,17 +27,6 @@ DEFAULT_VLLM = default_version(PATCHES)
 _tree = os.environ.get("OVERLAY_VLLM_TREE")
 if _tree:
     sys.path.insert(0, _tree)
-
-
-@functools.cache
-def installed_release() -> str | None:
-    """The release of the vLLM this environment imports (its public version), or None without one."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("vllm").split("+", 1)[0]
-    except PackageNotFoundError:
-        return None
 
 
 @functools.cache

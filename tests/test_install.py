@@ -20,7 +20,7 @@ from unittest import mock
 
 import pytest
 
-from overlay.build.install import HASH_CHECK_MAX, cpu_installable, install, requirements
+from overlay.build.install import HASH_CHECK_MAX, check_torch_pin, install, requirements, torch_mismatch, torch_pin
 from overlay.build.wheel import record_hash
 from overlay.errors import OverlayError
 from tests.wheelkit import make_wheel
@@ -39,16 +39,43 @@ def _wheel(tmp_path: Path, requires: list[str]) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("torch", "reason"),
+    ("torch", "pinned"),
     [
-        pytest.param("torch==2.13.0", None, id="cpu-torch"),
-        pytest.param("torch==2.14.0", "it requires torch==2.14.0, and this environment is built on CPU torch 2.13.0",
-                     id="newer-torch"),
+        pytest.param("torch==2.13.0", "2.13.0", id="exact"),
         pytest.param("torch>=2.12", None, id="range"),
+        pytest.param("numpy", None, id="none"),
     ],
 )
-def test_cpu_installable(tmp_path: Path, torch: str, reason: str | None) -> None:
-    assert cpu_installable(_wheel(tmp_path, [torch, "numpy"])) == reason
+def test_torch_pin(tmp_path: Path, torch: str, pinned: str | None) -> None:
+    assert torch_pin(_wheel(tmp_path, [torch, "numpy"])) == pinned
+
+
+def test_an_environment_holding_another_releases_torch_is_refused(tmp_path: Path) -> None:
+    """One environment, one release's torch: a wheel pinning another torch than the environment holds is not
+    installed there (the build says so in one line); the environment's own torch or none is fine."""
+    env = tmp_path / "env"
+    site = env / "lib" / "site-packages"
+    (site / "torch-2.13.0+cpu.dist-info").mkdir(parents=True)
+    (site / "torch-2.13.0+cpu.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\n"
+                                                                   "Version: 2.13.0+cpu\n")
+    (env / "bin").mkdir()
+    (env / "bin" / "python").write_text(f"#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} \"$@\"\n")
+    (env / "bin" / "python").chmod(0o755)
+    assert torch_mismatch(_wheel(tmp_path, ["torch==2.13.0"]), env) is None
+    assert torch_mismatch(_wheel(tmp_path, ["torch==2.14.0"]), env) == (
+        f"it pins torch==2.14.0, and {env} holds torch 2.13.0 (another release's)")
+    assert torch_mismatch(_wheel(tmp_path, ["torch==2.14.0"]), tmp_path / "new") is None  # made on its torch
+
+
+def test_a_pin_whose_torch_differs_from_its_wheel_is_named(tmp_path: Path) -> None:
+    from overlay.errors import PinError
+
+    wheel = _wheel(tmp_path, ["torch==2.14.0"])
+    check_torch_pin("2.14.0", wheel, "patches/x/pin.toml")
+    with pytest.raises(PinError) as exc:
+        check_torch_pin("2.13.0", wheel, "patches/x/pin.toml")
+    assert str(exc.value) == (f"patches/x/pin.toml: field 'torch' is '2.13.0', but {wheel.name} pins torch==2.14.0: "
+                              'write torch = "2.14.0" there')
 
 
 def test_requirements_skip_cuda_only_builds_extras_and_markers(tmp_path: Path) -> None:

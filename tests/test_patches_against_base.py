@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import installed_release
 
 from overlay.build.fetch import fetch_wheel
 from overlay.build.pins import carried_releases, load_pin
@@ -31,6 +30,7 @@ from overlay.build.series import Series
 from overlay.maintain import rebase  # not its test_file/test_files by name: pytest would collect them
 from overlay.maintain.rebase.testrun import describe, run_files
 from overlay.maintain.trees import base_tree, prefix_tree
+from tests.releasekit import installed_release
 
 REPO = Path(__file__).resolve().parent.parent
 PATCHES = REPO / "patches"

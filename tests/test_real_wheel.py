@@ -1,4 +1,4 @@
-"""The main path on the real vLLM 0.28.0 wheel: build, RECORD, install, version."""
+"""The main path on the default release's real vLLM wheel: build, RECORD, install, version."""
 
 from __future__ import annotations
 
@@ -13,24 +13,25 @@ from pathlib import Path
 
 import pytest
 
-from overlay.build.pins import load_pin
+from overlay.build.pins import default_version, load_pin
 from overlay.build.pipeline import build, series_tag
 from overlay.build.series import Series
 from overlay.build.wheel import verify_record
 
 REPO = Path(__file__).resolve().parent.parent
 PATCHES = REPO / "patches"
+DEFAULT_VLLM = default_version(PATCHES)
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def built(base_wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build(PATCHES, "0.28.0", tmp_path_factory.mktemp("dist"), base_wheel=base_wheel).wheel
+    return build(PATCHES, DEFAULT_VLLM, tmp_path_factory.mktemp("dist"), base_wheel=base_wheel).wheel
 
 
 def expected_version() -> str:
-    pin = load_pin(PATCHES, "0.28.0")
-    return f"{pin.version}+{series_tag(Series.load(PATCHES / '0.28.0'), pin)}"
+    pin = load_pin(PATCHES, DEFAULT_VLLM)
+    return f"{pin.version}+{series_tag(Series.load(PATCHES / DEFAULT_VLLM), pin)}"
 
 
 def test_real_wheel_record_verifies(built: Path, base_wheel: Path) -> None:
@@ -56,10 +57,10 @@ def test_installed_package_reports_the_overlay_version() -> None:
     assert vllm.__version__ == want
     assert importlib.metadata.version("vllm") == want
     manifest = json.loads((Path(vllm.__file__).parent / "_overlay.json").read_text())
-    series = Series.load(PATCHES / "0.28.0")
+    series = Series.load(PATCHES / DEFAULT_VLLM)
     assert [p["name"] for p in manifest["patches"]] == [p.name for p in series.patches]
     assert [p["sha256"] for p in manifest["patches"]] == [p.sha256 for p in series.patches]
-    assert manifest["base"]["sha256"] == load_pin(PATCHES, "0.28.0").sha256
+    assert manifest["base"]["sha256"] == load_pin(PATCHES, DEFAULT_VLLM).sha256
 
 
 def test_vllm_cli_reports_the_overlay_version() -> None:
@@ -75,7 +76,7 @@ def test_bench_build_reports_its_numbers(tmp_path: Path, capsys: pytest.CaptureF
     from overlay.bench.build import run
 
     out = tmp_path / "bench.json"
-    assert run(PATCHES, "0.28.0", repeat=1, json_out=out) == 0
+    assert run(PATCHES, DEFAULT_VLLM, repeat=1, json_out=out) == 0
     doc = json.loads(out.read_text())
     assert doc["build_s_median"] > 0 and doc["copy_s_median"] > 0
     assert abs(doc["ratio"] - doc["build_s_median"] / doc["copy_s_median"]) < 0.05 * doc["ratio"] + 0.01

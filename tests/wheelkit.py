@@ -50,9 +50,12 @@ def sha256(path: Path) -> str:
 
 def make_release(root: Path, wheel: Path, version: str = "0.28.0", patches: dict[str, bytes] | None = None,
                  order: list[str] | None = None) -> Path:
-    """``root/patches/<version>/`` with pin.toml for ``wheel``, a series and patch files."""
+    """``root/patches/<version>/`` with pin.toml for ``wheel``, a series and patch files; the first release
+    made in ``root/patches`` is its default (``DEFAULT``), as the repository's is."""
     d = root / "patches" / version
     d.mkdir(parents=True, exist_ok=True)
+    if not (root / "patches" / "DEFAULT").exists():
+        (root / "patches" / "DEFAULT").write_text(f"{version}\n")
     (d / "pin.toml").write_text(
         f'version = "{version}"\nwheel = "{wheel.name}"\nsha256 = "{sha256(wheel)}"\n'
     )

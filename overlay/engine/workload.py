@@ -19,8 +19,9 @@ query replication to it) and with the query all-gather named explicitly, each ju
 reference and on what the engine resolved (``Case.resolves``); a release that defaults to Model Runner
 V2 and still has V1 (0.33.0) runs its DCP 1 references under both (:func:`runner_cases`).
 
-Each case also names the patches that must act in it (``Case.acts``, from the release's own ``patches/<release>/engine.toml``): under
-``engine-check --coverage`` a named patch none of whose added statements ran fails the case.
+Each case also names the patches that must act in it (``Case.acts``, from the release's own
+``patches/<release>/engine.toml``): under ``engine-check --coverage`` a named patch none of whose added
+statements ran fails the case.
 """
 
 from __future__ import annotations

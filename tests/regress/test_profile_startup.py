@@ -60,11 +60,25 @@ def _without_tokenizer_bound(args: list[str]) -> list[str]:
     return out
 
 
+def _cli_args() -> Any:
+    """The module of ``vllm serve``'s parser in the installed release (it moved: found in the tree, not by
+    version)."""
+    import importlib
+    import importlib.util
+
+    for name in ("vllm.entrypoints.openai.cli_args", "vllm.entrypoints.common.cli_args"):
+        if importlib.util.find_spec(name) is not None:
+            return importlib.import_module(name)
+    raise LookupError("no vllm serve argument parser module (make_arg_parser) in the installed vLLM")
+
+
 def engine_config(args: list[str], model: Path) -> Any:
     """vLLM's own parsing and config validation of ``vllm serve <model> <args>``."""
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_args = _cli_args()
+    make_arg_parser, validate_parsed_serve_args = cli_args.make_arg_parser, cli_args.validate_parsed_serve_args
 
     parser = make_arg_parser(FlexibleArgumentParser())
     validate_parsed_serve_args(parser.parse_args([str(model), "--model", str(model), *args]))

@@ -1,4 +1,5 @@
-"""Every shipped profile's server arguments pass vLLM 0.28.0's own start-up checks, as far as a CPU allows.
+"""Every shipped profile's server arguments pass the installed release's own start-up checks (the default
+release's: ``make test`` runs on its build), as far as a CPU allows.
 
 A profile that cannot start must fail ``make test``, not the user's 8xH100 run. For each shipped
 profile the ``vllm serve`` arguments go through vLLM's own CLI parser (``make_arg_parser``,
@@ -114,11 +115,16 @@ def test_shipped_profile_starts_as_far_as_a_cpu_allows(name: str, model_dir: Pat
 
 
 def test_parallel_drafting_with_mtp_is_refused(model_dir: Path) -> None:
-    """The check catches what stopped the report's setup on the 0.28.0 engine."""
+    """The check catches what stopped the report's setup on the 0.28.0 engine (its drafter has no
+    ``mask_hidden``); later releases refuse it in the speculative config itself (0.34.0: parallel drafting
+    is only for the dflash and dspark methods). Either way a profile asking for it fails here."""
     args = ["--tensor-parallel-size", "8", "--decode-context-parallel-size", "4", "--kv-cache-dtype", "fp8_ds_mla",
             "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 5, "parallel_drafting": true}']
-    problem = drafter_problem(engine_config(args, model_dir))
-    assert problem is not None and "mask_hidden" in problem
+    try:
+        problem = drafter_problem(engine_config(args, model_dir))
+    except ValueError as exc:  # pydantic's ValidationError is one
+        problem = str(exc)
+    assert problem is not None and ("mask_hidden" in problem or "parallel_drafting is only supported" in problem)
 
 
 def test_an_unknown_flag_fails_the_cli(model_dir: Path) -> None:

@@ -90,6 +90,20 @@ def test_patch_tests_pass_on_their_release(release: str, file: Path) -> None:
     assert run.status == "passed", f"vLLM {release} with its series: {describe(run)}: {run.first_error()}"
 
 
+# Tests of a tool against vLLM's own code (not of a patch): every carried release's, each in its environment.
+RELEASE_BOUND = [REPO / "tests" / "test_workspace_plan.py"]
+
+
+@pytest.mark.parametrize(("release", "file"), [(r, f) for r in RELEASES if r != INSTALLED for f in RELEASE_BOUND],
+                         ids=_id)
+def test_tools_agree_with_each_release(release: str, file: Path) -> None:
+    """The tools that model vLLM's own code (the workspace planner) agree with every carried release's, on its
+    patched tree in its own environment (the installed release's run in this process)."""
+    tree = prefix_tree(PATCHES, release, SERIES[release].patches)
+    run = run_files([file], tree, cwd=REPO, timeout=900, deps=_deps(release))
+    assert run.status == "passed", f"vLLM {release}: {describe(run)}: {run.first_error()}"
+
+
 @pytest.mark.parametrize("release", RELEASES)
 def test_the_prefix_tree_holds_the_earlier_patches_only(release: str) -> None:
     """The tree a patch is judged on carries every earlier patch's added lines and none of its own."""

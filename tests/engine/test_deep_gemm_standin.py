@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from types import ModuleType
 
 import pytest
@@ -575,9 +576,18 @@ def test_vllm_wrapper_keeps_e8m0_off(vllm_dg: ModuleType, monkeypatch: pytest.Mo
     assert vllm_dg.DeepGemmQuantScaleFMT.from_oracle() is vllm_dg.DeepGemmQuantScaleFMT.FLOAT32
 
 
+def _unclean(fn: Any) -> dict[str, bool]:
+    """``clean_logits=False`` where the installed release's wrapper takes it (0.28.0's; 0.34.0's takes
+    ``logits_dtype`` instead and leaves the masking to the kernel's own default)."""
+    import inspect
+
+    return {"clean_logits": False} if "clean_logits" in inspect.signature(fn).parameters else {}
+
+
 def test_vllm_wrapper_mqa_logits(vllm_dg: ModuleType) -> None:
     c = make_mqa_case(seed=6)
-    got = vllm_dg.fp8_fp4_mqa_logits((c.q, None), (c.k, c.k_scale), c.weights, c.ks, c.ke, clean_logits=False)
+    got = vllm_dg.fp8_fp4_mqa_logits((c.q, None), (c.k, c.k_scale), c.weights, c.ks, c.ke,
+                                     **_unclean(vllm_dg.fp8_fp4_mqa_logits))
     assert_logits_match(got, c.ref())
 
 
@@ -597,8 +607,8 @@ def test_vllm_wrapper_paged_logits_and_metadata(vllm_dg: ModuleType) -> None:
         case.block_tables,
         schedule,
         max_model_len=case.max_model_len,
-        clean_logits=False,
         indices=None,
+        **_unclean(vllm_dg.fp8_fp4_paged_mqa_logits),
     )
     assert_logits_match(got, case.ref())
 

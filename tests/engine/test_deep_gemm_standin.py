@@ -17,8 +17,8 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -576,18 +576,18 @@ def test_vllm_wrapper_keeps_e8m0_off(vllm_dg: ModuleType, monkeypatch: pytest.Mo
     assert vllm_dg.DeepGemmQuantScaleFMT.from_oracle() is vllm_dg.DeepGemmQuantScaleFMT.FLOAT32
 
 
-def _unclean(fn: Any) -> dict[str, bool]:
-    """``clean_logits=False`` where the installed release's wrapper takes it (0.28.0's; 0.34.0's takes
-    ``logits_dtype`` instead and leaves the masking to the kernel's own default)."""
-    import inspect
-
-    return {"clean_logits": False} if "clean_logits" in inspect.signature(fn).parameters else {}
+def _taken(fn: Any, **kwargs: Any) -> dict[str, Any]:
+    """Those of ``kwargs`` the installed release's wrapper takes: 0.28.0's ``clean_logits``; 0.34.0's
+    ``max_seqlen_k`` (and ``logits_dtype``, left at its default)."""
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
 
 
 def test_vllm_wrapper_mqa_logits(vllm_dg: ModuleType) -> None:
     c = make_mqa_case(seed=6)
     got = vllm_dg.fp8_fp4_mqa_logits((c.q, None), (c.k, c.k_scale), c.weights, c.ks, c.ke,
-                                     **_unclean(vllm_dg.fp8_fp4_mqa_logits))
+                                     **_taken(vllm_dg.fp8_fp4_mqa_logits, clean_logits=False,
+                                              max_seqlen_k=int((c.ke - c.ks).max())))
     assert_logits_match(got, c.ref())
 
 
@@ -608,7 +608,7 @@ def test_vllm_wrapper_paged_logits_and_metadata(vllm_dg: ModuleType) -> None:
         schedule,
         max_model_len=case.max_model_len,
         indices=None,
-        **_unclean(vllm_dg.fp8_fp4_paged_mqa_logits),
+        **_taken(vllm_dg.fp8_fp4_paged_mqa_logits, clean_logits=False),
     )
     assert_logits_match(got, case.ref())
 

@@ -18,6 +18,8 @@ from overlay.maintain.rebase.deps import (
     Torch,
     deps_for,
     env_torch,
+    key_of,
+    own_torch,
     release_deps,
     roots,
     stub_wheel,
@@ -45,14 +47,21 @@ def test_the_tree_names_its_release(tmp_path: Path) -> None:
 
 def test_the_roots_keep_extras_and_leave_the_torch_family_to_stand_ins(tmp_path: Path) -> None:
     """0.28.0 requires fastapi[standard]: the closure that dropped the extra had fastapi and uvicorn
-    but not uvloop, which vLLM imports (a fresh clone's old-base runs stopped there)."""
-    wheel = _wheel(tmp_path, "fastapi[standard]<0.137.0,>=0.133.0", "packaging>=1", "torch==2.14.0",
+    but not uvloop, which vLLM imports (a fresh clone's old-base runs stopped there). A release pinning this
+    environment's torch runs on it (a stand-in in the resolution); one pinning another torch gets its own."""
+    wheel = _wheel(tmp_path, "fastapi[standard]<0.137.0,>=0.133.0", "packaging>=1", "torch==2.13.0",
                    "torchvision==0.28.0", "torchcodec>=0.14", "pywin32==1; sys_platform == 'win32'")
     reqs, stubs = roots(wheel, TORCH)
     assert reqs == ["fastapi[standard]<0.137.0,>=0.133.0", "packaging>=1", *RUNNER]
-    assert stubs == {"torch": ("2.14.0", TORCH.requires), "torchvision": ("0.28.0", ())}
+    assert stubs == {"torch": ("2.13.0", TORCH.requires), "torchvision": ("0.28.0", ())}
+    assert own_torch(wheel, TORCH) is None
     _, unpinned = roots(_wheel(tmp_path / "u", "numpy"), TORCH)
     assert unpinned == {"torch": ("2.13.0", TORCH.requires)}  # this torch's version, its local label dropped
+    other = _wheel(tmp_path / "o", "packaging>=1", "torch==2.14.0", "torchvision==0.29.0")
+    reqs, stubs = roots(other, TORCH)
+    assert own_torch(other, TORCH) == "2.14.0"
+    assert reqs == ["packaging>=1", "torch==2.14.0", *RUNNER] and stubs == {"torchvision": ("0.29.0", ())}
+    assert key_of(other, TORCH, reqs, stubs) == key_of(other, Torch("2.15.0", (), ()), reqs, stubs)  # not this one's
 
 
 def test_a_pin_the_index_does_not_serve_resolves_at_its_stand_in(tmp_path: Path,
@@ -161,7 +170,8 @@ def test_a_tree_runs_with_its_releases_set_and_nothing_else_of_this_environment(
         "import importlib.util\n\nimport torch\n\nimport vllm.kernels\n\n\n"
         "def test_value():\n    assert vllm.kernels.value() == 7\n\n\n"
         "def test_nothing_else_of_the_environment():\n    assert importlib.util.find_spec('yaml') is None\n\n\n"
-        f"def test_torch_is_this_environments():\n    assert torch.__version__ == {env_torch().version!r}\n")
+        "def test_torch_is_this_environments():\n"
+        f"    assert torch.__version__.split('+')[0] == {env_torch().version.split('+')[0]!r}\n")
     without = run_files([tests / "test_p.py"], tree, cwd=tests)
     assert without.status == "harness"  # this environment lacks the release's dependency: not the behaviour
     assert "No module named 'dep_only_here'" in without.first_error()

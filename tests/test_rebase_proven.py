@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from overlay.build.pins import carried_releases
 from overlay.maintain.engine_records import RECORDS, engine_runs
 from overlay.maintain.rebase.report import proven_in_an_engine, report_markdown
 from overlay.maintain.rebase.state import State
@@ -70,15 +73,17 @@ def test_the_runs_of_that_build_are_listed_with_where_when_dcp_and_cases(tmp_pat
     assert "2xh200-2026-11-30" not in section and "old" not in section
 
 
-def test_the_shipped_0_33_0_report_names_only_runs_the_records_hold() -> None:
-    """patches/0.33.0/REBASE.md carries the section (a snapshot of when it was written: ``make status`` says
-    what is proven now), and every run it names is a record of that build under docs/records/engine/."""
-    text = (REPO / "patches" / "0.33.0" / "REBASE.md").read_text()
+@pytest.mark.parametrize("release", [r for r in carried_releases(REPO / "patches")
+                                     if (REPO / "patches" / r / "REBASE.md").is_file()])
+def test_the_shipped_reports_name_only_runs_the_records_hold(release: str) -> None:
+    """A rebased release's REBASE.md carries the section (a snapshot of when it was written: ``make status``
+    says what is proven now), and every run it names is a record of that build under docs/records/engine/."""
+    text = (REPO / "patches" / release / "REBASE.md").read_text()
     section = text[text.index("## Proven in an engine"):].split("\n\n", 2)[1]
     named = [line.split("`")[1] for line in section.splitlines() if line.startswith("- `")]
-    held = {r.where for r in engine_runs(REPO / RECORDS, "0.33.0")}
+    held = {r.where for r in engine_runs(REPO / RECORDS, release)}
     assert set(named) <= held, f"REBASE.md names runs the records do not hold: {set(named) - held}"
-    assert proven_in_an_engine("0.33.0", [])[0] == "## Proven in an engine"
+    assert proven_in_an_engine(release, [])[0] == "## Proven in an engine"
 
 
 def test_the_report_says_what_changed_in_the_release_facts(tmp_path: Path) -> None:
@@ -99,8 +104,6 @@ def test_the_report_says_what_changed_in_the_release_facts(tmp_path: Path) -> No
 
 
 def test_a_rebase_onto_a_release_the_facts_cannot_describe_is_refused(tmp_path: Path) -> None:
-    import pytest
-
     from overlay.maintain.rebase.release import release_facts_of
     from overlay.maintain.rebase.state import RebaseError
     from tests.wheelkit import make_wheel

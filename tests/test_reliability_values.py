@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 
 from overlay import cli
+from overlay.build.pins import default_version
 from overlay.errors import UsageError
 from tests.test_cherry_pick import pick, setup  # noqa: F401  (the fixture)
 
 REPO = Path(__file__).resolve().parent.parent
+DEFAULT = default_version(REPO / "patches")
 
 
 @pytest.mark.parametrize("how", ["remote", "VLLM_REMOTE"])
@@ -78,7 +80,7 @@ def stub_venv(tmp_path: Path) -> tuple[Path, Path]:
     py = venv / "bin" / "python"
     py.write_text(STUB.format(python=sys.executable, log=str(log)))
     py.chmod(py.stat().st_mode | stat.S_IXUSR)
-    for stamp in (".overlay-tool", ".overlay-build-0.28.0"):
+    for stamp in (".overlay-tool", f".overlay-build-{DEFAULT}"):
         (venv / stamp).write_text("")
     return venv, log
 
@@ -91,7 +93,7 @@ BACKTICK = "`touch {m}`"
     ("target", "variables", "expect"),
     [
         pytest.param("cherry-pick", {"REF": HOSTILE, "NAME": BACKTICK, "AFTER": "a;touch {m}"},
-                     ["cherry-pick", "--vllm", "0.28.0", "--after", "a;touch {m}", "--name", BACKTICK, "--", HOSTILE],
+                     ["cherry-pick", "--vllm", DEFAULT, "--after", "a;touch {m}", "--name", BACKTICK, "--", HOSTILE],
                      id="cherry-pick-REF-NAME-AFTER"),
         pytest.param("regress", {"PROFILE": "p;touch {m}", "OUT": "o;touch {m}", "BASE_URL": "http://h|touch {m}",
                                  "ARGS": "--skip gsm8k;touch {m}"},
@@ -100,12 +102,12 @@ BACKTICK = "`touch {m}`"
         pytest.param("workspace-plan", {"PROFILE": "&& touch {m}"}, ["workspace-plan", "--profile", "&& touch {m}"],
                      id="workspace-plan-PROFILE"),
         pytest.param("device-stage", {"NAME": "e;touch {m}", "EXTRA": "a==1;touch"},
-                     ["device-stage", "--vllm", "0.28.0", "--name", "e;touch {m}", "--extra", "a==1;touch"],
+                     ["device-stage", "--vllm", DEFAULT, "--name", "e;touch {m}", "--extra", "a==1;touch"],
                      id="device-stage-NAME-EXTRA"),
         pytest.param("regress-verdicts", {"ROOT": "r;touch {m}", "EXPECT": "a=pass"},
                      ["regress-verdicts", "--", "r;touch {m}", "a=pass"], id="regress-verdicts-ROOT"),
         pytest.param("rebase", {"NO_TESTS": "1", "TO": "0.31.0"},
-                     ["rebase", "--vllm", "0.28.0", "--to", "0.31.0", "--no-tests"], id="rebase-plain"),
+                     ["rebase", "--vllm", DEFAULT, "--to", "0.31.0", "--no-tests"], id="rebase-plain"),
     ],
 )
 def test_make_variables_reach_the_verb_as_one_argument(stub_venv, tmp_path: Path, target: str,

@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -261,4 +262,8 @@ def fetch_release(
                         expected_from="the sha256 the package index publishes")
     from overlay.build.install import torch_pin
 
-    return dataclasses.replace(pin, torch=torch_pin(wheel)), wheel
+    try:  # the wheel's own torch pin, written into the new pin.toml; a wheel whose metadata cannot say leaves it
+        torch = torch_pin(wheel)  # out, and the build names the missing field
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile):
+        torch = None
+    return dataclasses.replace(pin, torch=torch), wheel

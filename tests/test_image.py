@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from overlay.build.pins import Pin
+from overlay.build.pins import Pin, default_version
 from overlay.build.sdist import fetch_sdist, find_sdist_url, read_sources
 from overlay.cli import main, parser
 from overlay.errors import FetchError, PinError
@@ -324,13 +324,16 @@ def test_make_target_dry_run() -> None:
     """The Makefile target passes DRY_RUN and ARCH through to the verb."""
     proc = subprocess.run(["make", "--no-print-directory", "-n", "image", "DRY_RUN=1", "ARCH=9.0a 10.0a"], cwd=REPO,
                           capture_output=True, text=True, check=True)
-    assert proc.stdout.strip().endswith("-m overlay image --vllm '0.28.0' --dry-run --arch '9.0a 10.0a'")
+    default = default_version(REPO / "patches")
+    assert proc.stdout.strip().endswith(f"-m overlay image --vllm '{default}' --dry-run --arch '9.0a 10.0a'")
 
 
 def test_current_series_dry_run() -> None:
     rc, out, err = run_cli("--patches", str(REPO / "patches"), "image", "--dry-run")
     assert rc == 0, err
-    assert out.startswith("image plan for vllm 0.28.0 + series ovl")
+    default = default_version(REPO / "patches")
+    assert out.startswith(f"image plan for vllm {default} + series ovl")
+    assert f"  base:     docker.io/vllm/vllm-openai:v{default}\n" in out
 
 
 # --------------------------------------------------------------------------- kernel stage

@@ -21,6 +21,7 @@ from unittest import mock
 import pytest
 
 from overlay.build.install import HASH_CHECK_MAX, check_torch_pin, install, requirements, torch_mismatch, torch_pin
+from overlay.build.pins import default_version
 from overlay.build.wheel import record_hash
 from overlay.errors import OverlayError
 from tests.wheelkit import make_wheel
@@ -373,9 +374,10 @@ def test_real_wheel_one_patch_edit_installs_incrementally(base_wheel: Path, tmp_
         subprocess.run(["cp", "-al", str(live / name), str(site / name)], check=True)
     (env / "bin" / "vllm").write_bytes((Path(sys.prefix) / "bin" / "vllm").read_bytes())
     patches = tmp_path / "patches"
-    shutil.copytree(REPO / "patches" / "0.28.0", patches / "0.28.0")
-    _edit(patches, "0.28.0", 7)
-    wheel = build(patches, "0.28.0", tmp_path / "dist", base_wheel=base_wheel).wheel
+    default = default_version(REPO / "patches")  # the release installed in .venv, as base_wheel is
+    shutil.copytree(REPO / "patches" / default, patches / default)
+    _edit(patches, default, 7)
+    wheel = build(patches, default, tmp_path / "dist", base_wheel=base_wheel).wheel
     done = install(wheel, env, with_deps=False)
     assert done.how == "incremental" and done.written < 40
     _record_true(env)

@@ -151,9 +151,9 @@ def build(
             "the overlay cannot change prebuilt kernels: use `make image`, which rebuilds them"
         )
     wheel = _check_base(base_wheel, pin) or fetch_wheel(pin)
-    check_torch_pin(pin.torch, wheel, str(pin_dir(patches_root, version) / "pin.toml"))
     tag, full_version = target_wheel.tag, target_wheel.version
     with _readable(wheel, given=base_wheel is not None), zipfile.ZipFile(wheel) as zf:
+        check_torch_pin(pin.torch, wheel, str(pin_dir(patches_root, version) / "pin.toml"))
         read = wheel_reader(zf)
         # Kernel patches may carry Python changes too: those are overlaid; their compiled
         # sources were built into ``kernels`` by make image's kernel stage.

@@ -65,6 +65,7 @@ RUNNER = ("pytest==9.2.0", "pytest-timeout==2.4.0")  # pyproject's test pins (he
 SCHEME = "whole-closure-1"  # how a folder is made: a new scheme is a new key
 _VERSION = re.compile(r"""^__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""", re.M)
 DONE = ".complete"
+MAKE_LOCK = ".making.lock"  # in <cache>/deps/: one maker at a time (each one pip install of gigabytes)
 
 
 Resolver = Callable[[list[str]], list[str]]
@@ -225,7 +226,7 @@ def release_deps(release: str, wheel: Path, *, cache: Path | None = None, resolv
     root.mkdir(parents=True, exist_ok=True)
     # One maker per folder: two test workers (or two commands) asking at once would each install it, and the
     # second's replace would pull the folder from under the first's runs.
-    with lock.held(root / f".{dest.name}.lock", f"another run making {dest.name}"):
+    with lock.held(root / MAKE_LOCK, f"another run making a release's test environment in {root}"):
         if not (dest / DONE).is_file():
             _make(release, wheel, torch, reqs, stubs, root, dest, resolver, installer)
     return dest

@@ -1046,10 +1046,12 @@ def test_cli_device_stage_names_a_missing_wheel(tmp_path: Path, capsys: pytest.C
 
 
 def test_built_wheel_asks_for_make_build(tmp_path: Path) -> None:
+    from overlay.build.pipeline import series_wheel
+
     base = make_wheel(tmp_path, {"vllm/__init__.py": b""})
     patches = make_release(tmp_path, base, patches={"fix-a.patch": good_patch(tmp_path)})  # an empty one is refused
     with pytest.raises(ds.DeviceStageError, match=r"run `make build VLLM=0.28.0` first"):
-        ds.built_wheel(patches, "0.28.0", tmp_path / "dist")
+        ds.built_wheel(series_wheel(patches, "0.28.0"), tmp_path / "dist")
 
 
 def test_harness_requirements_are_pinned_as_in_pyproject() -> None:
@@ -1149,12 +1151,12 @@ def test_device_stage_stages_the_lines_of_the_series_own_wheel(tmp_path: Path, m
     shutil.copyfile(base, cache / "wheels" / base.name)
     monkeypatch.setenv("VLLM_OVERLAY_CACHE", str(cache))
     own = series_wheel(root, "0.28.0")
-    beside = staged_lines(root, "0.28.0", tmp_path / "dist" / own.filename)
+    beside = staged_lines(own, tmp_path / "dist" / own.filename)
     doc = json.loads(beside["liveness.json"])
     assert doc == {"format": 1, "release": "0.28.0", "vllm": own.version, "series": ["fix.patch"],
                    "lines": {"fix.patch": {"vllm/a.py": [6], "vllm/new.py": [1]}}}
     assert "liveness.json: vllm 0.28.0+ovl" in capsys.readouterr().err
-    assert staged_lines(root, "0.28.0", tmp_path / "vllm-0.28.0+ovlother-cp38-abi3-manylinux_2_28_x86_64.whl") == {}
+    assert staged_lines(own, tmp_path / "vllm-0.28.0+ovlother-cp38-abi3-manylinux_2_28_x86_64.whl") == {}
     assert "liveness.json not staged: vllm-0.28.0+ovlother" in capsys.readouterr().err
     out = tmp_path / "lines" / "liveness.json"  # the same file without staging: overlay liveness-lines
     assert main(["--patches", str(root), "liveness-lines", "--vllm", "0.28.0", "--out", str(out)]) == 0

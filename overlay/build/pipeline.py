@@ -102,11 +102,16 @@ def wheel_name(pin: Pin, version: str) -> str:
 
 @dataclass(frozen=True)
 class SeriesWheel:
-    """Which wheel the series of a release gives: its pin, series, local version and file name."""
+    """A carried release as the tools hand it down, loaded once at the front door (:func:`series_wheel`): its
+    pin, series, and the wheel they give (local version and file name)."""
 
     pin: Pin
     series: Series
     tag: str
+
+    @property
+    def release(self) -> str:
+        return self.pin.version
 
     @property
     def version(self) -> str:

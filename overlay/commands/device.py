@@ -49,15 +49,17 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_device_stage(ns: argparse.Namespace) -> int:
+    from overlay.build.pipeline import series_wheel
     from overlay.device import MIB, built_wheel, carry_limit, device_calls, format_summary, stage, with_harness
     from overlay.engine.liveness_lines import staged_lines
 
-    wheel = Path(ns.wheel) if ns.wheel else built_wheel(root(ns), ns.vllm, Path(ns.dist))
+    release = series_wheel(root(ns), ns.vllm)  # the release, loaded once and handed down
+    wheel = Path(ns.wheel) if ns.wheel else built_wheel(release, Path(ns.dist))
     dest = Path(ns.dest) / ns.name
     result = stage(wheel, dest, device_packages=Path(ns.device_packages), name=ns.name,
                    limit=carry_limit(Path.cwd(), int(ns.limit_mib * MIB)), resolver_python=ns.resolver_python,
                    full=ns.full, resolution_cache=not ns.no_resolution_cache, extras=with_harness(ns.extra),
-                   beside=staged_lines(root(ns), ns.vllm, wheel) if wheel.is_file() else None,
+                   beside=staged_lines(release, wheel) if wheel.is_file() else None,
                    device_requires=None if ns.no_device_requires else Path(ns.device_requires))
     print(format_summary(result.manifest), file=sys.stderr)
     print(device_calls(result.manifest, dest, ns.command))

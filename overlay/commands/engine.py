@@ -149,11 +149,12 @@ def cmd_engine_plot(ns: argparse.Namespace) -> int:
 
 def cmd_liveness_lines(ns: argparse.Namespace) -> int:
     from overlay.atomic import write_file
+    from overlay.build.pipeline import series_wheel
     from overlay.engine.liveness_lines import dump, lines_doc, summary
     from overlay.outpaths import check_file
 
     check_file(ns.out, "--out").parent.mkdir(parents=True, exist_ok=True)
-    doc = lines_doc(root(ns), ns.vllm)
+    doc = lines_doc(series_wheel(root(ns), ns.vllm))
     write_file(ns.out, dump(doc))
     print(f"{summary(doc)} -> {ns.out}")
     return 0

@@ -15,6 +15,7 @@ from packaging.version import InvalidVersion, Version
 
 from overlay.atomic import scratch
 from overlay.build.fetch import cache_dir, sha256_file
+from overlay.build.pipeline import SeriesWheel
 from overlay.build.stand_ins import swap_all
 from overlay.device.carries import write_carries
 from overlay.device.files import download_wheels, stage_vllm
@@ -332,11 +333,10 @@ def format_summary(manifest: Mapping) -> str:
     return "\n".join(lines)
 
 
-def built_wheel(patches_root: Path, vllm: str, dist: Path) -> Path:
-    """The wheel ``make build`` writes for the current series of release ``vllm`` (it must be built)."""
-    from overlay.build.pipeline import series_wheel
-
-    wheel = dist / series_wheel(patches_root, vllm).filename
+def built_wheel(release: SeriesWheel, dist: Path) -> Path:
+    """The wheel ``make build`` writes for the release's current series (it must be built)."""
+    wheel = dist / release.filename
     if not wheel.is_file():
-        raise DeviceStageError(f"{wheel}: not built for the current series; run `make build VLLM={vllm}` first")
+        raise DeviceStageError(f"{wheel}: not built for the current series; run `make build "
+                               f"VLLM={release.release}` first")
     return wheel

@@ -25,8 +25,12 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from overlay.engine.inputs import EngineCheckError
+
+if TYPE_CHECKING:
+    from overlay.build.pipeline import SeriesWheel
 
 FILE = "liveness.json"  # its name in the stage, beside manifest.json
 ENV = "OVERLAY_LIVENESS"  # scripts/device-run.sh sets it to the unpacked file: engine-check's default --liveness
@@ -44,16 +48,14 @@ class Lines:
     lines: dict[str, dict[str, list[int]]]
 
 
-def lines_doc(patches_root: Path, version: str, *, cache: Path | None = None) -> dict[str, object]:
-    """The lines document of release ``version``'s series (its base tree extracted once into the cache,
-    the series replayed with git)."""
-    from overlay.build.pipeline import series_wheel
+def lines_doc(target: SeriesWheel, *, cache: Path | None = None) -> dict[str, object]:
+    """The lines document of a release's series, as the front door loaded it (its base tree extracted once
+    into the cache, the series replayed with git)."""
     from overlay.maintain.liveness import attribution
-    from overlay.maintain.trees import base_tree
+    from overlay.maintain.trees import pinned_tree
 
-    target = series_wheel(patches_root, version)
-    lines = attribution(base_tree(patches_root, version, cache=cache), target.series.patches)
-    return {"format": FORMAT, "release": version, "vllm": target.version,
+    lines = attribution(pinned_tree(target.pin, cache=cache), target.series.patches)
+    return {"format": FORMAT, "release": target.release, "vllm": target.version,
             "series": [p.name for p in target.series.patches], "lines": lines}
 
 
@@ -69,17 +71,14 @@ def summary(doc: dict[str, object]) -> str:
     return f"{FILE}: vllm {doc['vllm']}, {len(lines)} patch(es), {count} added line(s) in {files} file(s)"
 
 
-def staged_lines(patches_root: Path, version: str, wheel: Path) -> dict[str, bytes]:
-    """``{FILE: document}`` for ``make device-stage`` when ``wheel`` is the one release ``version``'s series
-    builds; else nothing, said on stderr (the lines of another series would count other statements)."""
-    from overlay.build.pipeline import series_wheel
-
-    expected = series_wheel(patches_root, version).filename
-    if wheel.name != expected:
-        print(f"[device-stage] {FILE} not staged: {wheel.name} is not the wheel of patches/{version}/series "
-              f"({expected}); engine-check --coverage then needs --liveness FILE", file=sys.stderr, flush=True)
+def staged_lines(target: SeriesWheel, wheel: Path) -> dict[str, bytes]:
+    """``{FILE: document}`` for ``make device-stage`` when ``wheel`` is the one the release's series builds;
+    else nothing, said on stderr (the lines of another series would count other statements)."""
+    if wheel.name != target.filename:
+        print(f"[device-stage] {FILE} not staged: {wheel.name} is not the wheel of patches/{target.release}/series "
+              f"({target.filename}); engine-check --coverage then needs --liveness FILE", file=sys.stderr, flush=True)
         return {}
-    doc = lines_doc(patches_root, version)
+    doc = lines_doc(target)
     print(f"[device-stage] {summary(doc)} (engine-check --coverage)", file=sys.stderr, flush=True)
     return {FILE: dump(doc)}
 

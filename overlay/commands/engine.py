@@ -132,17 +132,11 @@ def cmd_engine_checkpoint(ns: argparse.Namespace) -> int:
 
 
 def cmd_engine_plot(ns: argparse.Namespace) -> int:
-    import json
-
     from overlay.engine.plot import draw
+    from overlay.engine.verdict import read_results
     from overlay.errors import OverlayError
 
-    docs = []
-    for path in ns.results:
-        try:
-            docs.append((path.stem, json.loads(path.read_text())))
-        except (OSError, ValueError) as exc:
-            raise OverlayError(f"{path}: cannot read engine-check results ({exc})") from None
+    docs = [(path.stem, read_results(path, OverlayError)) for path in ns.results]
     print(draw(docs, ns.out), file=sys.stdout)
     return 0
 

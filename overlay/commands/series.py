@@ -35,18 +35,20 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
-    from overlay.maintain.engine_records import records_root
+    from overlay.maintain.engine_records import records_root, unreadable
     from overlay.maintain.proven import format_proven, proven
     from overlay.maintain.status import format_table, series_status
 
     rows = series_status(root(ns), ns.vllm)
     records = records_root(root(ns))
     releases, unnamed = proven(root(ns), records)
+    unread = unreadable(records)
     if ns.json:
         print(json.dumps({"release": ns.vllm, "patches": [r.to_dict() for r in rows],
-                          "proven": [r.to_dict() for r in releases], "records_naming_no_build": unnamed}, indent=2))
+                          "proven": [r.to_dict() for r in releases], "records_naming_no_build": unnamed,
+                          "records_not_read": unread}, indent=2))
     else:
-        sys.stdout.write(format_table(rows, ns.vllm) + format_proven(releases, unnamed, records))
+        sys.stdout.write(format_table(rows, ns.vllm) + format_proven(releases, unnamed, records, unread))
     return 0 if all(r.applies for r in rows) else 1
 
 

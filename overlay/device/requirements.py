@@ -3,7 +3,6 @@ what pip said when a pin made the resolution impossible."""
 
 from __future__ import annotations
 
-import json
 import re
 import zipfile
 from collections.abc import Iterable, Mapping
@@ -15,7 +14,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from overlay import textfile
+from overlay import jsonfile, textfile
 from overlay.build.wheel import dist_info_name
 from overlay.device.settings import DEVICE_ENV, STUB_LABEL, TORCH_FAMILY, DeviceStageError
 from overlay.errors import shown
@@ -42,16 +41,18 @@ def read_device_requires(path: Path, device: Mapping[str, str]) -> tuple[dict[st
     package, markers evaluated for the device (:func:`device_requirements`: extras' lines drop out), for
     the packages recorded at the version ``device`` pins; and one line per package
     left without them (recorded at another version, or not recorded)."""
-    try:
-        data = json.loads(textfile.decode(path.read_bytes(), str(path), DeviceStageError))
-        packages = data["packages"]
-        recorded = {canonicalize_name(n): (str(e["version"]), [str(r) for r in e["requires"]])
-                    for n, e in packages.items()}
-    except OSError as exc:
-        raise DeviceStageError(f"{path}: cannot read the device's requirements ({exc.strerror or exc})") from None
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise DeviceStageError(f"{path}: not a record of scripts/device-requires.py ({type(exc).__name__}: "
-                               f"{shown(str(exc))})") from None
+    what = "a record of scripts/device-requires.py"
+    data = jsonfile.read(path, DeviceStageError, what)
+    source = str(path)
+    recorded: dict[str, tuple[str, list[str]]] = {}
+    for n, e in jsonfile.need(data.get("packages"), dict, "packages", source, DeviceStageError, what).items():
+        where = f"packages.{n}"
+        jsonfile.need(e, dict, where, source, DeviceStageError, what)
+        version = jsonfile.need(e.get("version"), str, f"{where}.version", source, DeviceStageError, what)
+        requires = jsonfile.need(e.get("requires"), list, f"{where}.requires", source, DeviceStageError, what)
+        for i, r in enumerate(requires):
+            jsonfile.need(r, str, f"{where}.requires[{i}]", source, DeviceStageError, what)
+        recorded[canonicalize_name(n)] = (version, list(requires))
     names = {canonicalize_name(n) for n in device}
     needs: dict[str, tuple[str, ...]] = {}
     without: list[str] = []

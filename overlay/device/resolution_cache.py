@@ -11,10 +11,11 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
-from overlay import digest
+from overlay import digest, jsonfile
 from overlay.atomic import write_file
 from overlay.device.resolve import RESOLVE_MAX_ROUNDS, DroppedPin, Resolution, ResolvedWheel, Resolver, target_args
-from overlay.device.settings import DEVICE_ENV, PLATFORMS, STUB_LABEL, TORCH_FAMILY, log
+from overlay.device.settings import DEVICE_ENV, PLATFORMS, STUB_LABEL, TORCH_FAMILY, DeviceStageError, log
+from overlay.errors import shown_value
 
 RESOLUTION_CACHE_FORMAT = 1
 # how extra requirements are resolved (in the key of such resolutions): on top of vLLM's own resolution,
@@ -88,13 +89,16 @@ def resolution_from_json(data: object, key: str) -> Resolution:
 
 def load_resolution(path: Path, key: str) -> Resolution | None:
     """The cached resolution for ``key``; None if there is none, or (with a warning) if it is unreadable."""
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return None
     try:
-        return resolution_from_json(json.loads(path.read_text()), key)
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        log(f"  warning: cached resolution {path} unreadable ({type(exc).__name__}: {exc}); resolving again")
-        return None
+        return resolution_from_json(jsonfile.read(path, DeviceStageError, "a cached resolution"), key)
+    except DeviceStageError as exc:
+        log(f"  warning: cached resolution {path} unreadable ({str(exc).removeprefix(f'{path}: ')}); resolving again")
+    except (ValueError, TypeError, KeyError) as exc:
+        log(f"  warning: cached resolution {path} unreadable ({type(exc).__name__}: {shown_value(str(exc))}); "
+            "resolving again")
+    return None
 
 
 def save_resolution(path: Path, key: str, resolution: Resolution) -> None:

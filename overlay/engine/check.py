@@ -48,7 +48,7 @@ from overlay.engine.env import PORT_BASE, PORT_STRIDE, REPO, SAFE_ENV, STANDIN, 
 from overlay.engine.inputs import EngineCheckError, check_inputs, lay_variant, load_variants
 from overlay.engine.liveness_run import KILL_GRACE_S, SITE, Measure
 from overlay.engine.liveness_run import start as start_measure
-from overlay.engine.verdict import judge, record_name, report
+from overlay.engine.verdict import judge, read_results, record_name, report
 from overlay.engine.workload import Case, cases
 from overlay.outpaths import check_dir
 from overlay.releases.facts import ReleaseFacts, ReleaseFactsError, release_facts
@@ -458,7 +458,7 @@ def run_check(ns: CheckOptions) -> int:
 
 def rejudge(out: Path, expect: str | None) -> int:
     """Judge the records of ``out/results.json`` again (another tolerance rule), rewrite the report."""
-    doc = json.loads((out / "results.json").read_text())
+    doc = read_results(out / "results.json", EngineCheckError)
     keep = ("case", "name", "variant", "expect", "status", "error", "wall_s", "rc", "reused", "graphs", "liveness")
     records = [{k: r[k] for k in keep if k in r} for r in doc["cases"]]
     for r in records:  # the graphs and lines its log shows, read again (the rule may have changed since)
@@ -479,8 +479,9 @@ def _reuse(job: Job, earlier: Path, out: Path, model: Path) -> dict[str, Any] | 
     if job.case.role not in ("reference", "spread") or job.tree is not None:
         return None
     try:
-        doc = json.loads((earlier / "results.json").read_text())
-    except (OSError, ValueError):
+        doc = read_results(earlier / "results.json", EngineCheckError)
+    except EngineCheckError as exc:
+        print(f"[engine-check] {job.name}: not reused: {exc}", flush=True)
         return None
     if doc.get("meta", {}).get("model") != str(model):
         print(f"[engine-check] {job.name}: not reused: {earlier} ran another checkpoint", flush=True)

@@ -7,12 +7,13 @@ Anything else is an :class:`EngineCheckError` (exit 2) naming the path, before a
 
 from __future__ import annotations
 
-import json
 import tarfile
 from pathlib import Path
 from typing import Any
 
-from overlay.errors import UsageError
+from overlay import jsonfile
+from overlay.errors import UsageError, shown_value
+from overlay.outpaths import check_name
 
 
 class EngineCheckError(UsageError):
@@ -33,16 +34,17 @@ def load_variants(variants: Path) -> dict[str, Any]:
         why = "is a file, not a folder" if variants.exists() else "no such folder"
         raise EngineCheckError(f"{what} {variants}: {why} (make engine-variants OUT=DIR writes one)")
     manifest = variants / "variants.json"
-    try:
-        doc = json.loads(manifest.read_text())
-    except FileNotFoundError:
-        raise EngineCheckError(f"{what} {variants}: no variants.json in it: not engine-variants' output") from None
-    except (OSError, ValueError) as exc:
-        raise EngineCheckError(f"{manifest}: cannot read it ({exc})") from None
-    table = doc.get("variants") if isinstance(doc, dict) else None
+    if not manifest.exists():
+        raise EngineCheckError(f"{what} {variants}: no variants.json in it: not engine-variants' output")
+    doc = jsonfile.read(manifest, EngineCheckError, "engine-variants' variants.json")
+    table = doc.get("variants")
     if not isinstance(table, dict):
         raise EngineCheckError(f"{manifest}: no 'variants' table: not engine-variants' output")
     for name, v in table.items():
+        try:
+            check_name(name)
+        except ValueError as exc:  # it names the variant's tarball beside variants.json
+            raise EngineCheckError(f"{manifest}: variants.{shown_value(name)}: not a variant name ({exc})") from None
         if not isinstance(v, dict) or not {"case", "expect", "symptom"} <= set(v):
             raise EngineCheckError(f"{manifest}: variants.{name}: wants case, expect and symptom")
         if v["case"]:

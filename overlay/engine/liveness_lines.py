@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from overlay import jsonfile
 from overlay.engine.inputs import EngineCheckError
 
 if TYPE_CHECKING:
@@ -87,14 +88,20 @@ def load_lines(path: Path, installed: str, declared: Iterable[tuple[str, str]] =
     """The document at ``path``, refused in one line when it is not one, when it was made for another build
     than ``installed`` (the vLLM version the engines import), or when a case of ``declared`` (case, patch)
     names a patch its series does not hold."""
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise EngineCheckError(f"--liveness {path}: cannot read a liveness lines file ({exc}); "
-                               "overlay liveness-lines writes one") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("lines"), dict):
-        raise EngineCheckError(f"--liveness {path}: not a liveness lines file of format {FORMAT} "
-                               "(overlay liveness-lines writes one)")
+    what = f"a liveness lines file of format {FORMAT} (overlay liveness-lines writes one)"
+    source = f"--liveness {path}"
+    doc = jsonfile.read(path, EngineCheckError, what, source=source)
+    if doc.get("format") != FORMAT or not isinstance(doc.get("lines"), dict):
+        raise EngineCheckError(f"{source}: not {what}")
+    for key in ("vllm", "release"):
+        jsonfile.get(doc, key, str, "", source, EngineCheckError)
+    for i, name in enumerate(jsonfile.get(doc, "series", list, "", source, EngineCheckError, [])):
+        jsonfile.need(name, str, f"series[{i}]", source, EngineCheckError)
+    for patch, files in doc["lines"].items():
+        for file, numbers in jsonfile.need(files, dict, f"lines.{patch}", source, EngineCheckError).items():
+            where = f"lines.{patch}.{file}"
+            for i, n in enumerate(jsonfile.need(numbers, list, where, source, EngineCheckError)):
+                jsonfile.need(n, int, f"{where}[{i}]", source, EngineCheckError)
     if doc.get("vllm") != installed:
         raise EngineCheckError(f"--liveness {path}: made for vllm {doc.get('vllm')}, the engines import "
                                f"{installed or '(none)'}: its line numbers are another build's (make it for "

@@ -15,15 +15,59 @@ import re
 from pathlib import Path
 from typing import Any
 
+from overlay import jsonfile
 from overlay.engine.compare import FLOOR, SAFETY, compare, derive_tolerance
 from overlay.engine.liveness_run import problems as liveness_problems
 from overlay.engine.liveness_run import table as liveness_table
+from overlay.engine.workload import case_problem
+from overlay.errors import OverlayError, shown_value
+from overlay.outpaths import check_name
 from overlay.releases.facts import ReleaseFacts
+
+RESULTS = "an engine check's results.json"
+# the fields of a case's record in results.json, as :func:`report` writes them
+RECORD_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "name": str, "status": str, "error": str, "verdict": str, "variant": str, "expect": str, "reused": str,
+    "wall_s": float, "rc": int, "startup_s": float, "generate_s": float, "graphs": dict, "diff": dict,
+    "spec_decode": dict, "resolved": dict, "problems": list, "liveness": dict, "log_lines": list}
 
 
 def record_name(record: dict[str, Any]) -> str:
     """A record's job name (a variant's job: ``variant--case``), else its case's."""
     return record.get("name") or record["case"]["name"]
+
+
+def read_results(path: Path, error: type[OverlayError]) -> dict[str, Any]:
+    """An engine check's ``results.json`` (``--rejudge``, ``engine-plot``), read bounded (:mod:`overlay.jsonfile`)
+    and held to what :func:`report` writes: ``cases`` a list of records, each with its case and status, every
+    field of its type, its name one file name (it names the record's ``.json`` and ``.log`` beside it);
+    ``error`` naming the file and the field otherwise."""
+    doc = jsonfile.read(path, error, RESULTS, nonfinite=True)  # a diff against a -inf logprob is inf
+    src = str(path)
+    jsonfile.get(doc, "meta", dict, "", src, error)
+    summary = jsonfile.get(doc, "summary", dict, "", src, error, {})
+    jsonfile.get(summary, "verdict", str, "summary", src, error)
+    tolerance = jsonfile.get(summary, "tolerance", dict, "summary", src, error, {})
+    for key in ("dense", "sparse_q90"):
+        jsonfile.get(tolerance, key, float, "summary.tolerance", src, error)
+    for i, rec in enumerate(jsonfile.need(doc.get("cases"), list, "cases", src, error, RESULTS)):
+        where = f"cases[{i}]"
+        jsonfile.need(rec, dict, where, src, error)
+        case = jsonfile.need(rec.get("case"), dict, f"{where}.case", src, error)
+        if problem := case_problem(case):
+            raise error(f"{src}: {where}.case.{problem}")
+        jsonfile.need(case.get("role"), str, f"{where}.case.role", src, error)
+        jsonfile.need(rec.get("status"), str, f"{where}.status", src, error)
+        for key, kind in RECORD_FIELDS.items():
+            jsonfile.get(rec, key, kind, where, src, error)
+        for key in ("dense_max_abs", "sparse_q90"):
+            jsonfile.get(rec.get("diff") or {}, key, float, f"{where}.diff", src, error)
+        try:
+            check_name(record_name(rec))
+        except ValueError as exc:
+            raise error(f"{src}: {where}: its name {shown_value(record_name(rec))} is not one file "
+                        f"name ({exc})") from None
+    return doc
 
 
 def judge(records: list[dict[str, Any]], out: Path, expect: str | None) -> dict[str, Any]:
@@ -33,7 +77,8 @@ def judge(records: list[dict[str, Any]], out: Path, expect: str | None) -> dict[
     A record with its own ``expect`` (a variant job) must fail that way; ``expect`` here applies
     to every other checked case (a run on one variant tree).
     """
-    docs = {record_name(r): json.loads((out / f"{record_name(r)}.json").read_text())
+    docs = {record_name(r): jsonfile.read(out / f"{record_name(r)}.json", OverlayError, "an engine case's output",
+                                           nonfinite=True)
             for r in records if r["status"] == "ok"}
     ref_rec = next((r for r in records if r["case"]["role"] == "reference" and not r.get("variant")), None)
     summary: dict[str, Any] = {"safety": SAFETY, "floor": FLOOR, "expect": expect}

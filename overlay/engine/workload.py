@@ -184,6 +184,31 @@ class Case:
         return cls(**{k: tuple(v) if k in ("prompt_lens", "log_lines") else v for k, v in doc.items()})
 
 
+# each field of a case as JSON holds it (:meth:`Case.to_dict`): what a results file read back is held to
+CASE_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "name": str, "role": str, "tp": int, "dcp": int, "backend": str, "eager": bool, "mtp": bool, "env": dict,
+    "reverse": bool, "max_num_batched_tokens": int, "note": str, "compare_to": str, "interleave": int,
+    "graphs": str, "prompt_lens": list, "q_replicate": bool, "resolves": dict, "release": str, "log_lines": list}
+
+
+def case_problem(doc: dict[str, Any]) -> str | None:
+    """What keeps ``doc`` (a case read back from a file) from being a case :meth:`Case.to_dict` writes:
+    ``name`` missing, a field of the wrong type; None when it is one."""
+    from overlay.jsonfile import kind_problem
+
+    if not isinstance(doc.get("name"), str):
+        return "name: a case needs a name (a string)"
+    for key, kind in CASE_FIELDS.items():
+        if key in doc and doc[key] is not None and (problem := kind_problem(doc[key], kind)):
+            return f"{key}: {problem}"
+    for key in ("prompt_lens", "log_lines"):
+        kind = int if key == "prompt_lens" else str
+        for i, item in enumerate(doc.get(key) or ()):
+            if problem := kind_problem(item, kind):
+                return f"{key}[{i}]: {problem}"
+    return None
+
+
 def _dcp(name: str, *, backend: str = "a2a", direct: bool = True, project: bool = True, eager: bool = False,
          mtp: bool = False, fused: bool = False, tp: int = 2, dcp: int = 2, interleave: int = 1,
          long: bool = False) -> Case:

@@ -9,17 +9,28 @@ version of each patch the build carried. What a run proves of a patch, strongest
 its seed-bug variant (the build without it) failed a case as expected; its added statements ran in a case
 that passed (``engine-check --coverage``); a case that declares it acts (the release's ``engine.toml`` ``[acts]``)
 passed.
+
+Every record is read through :mod:`overlay.jsonfile` and held to the shape the code below relies on; one
+that is not (not JSON, nested too deep, a link to ``/dev/zero``, a field of the wrong type) is left out of
+every count and named by :func:`unreadable` (``make status`` prints it in one line and the rest as before).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from overlay import jsonfile
+from overlay.errors import OverlayError
+
 RECORDS = Path("docs") / "records" / "engine"  # below the repository
 RAN = ("pass", "reference", "spread")  # the verdicts of a case that ran and agreed (or is the yardstick)
+WHAT = "an engine-check record"
+
+
+class RecordError(OverlayError):
+    """A record under ``docs/records/engine/`` that cannot be read as one (named, never counted)."""
 
 
 def records_root(patches_root: Path) -> Path:
@@ -68,22 +79,44 @@ class Proof:
     weight: int = 0  # among proofs of one kind and DCP size, the larger shows more (statements ran)
 
 
-def _case(raw: dict[str, Any]) -> CaseRun:
-    case = raw.get("case") if isinstance(raw.get("case"), dict) else {}
-    live = (raw.get("liveness") or {}).get("patches") if isinstance(raw.get("liveness"), dict) else None
+def _case(raw: dict[str, Any], where: str, source: str) -> CaseRun:
+    """One case of a record, its fields checked (``where``: its place in the record, ``cases[3]``)."""
+    from overlay.engine.workload import case_problem
+
+    def get(doc: dict[str, Any], key: str, kind: type | tuple[type, ...], at: str = where) -> Any:
+        return jsonfile.get(doc, key, kind, at, source, RecordError)
+
+    case = get(raw, "case", dict, where) or {}
+    if case and (problem := case_problem({"name": raw.get("name"), **case})):
+        raise RecordError(f"{source}: {where}.case.{problem}")
+    for key in ("name", "verdict", "status", "variant"):
+        get(raw, key, str)
+    live = get(get(raw, "liveness", dict) or {}, "patches", list, f"{where}.liveness") or []
+    counted = []
+    for i, p in enumerate(live):
+        at = f"{where}.liveness.patches[{i}]"
+        if isinstance(p, dict) and {"patch", "ran", "added"} <= set(p):
+            counted.append((get(p, "patch", str, at), get(p, "ran", int, at), get(p, "added", int, at)))
     return CaseRun(str(raw.get("name") or case.get("name")), str(raw.get("verdict") or raw.get("status")),
-                   int(case.get("dcp") or 1), case, str(raw.get("variant") or ""),
-                   tuple((str(p["patch"]), int(p["ran"]), int(p["added"])) for p in live or []
-                         if isinstance(p, dict) and {"patch", "ran", "added"} <= set(p)))
+                   int(case.get("dcp") or 1), case, str(raw.get("variant") or ""), tuple(counted))
 
 
 def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    """The record at ``path``; None for other JSON beside the records (a case's output: no ``meta`` and
+    ``cases``); :class:`RecordError` naming the file and the field for one that cannot be read as either."""
+    doc = jsonfile.read(path, RecordError, WHAT, nonfinite=True)  # a case's output may hold a -inf logprob
+    if not (isinstance(doc.get("meta"), dict) and isinstance(doc.get("cases"), list)):
         return None
-    ok = isinstance(doc, dict) and isinstance(doc.get("meta"), dict) and isinstance(doc.get("cases"), list)
-    return doc if ok else None
+    source, meta = str(path), doc["meta"]
+    for key in ("vllm", "started", "gpus"):
+        jsonfile.get(meta, key, str, "meta", source, RecordError)
+    for i, p in enumerate(jsonfile.get(meta, "series", list, "meta", source, RecordError) or []):
+        for key in ("name", "sha256"):
+            jsonfile.get(jsonfile.need(p, dict, f"meta.series[{i}]", source, RecordError), key, str,
+                         f"meta.series[{i}]", source, RecordError)
+    jsonfile.get(jsonfile.get(doc, "summary", dict, "", source, RecordError) or {}, "verdict", str, "summary",
+                 source, RecordError)
+    return doc
 
 
 def _where(root: Path, path: Path) -> str:
@@ -91,26 +124,59 @@ def _where(root: Path, path: Path) -> str:
     return (rel.parent if rel.name == "results.json" else rel).as_posix()
 
 
+def _run(root: Path, path: Path) -> EngineRun | None:
+    """The run recorded at ``path`` (None: not a record, or one that names no build); :class:`RecordError`."""
+    doc = _read(path)
+    build = str(doc["meta"].get("vllm") or "").split("+")[0].split(" ")[0] if doc else ""
+    if not doc or not build:
+        return None
+    series = {str(p.get("name")): str(p.get("sha256")) for p in doc["meta"].get("series") or []}
+    cases = tuple(_case(c, f"cases[{i}]", str(path)) for i, c in enumerate(doc["cases"]) if isinstance(c, dict))
+    return EngineRun(_where(root, path), build, str(doc["meta"].get("started", "?")),
+                     str(doc["meta"].get("gpus", "")), str((doc.get("summary") or {}).get("verdict", "?")),
+                     cases, series)
+
+
+def _records(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.json")) if root.is_dir() else []
+
+
 def engine_runs(root: Path, release: str | None = None) -> list[EngineRun]:
-    """The runs recorded under ``root`` (of ``release``'s build only, when given), oldest first."""
+    """The runs recorded under ``root`` (of ``release``'s build only, when given), oldest first; a record
+    that cannot be read is left out (:func:`unreadable` names it)."""
     runs = []
-    for path in sorted(root.rglob("*.json")) if root.is_dir() else []:
-        doc = _read(path)
-        build = str(doc["meta"].get("vllm") or "").split("+")[0].split(" ")[0] if doc else ""
-        if not doc or not build or (release is not None and build != release):
+    for path in _records(root):
+        try:
+            run = _run(root, path)
+        except RecordError:
             continue
-        series = {str(p.get("name")): str(p.get("sha256")) for p in doc["meta"].get("series") or []
-                  if isinstance(p, dict)}
-        runs.append(EngineRun(_where(root, path), build, str(doc["meta"].get("started", "?")),
-                              str(doc["meta"].get("gpus", "")), str((doc.get("summary") or {}).get("verdict", "?")),
-                              tuple(_case(c) for c in doc["cases"] if isinstance(c, dict)), series))
+        if run is not None and (release is None or run.release == release):
+            runs.append(run)
     return sorted(runs, key=lambda r: r.when)
+
+
+def unreadable(root: Path) -> list[str]:
+    """One line per file under ``root`` that cannot be read as a record, naming it and what is wrong."""
+    lines = []
+    for path in _records(root):
+        try:
+            _run(root, path)
+        except RecordError as exc:
+            lines.append(str(exc))
+    return lines
 
 
 def unattributed(root: Path) -> list[str]:
     """The records under ``root`` that name no build (``meta.vllm``): counted for no release."""
-    return [_where(root, p) for p in sorted(root.rglob("*.json")) if root.is_dir()
-            if (doc := _read(p)) is not None and not doc["meta"].get("vllm")]
+    out = []
+    for path in _records(root):
+        try:
+            doc = _read(path)
+        except RecordError:
+            continue
+        if doc is not None and not doc["meta"].get("vllm"):
+            out.append(_where(root, path))
+    return out
 
 
 def _acts(case: CaseRun, release: str) -> tuple[str, ...]:

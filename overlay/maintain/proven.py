@@ -10,7 +10,6 @@ declared act counts there only when it is not (the record cannot say the build c
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from overlay.build.pins import carried_releases
 from overlay.build.series import Patch, Series
 from overlay.errors import OverlayError
 from overlay.maintain.engine_records import RAN, EngineRun, Proof, engine_runs, proofs, unattributed
+from overlay.maintain.rebase.stale import rebase_report
 
 
 @dataclass(frozen=True)
@@ -49,11 +49,10 @@ class ReleaseProof:
 
 def _rebase_report(folder: Path) -> tuple[str, dict[str, dict]]:
     """(the release rebased from, patch name -> its entry) of ``folder/rebase.json``; ("", {}) without one."""
-    try:
-        doc = json.loads((folder / "rebase.json").read_text(encoding="utf-8"))
-        return str(doc["from"]), {str(e["name"]): e for e in doc["patches"] if isinstance(e, dict) and "name" in e}
-    except (OSError, ValueError, KeyError, TypeError):
+    doc = rebase_report(folder / "rebase.json") if (folder / "rebase.json").exists() else None
+    if doc is None or not doc.get("from"):
         return "", {}
+    return str(doc["from"]), {str(e["name"]): e for e in doc["patches"] if "name" in e}
 
 
 def _version_note(proof: Proof, patch: Patch) -> str | None:
@@ -151,8 +150,10 @@ def proven(patches_root: Path, records: Path) -> tuple[list[ReleaseProof], list[
     return out, unattributed(records)
 
 
-def format_proven(releases: list[ReleaseProof], unnamed: list[str], records: Path) -> str:
-    """The section ``make status`` prints after its table."""
+def format_proven(releases: list[ReleaseProof], unnamed: list[str], records: Path,
+                  unread: list[str] | None = None) -> str:
+    """The section ``make status`` prints after its table; ``unread``: one line per record that cannot be read
+    (``engine_records.unreadable``), counted for none."""
     try:
         shown = records.relative_to(Path.cwd())
     except ValueError:
@@ -167,4 +168,5 @@ def format_proven(releases: list[ReleaseProof], unnamed: list[str], records: Pat
             lines += [f"    engine: {e}" for e in p.engine]
     if unnamed:
         lines.append(f"records that name no build (meta.vllm), counted for none: {', '.join(unnamed)}")
+    lines += [f"record not read, counted for none: {line}" for line in unread or ()]
     return "\n".join(lines) + "\n"

@@ -12,7 +12,6 @@ row shows it for that pin's own series and as a later pin's note for the pin it 
 
 from __future__ import annotations
 
-import json
 import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from overlay.build.fetch import fetch_wheel
 from overlay.build.pins import load_pin, pin_dir
 from overlay.build.series import Series
 from overlay.errors import ApplyError
-from overlay.maintain.rebase.stale import later_pin_notes
+from overlay.maintain.rebase.stale import later_pin_notes, rebase_report
 from overlay.maintain.rebase.state import UPSTREAM as UPSTREAM_OUTCOMES
 
 
@@ -60,17 +59,15 @@ def off_path_notes(patches_root: Path, version: str) -> tuple[dict[str, list[str
     rebase), and patch name -> ``"<pin>: off the model's path: ..."`` from the pins rebased from
     ``version``, oldest first.
     """
-    from packaging.version import InvalidVersion, Version
+    from packaging.version import Version
 
     own: dict[str, list[str]] = {}
     later: list[tuple[Version, str, str]] = []
     for report in patches_root.glob("*/rebase.json"):
-        try:
-            doc = json.loads(report.read_text())
-            release = Version(doc["to"])
-            entries = list(doc["patches"])
-        except (ValueError, KeyError, TypeError, InvalidVersion):
+        doc = rebase_report(report)
+        if doc is None:
             continue  # not a rebase report this tool wrote; status must still work
+        release, entries = Version(doc["to"]), doc["patches"]
         if report.parent.name != doc["to"] or version not in (doc["to"], doc.get("from")):
             continue
         for entry in entries:
@@ -92,17 +89,15 @@ def off_path_notes(patches_root: Path, version: str) -> tuple[dict[str, list[str
 
 def absorbed_in(patches_root: Path, version: str) -> dict[str, str]:
     """Patch name -> first later release whose rebase found it upstream (from ``rebase.json``)."""
-    from packaging.version import InvalidVersion, Version
+    from packaging.version import Version
 
     found: dict[str, tuple[Version, str]] = {}
     partly: dict[str, tuple[Version, str]] = {}
     for report in patches_root.glob("*/rebase.json"):
-        try:
-            doc = json.loads(report.read_text())
-            release = Version(doc["to"])
-            entries = doc["patches"]
-        except (ValueError, KeyError, TypeError, InvalidVersion):
+        doc = rebase_report(report)
+        if doc is None:
             continue  # not a rebase report this tool wrote; status must still work
+        release, entries = Version(doc["to"]), doc["patches"]
         if doc.get("from") != version:
             continue
         for entry in entries:

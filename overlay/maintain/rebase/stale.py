@@ -15,7 +15,6 @@ is ``missing``; one a person left out of that pin (``make rebase-continue LEFT_O
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,19 +44,42 @@ class LaterPinNote:
         return f"{self.pin}: {self.state}: {self.detail}"
 
 
+class _NotAReport(OverlayError):
+    pass
+
+
+def rebase_report(report: Path) -> dict | None:
+    """``patches/<to>/rebase.json`` as the rebase wrote it, read bounded (:mod:`overlay.jsonfile`) and never through
+    a link out of the patches folder: its ``to`` a release, ``from`` a string, ``patches`` a list, of which only
+    the objects with a string ``name`` are kept (each reader judges their other fields); None for anything else
+    (``make status`` still works without it)."""
+    from packaging.version import InvalidVersion, Version
+
+    from overlay import jsonfile, textfile
+
+    try:
+        textfile.refuse_link_out(report, report.parent.parent, _NotAReport, "not read")
+        doc = jsonfile.read(report, _NotAReport, "a rebase report")
+        Version(jsonfile.need(doc.get("to"), str, "to", "", _NotAReport))
+        jsonfile.get(doc, "from", str, "", "", _NotAReport)
+        entries = jsonfile.need(doc.get("patches"), list, "patches", "", _NotAReport)
+    except (_NotAReport, InvalidVersion):
+        return None
+    doc["patches"] = [e for e in entries if isinstance(e, dict) and isinstance(e.get("name"), str)]
+    return doc
+
+
 def _reports(patches_root: Path, version: str) -> list[tuple[str, dict]]:
     """(later version, its rebase.json) for every pin rebased from ``version``, oldest first."""
-    from packaging.version import InvalidVersion, Version
+    from packaging.version import Version
 
     found: list[tuple[Version, str, dict]] = []
     for report in patches_root.glob("*/rebase.json"):
-        try:
-            doc = json.loads(report.read_text())
-            release = Version(doc["to"])
-        except (ValueError, KeyError, TypeError, InvalidVersion):
+        doc = rebase_report(report)
+        if doc is None:
             continue  # not a report this tool wrote
         if doc.get("from") == version and report.parent.name == doc["to"]:
-            found.append((release, doc["to"], doc))
+            found.append((Version(doc["to"]), doc["to"], doc))
     return [(v, doc) for _, v, doc in sorted(found, key=lambda t: t[0])]
 
 

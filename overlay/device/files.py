@@ -24,6 +24,8 @@ from overlay.device.resolve import ResolvedWheel, Resolver, target_args
 from overlay.device.settings import KEEP_KERNELS, LEFT_OUT, MIB, OPTIONAL_KERNELS, XZ_PRESET, DeviceStageError, log
 from overlay.interrupt import bound_to_parent
 
+FROM_SDIST = "from-sdist"  # under the wheel cache: the wheels built from sdists, the only file:// URLs
+
 
 @dataclass(frozen=True)
 class StagedFile:
@@ -59,6 +61,10 @@ def _download_one(wheel: ResolvedWheel, target: Path, resolver: Resolver) -> Non
         got = tmp / wheel.filename
         if wheel.url.startswith("file://"):
             source = Path(wheel.url.removeprefix("file://"))
+            built = target.parent / FROM_SDIST
+            if built.resolve() not in source.resolve().parents:  # a cached entry naming any file of the machine
+                raise DeviceStageError(f"{wheel.filename}: {wheel.url} is not a wheel built from its sdist "
+                                       f"(those are in {built}); stage with --no-resolution-cache")
             if not source.is_file():
                 raise DeviceStageError(f"{wheel.filename}: {source} (built from its sdist) is gone; "
                                        "stage with --no-resolution-cache to build it again")

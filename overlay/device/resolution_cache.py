@@ -11,11 +11,11 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
-from overlay import digest, jsonfile
+from overlay import digest, jsonfile, textfile
 from overlay.atomic import write_file
 from overlay.device.resolve import RESOLVE_MAX_ROUNDS, DroppedPin, Resolution, ResolvedWheel, Resolver, target_args
 from overlay.device.settings import DEVICE_ENV, PLATFORMS, STUB_LABEL, TORCH_FAMILY, DeviceStageError, log
-from overlay.errors import shown_value
+from overlay.errors import one_line
 
 RESOLUTION_CACHE_FORMAT = 1
 # how extra requirements are resolved (in the key of such resolutions): on top of vLLM's own resolution,
@@ -92,12 +92,14 @@ def load_resolution(path: Path, key: str) -> Resolution | None:
     if not path.exists() and not path.is_symlink():
         return None
     try:
+        textfile.refuse_link_out(path, path.parent, DeviceStageError, "a cached resolution is read from the cache only")
         return resolution_from_json(jsonfile.read(path, DeviceStageError, "a cached resolution"), key)
     except DeviceStageError as exc:
         log(f"  warning: cached resolution {path} unreadable ({str(exc).removeprefix(f'{path}: ')}); resolving again")
     except (ValueError, TypeError, KeyError) as exc:
-        log(f"  warning: cached resolution {path} unreadable ({type(exc).__name__}: {shown_value(str(exc))}); "
-            "resolving again")
+        why = one_line(str(exc))
+        log(f"  warning: cached resolution {path} unreadable ({type(exc).__name__}: "
+            f"{why if len(why) <= 200 else why[:200] + '...'}); resolving again")
     return None
 
 

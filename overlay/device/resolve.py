@@ -21,7 +21,9 @@ from overlay.atomic import child_tmpdir, temp_dir
 from overlay.build.wheel import record_hash
 from overlay.device.requirements import Conflict, is_stub, parse_conflict, pip_error_tail
 from overlay.device.settings import DEVICE_ENV, PLATFORMS, STUB_LABEL, TORCH_FAMILY, DeviceStageError, log
+from overlay.errors import shown
 from overlay.interrupt import bound_to_parent
+from overlay.outpaths import check_name
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,20 @@ class ResolvedWheel:
     filename: str
     url: str
     sha256: str | None
+
+    def __post_init__(self) -> None:
+        """Its file name is joined into the cache and the stage folder (``device-wheels/<filename>``,
+        ``wheels/<filename>`` in a carry): one ``.whl`` name, never a path; a ``ValueError`` says why."""
+        try:
+            check_name(self.filename)
+        except ValueError as exc:
+            raise ValueError(f"{self.name}: its file name {shown(self.filename)} is not one name ({exc})") from None
+        if not self.filename.endswith(".whl") or self.filename == ".whl":
+            raise ValueError(f"{self.name}: its file name {shown(self.filename)} is not a wheel's (*.whl)")
+        if not self.url.startswith(("https://", "http://", "file://")):
+            raise ValueError(f"{self.name}: its URL {shown(self.url)} is not https://, http:// or file://")
+        if self.sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", self.sha256):
+            raise ValueError(f"{self.name}: its sha256 {shown(self.sha256)} is not 64 hex digits")
 
 
 @dataclass(frozen=True)
@@ -86,8 +102,11 @@ def wheels_from_report(report: dict) -> list[ResolvedWheel]:
         if digest is None and str(archive.get("hash", "")).startswith("sha256="):
             digest = archive["hash"].split("=", 1)[1]
         url = info["url"]
-        wheels.append(ResolvedWheel(canonicalize_name(meta["name"]), meta["version"],
-                                    url.rsplit("/", 1)[-1].split("#", 1)[0], url, digest))
+        try:
+            wheels.append(ResolvedWheel(canonicalize_name(meta["name"]), meta["version"],
+                                        url.rsplit("/", 1)[-1].split("#", 1)[0], url, digest))
+        except ValueError as exc:
+            raise DeviceStageError(f"pip's resolution: {exc}") from None
     return sorted(wheels, key=lambda w: w.name)
 
 

@@ -18,7 +18,7 @@ from overlay.build.fetch import cache_dir, sha256_file
 from overlay.build.pipeline import SeriesWheel
 from overlay.build.stand_ins import swap_all
 from overlay.device.carries import write_carries
-from overlay.device.files import download_wheels, stage_vllm
+from overlay.device.files import FROM_SDIST, download_wheels, stage_vllm
 from overlay.device.requirements import (
     device_requirements,
     read_device_packages,
@@ -264,7 +264,7 @@ def _resolution(cache: Path, requirements: list[str], extra_reqs: list[str], dev
     """What the device gets: vLLM's requirements resolved against its packages (cached), then the extras
     on top of that, the device pins it dropped staying dropped; with whether it came from the cache and
     its cache key."""
-    wheelhouse = cache / "device-wheels" / "from-sdist"
+    wheelhouse = cache / "device-wheels" / FROM_SDIST
 
     def resolve_with(extra: Sequence[str], pins: Mapping[str, str]) -> Callable[[], Resolution]:
         def run() -> Resolution:

@@ -1,0 +1,85 @@
+"""Issue 53, the device staging's inputs (causes 2, 3, 5, 6, 7 and 8): what ``make device-stage`` reads decides
+nothing about where it writes, nothing is read through a link out of the repository, every name and number is
+checked where it is read, and each fault is one line naming its source."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from overlay import device as ds
+from overlay.device import files
+from tests.test_device_stage import StageRig, rig  # noqa: F401 (the fixture)
+
+HOSTILE_WHEEL = {"name": "evil", "version": "1.0", "filename": "../../evil.whl", "url": "file:///etc/hostname",
+                 "sha256": None}
+
+
+def test_a_cached_resolution_naming_a_path_writes_nothing_outside_the_cache(rig: StageRig,  # noqa: F811
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Cause 2 (security): a resolution-cache entry whose ``filename`` is ``../../...`` with a ``file://`` URL and no
+    sha256 made ``make device-stage`` write outside the cache (and the stage folder). Now the entry is not a
+    resolution: a warning naming the file, resolved again, nothing written outside."""
+    rig.stage()
+    [cached] = rig.cache_files()
+    doc = json.loads(cached.read_text())
+    doc["wheels"] = [HOSTILE_WHEEL]
+    cached.write_text(json.dumps(doc))
+    capsys.readouterr()
+    manifest = rig.stage()
+    err = capsys.readouterr().err
+    assert f"cached resolution {cached} unreadable" in err and "is not one name (it holds a /)" in err
+    assert manifest["resolution"]["cached"] is False
+    assert not (rig.tmp / "evil.whl").exists(), "written outside the cache"
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("filename", "../x.whl", "is not one name (it holds a /)"),
+    ("filename", "..", "is not one name"),
+    ("filename", "x.tar.gz", "is not a wheel's (*.whl)"),
+    ("url", "ftp://h/x.whl", "is not https://, http:// or file://"),
+    ("sha256", "../x", "is not 64 hex digits"),
+])
+def test_a_resolved_wheel_is_one_wheel_name(field: str, value: str, words: str) -> None:
+    """Cause 2: the one check (``ResolvedWheel``), for the cache and pip's report alike."""
+    fields = {"name": "x", "version": "1", "filename": "x-1-py3-none-any.whl", "url": "https://h/x.whl",
+              "sha256": None, field: value}
+    with pytest.raises(ValueError, match=rf"^x: its .*{words.replace('(', '.').replace(')', '.').replace('*', '.')}"):
+        ds.ResolvedWheel(**fields)
+
+
+def test_pips_report_naming_a_path_is_one_line() -> None:
+    """Cause 2: a wheel URL whose last part is ``..`` in pip's report (an index's answer)."""
+    report = {"install": [{"metadata": {"name": "x", "version": "1"},
+                           "download_info": {"url": "https://h/a/..", "archive_info": {}}}]}
+    with pytest.raises(ds.DeviceStageError, match=r"^pip's resolution: x: its file name '\.\.' is not one name"):
+        ds.wheels_from_report(report)
+
+
+def test_a_file_url_outside_the_sdist_builds_is_not_copied(tmp_path: Path) -> None:
+    """Cause 2: a cached ``file://`` URL may name only a wheel the staging built (``device-wheels/from-sdist``);
+    any other file of the machine is not copied into the stage."""
+    secret = tmp_path / "secret.whl"
+    secret.write_text("secret")
+    wheel = ds.ResolvedWheel("x", "1", "x-1-py3-none-any.whl", f"file://{secret}", None)
+    cache = tmp_path / "cache" / "device-wheels"
+    with pytest.raises(ds.DeviceStageError, match=r"is not a wheel built from its sdist \(those are in .*from-sdist\)"):
+        files.download_wheels([wheel], cache, ds.Resolver("python3", "x", True))
+    assert not (cache / wheel.filename).exists()
+
+
+def test_a_resolution_cache_file_that_links_out_is_not_read(rig: StageRig,  # noqa: F811
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Cause 2: the cache file itself a link to a file elsewhere (one a user of a shared cache can write)."""
+    rig.stage()
+    [cached] = rig.cache_files()
+    elsewhere = rig.tmp / "elsewhere.json"
+    elsewhere.write_text(cached.read_text())
+    cached.unlink()
+    cached.symlink_to(elsewhere)
+    capsys.readouterr()
+    assert rig.stage()["resolution"]["cached"] is False
+    err = capsys.readouterr().err
+    assert f"cached resolution {cached} unreadable (reached through a symbolic link out of" in err

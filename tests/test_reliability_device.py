@@ -83,3 +83,54 @@ def test_a_resolution_cache_file_that_links_out_is_not_read(rig: StageRig,  # no
     assert rig.stage()["resolution"]["cached"] is False
     err = capsys.readouterr().err
     assert f"cached resolution {cached} unreadable (reached through a symbolic link out of" in err
+
+
+@pytest.mark.parametrize("which", ["device-packages", "device-requires"])
+@pytest.mark.parametrize("how", ["link-out", "link-loop"])
+def test_a_device_record_that_links_out_is_refused_unread(tmp_path: Path, which: str, how: str) -> None:
+    """Cause 3 (security): ``scripts/device-packages.txt`` (and ``device-requires.json``) a link to a file out of
+    its folder was read and its first line quoted (``expected name==version, got 'hunter2'``)."""
+    secret = tmp_path / "elsewhere" / "secret"
+    secret.parent.mkdir()
+    secret.write_text("hunter2\n")
+    scripts = tmp_path / "repo" / "scripts"
+    scripts.mkdir(parents=True)
+    path = scripts / ("device-packages.txt" if which == "device-packages" else "device-requires.json")
+    path.symlink_to(secret if how == "link-out" else path)
+    with pytest.raises(ds.DeviceStageError) as caught:
+        if which == "device-packages":
+            ds.read_device_packages(path)
+        else:
+            ds.read_device_requires(path, {})
+    line = str(caught.value)
+    assert line.startswith(f"{path}: ") and "hunter2" not in line
+    assert ("a loop" if how == "link-loop" else "reached through a symbolic link out of") in line
+
+
+def test_the_repositorys_scripts_folder_is_the_bound(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Cause 3: inside the repository the bound is the repository (``scripts/`` itself a link out is refused)."""
+    from overlay import outpaths
+
+    repo = tmp_path / "repo"
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "device-packages.txt").write_text("hunter2\n")
+    repo.mkdir()
+    (repo / "scripts").symlink_to(tmp_path / "elsewhere")
+    monkeypatch.setattr(outpaths, "REPO", repo)
+    with pytest.raises(ds.DeviceStageError, match=r"scripts/device-packages.txt: reached through a symbolic link"):
+        ds.read_device_packages(repo / "scripts" / "device-packages.txt")
+
+
+def test_a_device_packages_file_that_is_a_device_is_refused(tmp_path: Path) -> None:
+    """Cause 3: read bounded: a link to ``/dev/zero`` in its own folder's place (a FIFO, too) is not read."""
+    path = tmp_path / "device-packages.txt"
+    path.symlink_to("/dev/zero")
+    with pytest.raises(ds.DeviceStageError, match="reached through a symbolic link out of"):
+        ds.read_device_packages(path)
+    (tmp_path / "sub").mkdir()
+    fifo = tmp_path / "sub" / "device-packages.txt"
+    import os
+
+    os.mkfifo(fifo)
+    with pytest.raises(ds.DeviceStageError, match="is a device, FIFO or socket, not a file"):
+        ds.read_device_packages(fifo)

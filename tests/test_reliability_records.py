@@ -139,7 +139,8 @@ def test_the_device_requires_record(tmp_path: Path, how: str) -> None:
     with pytest.raises(DeviceStageError) as caught:
         read_device_requires(path, {"a": "1.0"})
     line = _one_line(caught.value, path)
-    assert "not a record of scripts/device-requires.py" in line or "is a" in line or "larger than" in line
+    assert any(words in line for words in ("not a record of scripts/device-requires.py", "is a", "larger than",
+                                           "reached through a symbolic link out of"))
     if how in ("nan", "infinity"):
         assert ("NaN" if how == "nan" else "-Infinity") + " is not a number JSON allows" in line
 

@@ -3,6 +3,7 @@ what pip said when a pin made the resolution impossible."""
 
 from __future__ import annotations
 
+import os
 import re
 import zipfile
 from collections.abc import Iterable, Mapping
@@ -19,11 +20,31 @@ from overlay.build.wheel import dist_info_name
 from overlay.device.settings import DEVICE_ENV, STUB_LABEL, TORCH_FAMILY, DeviceStageError
 from overlay.errors import shown
 
+LINK_RULE = "a device record is read from the repository (or its own folder) only: copy the file itself there"
+
+
+def read_input(path: Path, what: str, *, limit: int = 1024 * 1024) -> bytes:
+    """The bytes of a device record (``--device-packages``, ``--device-requires``): never through a symbolic link out
+    of its folder (the first line of a file the person did not write would be quoted), bounded
+    (:func:`overlay.jsonfile.read_bytes`: a regular file, at most ``limit`` bytes)."""
+    refuse_link_out(path)
+    return jsonfile.read_bytes(path, DeviceStageError, what, limit=limit)
+
+
+def refuse_link_out(path: Path) -> None:
+    """Refuse ``path`` reached through a symbolic link out of the repository (the default
+    ``scripts/device-packages.txt``, ``scripts/device-requires.json``), or out of its own folder elsewhere."""
+    from overlay.outpaths import REPO
+
+    given = Path(os.path.abspath(path))
+    textfile.refuse_link_out(path, REPO if REPO in given.parents else given.parent, DeviceStageError, LINK_RULE)
+
 
 def read_device_packages(path: Path) -> dict[str, str]:
     """``pip freeze`` lines (``name==version``) -> canonical name -> version."""
     packages: dict[str, str] = {}
-    text = textfile.decode(path.read_bytes(), str(path), DeviceStageError)  # PowerShell's `>` writes UTF-16
+    raw = read_input(path, "a pip freeze list (name==version lines)")
+    text = textfile.decode(raw, str(path), DeviceStageError)  # PowerShell's `>` writes UTF-16
     for lineno, raw in enumerate(text.splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -42,6 +63,7 @@ def read_device_requires(path: Path, device: Mapping[str, str]) -> tuple[dict[st
     the packages recorded at the version ``device`` pins; and one line per package
     left without them (recorded at another version, or not recorded)."""
     what = "a record of scripts/device-requires.py"
+    refuse_link_out(path)
     data = jsonfile.read(path, DeviceStageError, what)
     source = str(path)
     recorded: dict[str, tuple[str, list[str]]] = {}

@@ -134,3 +134,34 @@ def test_a_device_packages_file_that_is_a_device_is_refused(tmp_path: Path) -> N
     os.mkfifo(fifo)
     with pytest.raises(ds.DeviceStageError, match="is a device, FIFO or socket, not a file"):
         ds.read_device_packages(fifo)
+
+
+@pytest.mark.parametrize(("line", "words"), [
+    ("../../evil==1.0", "'../../evil' is not a package name"),
+    ("a/b==1.0", "'a/b' is not a package name"),
+    ("-x==1.0", "'-x' is not a package name"),
+    ("numpy==../../1", "'numpy': '../../1' is not a version"),
+    ("numpy==1.0 junk", "'numpy': '1.0 junk' is not a version"),
+])
+def test_a_device_package_name_or_version_is_checked_where_it_is_read(tmp_path: Path, line: str, words: str) -> None:
+    """Cause 5: ``../../evil==1.0`` in ``device-packages.txt`` ended in an error naming a temporary stub wheel;
+    now the file and line are named."""
+    path = tmp_path / "device-packages.txt"
+    path.write_text(f"torch==2.11.0\n{line}\n")
+    with pytest.raises(ds.DeviceStageError, match=rf"^{path}:2: {words.replace('(', '.').replace(')', '.')}"):
+        ds.read_device_packages(path)
+
+
+def test_a_stub_wheel_name_is_one_file_name(tmp_path: Path) -> None:
+    """Cause 5: the stub's file name is checked where it is joined, too."""
+    from overlay.device.resolve import write_stub_wheel
+
+    with pytest.raises(ds.DeviceStageError, match=r"^\.\./\.\./evil==1\.0: not a package name and version"):
+        write_stub_wheel(tmp_path / "stubs", "../../evil", "1.0")
+    assert not list(tmp_path.rglob("*.whl"))
+
+
+def test_the_repositorys_device_packages_all_read() -> None:
+    """The guard: the device's own list passes the new checks."""
+    repo = Path(__file__).resolve().parent.parent
+    assert len(ds.read_device_packages(repo / "scripts" / "device-packages.txt")) > 100

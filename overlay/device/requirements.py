@@ -20,6 +20,7 @@ from overlay.build.wheel import dist_info_name
 from overlay.device.settings import DEVICE_ENV, STUB_LABEL, TORCH_FAMILY, DeviceStageError
 from overlay.errors import shown
 
+_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")  # a distribution's name (PEP 508)
 LINK_RULE = "a device record is read from the repository (or its own folder) only: copy the file itself there"
 
 
@@ -52,7 +53,15 @@ def read_device_packages(path: Path) -> dict[str, str]:
         name, sep, version = line.partition("==")
         if not sep or not name.strip() or not version.strip():
             raise DeviceStageError(f"{path}:{lineno}: expected name==version, got {shown(raw)}")
-        packages[canonicalize_name(name.strip())] = version.strip()
+        name, version = name.strip(), version.strip()
+        if not _NAME.fullmatch(name):  # it names a stub wheel's file and folder (resolve.write_stub_wheel)
+            raise DeviceStageError(f"{path}:{lineno}: {shown(name)} is not a package name (letters, digits, "
+                                   "'.', '_' and '-', starting and ending with a letter or digit)")
+        try:
+            Version(version)
+        except InvalidVersion:
+            raise DeviceStageError(f"{path}:{lineno}: {shown(name)}: {shown(version)} is not a version") from None
+        packages[canonicalize_name(name)] = version
     return packages
 
 

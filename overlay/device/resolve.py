@@ -274,7 +274,10 @@ def write_stub_wheel(folder: Path, name: str, version: str, requires: Sequence[s
         f"{dist_info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: vllm-overlay\nRoot-Is-Purelib: true\n"
                               b"Tag: py3-none-any\n",
     }
-    path = folder / f"{dist}-{full}-py3-none-any.whl"
+    try:
+        path = folder / check_name(f"{dist}-{full}-py3-none-any.whl")
+    except ValueError as exc:  # read_device_packages refuses such a name first
+        raise DeviceStageError(f"{name}=={version}: not a package name and version for a stub wheel ({exc})") from None
     record = []
     with zipfile.ZipFile(path, "w") as zf:
         for member, data in files.items():

@@ -267,3 +267,30 @@ def test_a_variant_name_that_leaves_the_variants_folder_is_refused(tmp_path: Pat
     assert main(["engine-check", "--out", str(tmp_path / "out"), "--variants", str(d)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "variants.'../x': not a variant name (it holds a /)" in err
+
+
+@pytest.mark.parametrize(("file", "words"), [
+    ("../../etc/shadow", "not a file of the vllm package"),
+    ("vllm/../../secret.py", "not a file of the vllm package"),
+    ("/etc/shadow", "an absolute path"),
+    ("vllm//a.py", "not a file of the vllm package"),
+    ("other/a.py", "not a file of the vllm package"),
+])
+def test_a_liveness_lines_file_naming_a_file_outside_the_tree_is_refused(tmp_path: Path, file: str,
+                                                                         words: str) -> None:
+    """Cause 4 (security): a lines file named files outside the tree that ran, which were read and counted
+    into a patch (``load_lines``, ``maintain.liveness.liveness``)."""
+    from overlay.engine.inputs import EngineCheckError
+    from overlay.engine.liveness_lines import load_lines
+    from overlay.maintain.liveness import liveness
+
+    path = tmp_path / "liveness.json"
+    path.write_text(json.dumps({"format": 1, "vllm": "x", "series": ["a.patch"], "lines": {"a.patch": {file: [1]}}}))
+    with pytest.raises(EngineCheckError) as caught:
+        load_lines(path, "x")
+    assert str(caught.value) == f"--liveness {path}: lines.a.patch: {file!r}: {words}" + (
+        "" if words == "an absolute path" else " (vllm/..., no '.', '..' or empty parts)")
+    tree = tmp_path / "tree" / "site"
+    tree.mkdir(parents=True)
+    with pytest.raises(ValueError, match=words):
+        liveness({"a.patch": {file: [1]}}, tree, {})

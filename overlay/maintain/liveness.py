@@ -26,6 +26,7 @@ from pathlib import Path
 
 from overlay.atomic import scratch
 from overlay.build.series import Patch
+from overlay.engine.liveness_lines import file_problem
 from overlay.git import git, git_text
 
 PACKAGE = "vllm"
@@ -162,6 +163,8 @@ def liveness(lines: Mapping[str, Mapping[str, list[int]]], tree: Path, ran: Mapp
     for patch, files in lines.items():
         per_file: dict[str, tuple[int, int]] = {}
         for path, numbers in files.items():
+            if file_problem(path):  # never read outside the tree (load_lines refuses such a file first)
+                raise ValueError(f"{patch}: {path!r}: {file_problem(path)}")
             if path not in cache:
                 source = tree / path
                 cache[path] = counted(source.read_text(encoding="utf-8")) if source.is_file() else set()

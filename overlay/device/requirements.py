@@ -18,7 +18,7 @@ from packaging.version import InvalidVersion, Version
 from overlay import jsonfile, textfile
 from overlay.build.wheel import dist_info_name
 from overlay.device.settings import DEVICE_ENV, STUB_LABEL, TORCH_FAMILY, DeviceStageError
-from overlay.errors import shown
+from overlay.errors import one_line, shown
 
 _NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")  # a distribution's name (PEP 508)
 LINK_RULE = "a device record is read from the repository (or its own folder) only: copy the file itself there"
@@ -103,11 +103,22 @@ def read_device_requires(path: Path, device: Mapping[str, str]) -> tuple[dict[st
 
 
 def wheel_requires_dist(wheel: Path) -> tuple[str, list[str]]:
-    """The wheel's version and its ``Requires-Dist`` lines, as METADATA has them."""
-    with zipfile.ZipFile(wheel) as zf:
-        dist_info = dist_info_name(zf.infolist(), wheel)
-        meta = BytesParser().parsebytes(zf.read(f"{dist_info}/METADATA"))
-    return str(meta["Version"]), list(meta.get_all("Requires-Dist") or [])
+    """The wheel's version and its ``Requires-Dist`` lines, as METADATA has them, each a requirement (else one line
+    naming the wheel and the line)."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            dist_info = dist_info_name(zf.infolist(), wheel)
+            meta = BytesParser().parsebytes(zf.read(f"{dist_info}/METADATA"))
+    except (zipfile.BadZipFile, KeyError) as exc:
+        raise DeviceStageError(f"{wheel}: not a wheel with a METADATA ({one_line(str(exc))})") from None
+    requires = [str(line) for line in meta.get_all("Requires-Dist") or []]
+    for line in requires:
+        try:
+            Requirement(line)
+        except InvalidRequirement as exc:
+            raise DeviceStageError(f"{wheel}: METADATA: Requires-Dist {shown(line)}: not a requirement "
+                                   f"({one_line(str(exc).splitlines()[0])})") from None
+    return str(meta["Version"]), requires
 
 
 def device_requirements(requires_dist: Iterable[str], env: Mapping[str, str] = DEVICE_ENV,

@@ -317,9 +317,14 @@ def find_resolver(explicit: str | None = None) -> Resolver:
             proc = subprocess.run([cand, "-c", probe], capture_output=True, text=True, check=False, timeout=60)
         except (OSError, subprocess.TimeoutExpired):
             continue
-        if proc.returncode != 0:
+        said = proc.stdout.split()
+        if proc.returncode != 0 or len(said) != 3:  # not a Python with pip (--resolver-python /bin/echo)
+            if cand == explicit:
+                raise DeviceStageError(f"--resolver-python {explicit}: not a Python with pip (it "
+                                       + (f"exited with {proc.returncode}" if proc.returncode else
+                                          f"answered {shown(proc.stdout.strip())} to a Python probe") + ")")
             continue
-        impl, pyver, pipver = proc.stdout.split()
+        impl, pyver, pipver = said
         pip_ok = tuple(int(x) for x in re.findall(r"\d+", pipver)[:2]) >= (22, 2)
         exact = impl == "CPython" and pyver.startswith("3.12.")
         if pip_ok and (exact or cand == explicit or cand == sys.executable):

@@ -80,14 +80,26 @@ class ServerSpec:
         raw = self.arg_value("--speculative-config")
         if raw is None:
             return None
-        spec = json.loads(raw)
+        try:
+            spec = json.loads(raw, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"--speculative-config: not JSON ({exc})") from None
         if not isinstance(spec, dict):
-            raise ValueError(f"got {shown_value(raw)}")
+            raise ValueError(f"--speculative-config: expected a JSON object, got {shown_value(raw)}")
         return spec
 
     @property
     def speculative_tokens(self) -> int:
-        return int((self.speculative_config or {}).get("num_speculative_tokens", 0))
+        """``num_speculative_tokens`` of ``--speculative-config`` (0 without); ValueError unless an integer >= 0."""
+        value = (self.speculative_config or {}).get("num_speculative_tokens", 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"--speculative-config num_speculative_tokens: must be an integer >= 0, "
+                             f"got {shown_value(value)}")
+        return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
 
 
 @dataclass(frozen=True)
@@ -293,7 +305,7 @@ def _server(f: Fields, data: dict[str, Any]) -> tuple[ServerSpec, int]:
     try:
         spec_tokens = server.speculative_tokens
     except (ValueError, AttributeError, TypeError) as exc:
-        problems.append(f"server.args: --speculative-config is not a JSON object: {exc}")
+        problems.append(f"server.args: {exc}")
     return server, spec_tokens
 
 

@@ -36,7 +36,12 @@ function and workspace constructors.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from overlay.errors import one_line, shown
+
+if TYPE_CHECKING:
+    from overlay.regress.profiles import ServerSpec
 
 _SIGNAL_BYTES = 4  # int32
 _LSE_BYTES = 4  # float32
@@ -347,6 +352,18 @@ def config_from_profile(name_or_path: str) -> dict[str, Any]:
     from overlay.regress.profiles import load_profile
 
     server = load_profile(name_or_path).server
+    try:
+        found = _server_args(server)
+    except ValueError as exc:
+        raise ValueError(f"--profile {name_or_path}: server.args: {one_line(str(exc))}") from None
+    project = _project_before_merge(server.env, name_or_path)
+    if project is not None:
+        found["project_before_merge"] = project
+    return found
+
+
+def _server_args(server: ServerSpec) -> dict[str, Any]:
+    """The sizing parameters of the server's arguments; ValueError naming the flag of one that is not a number."""
     # What `vllm serve` 0.28.0 uses on H100/H200 (>= 70 GiB, not A100) when a flag is absent
     # (EngineArgs: OPENAI_API_SERVER defaults), so an unset flag is sized as served.
     found: dict[str, Any] = {"max_num_seqs": SERVE_DEFAULT_MAX_NUM_SEQS,
@@ -359,16 +376,16 @@ def config_from_profile(name_or_path: str) -> dict[str, Any]:
         for flag in flags:
             value = server.arg_value(flag)
             if value is not None:
-                found[key] = int(value)
+                try:
+                    found[key] = int(value)
+                except ValueError:
+                    raise ValueError(f"{flag} {shown(value)}: not an integer") from None
                 break
     spec = server.speculative_config
     if spec is not None:
         found["speculative_tokens"] = server.speculative_tokens
         if "parallel_drafting" in spec:
             found["parallel_drafting"] = bool(spec["parallel_drafting"])
-    project = _project_before_merge(server.env, name_or_path)
-    if project is not None:
-        found["project_before_merge"] = project
     return found
 
 

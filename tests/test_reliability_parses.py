@@ -80,3 +80,47 @@ def test_a_resolver_python_that_is_not_one_is_named(python: str) -> None:
     another Python without a word."""
     with pytest.raises(ds.DeviceStageError, match=rf"^--resolver-python {python}: not a Python with pip \(it "):
         ds.find_resolver(python)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("argv", [["--tp", "100000000000000000000"], ["--tp", "100000000000000000000", "--dcp", "3"],
+                                  ["--num-heads", "100000000000000000000"]])
+def test_workspace_plan_numbers_past_any_server_are_refused_at_once(capsys: pytest.CaptureFixture[str],
+                                                                    argv: list[str]) -> None:
+    """Cause 7: ``workspace-plan --tp 1e20`` (as digits) ran past a minute listing the divisors with a range (the
+    timeout only keeps a regression from hanging the suite)."""
+    assert cli.main(["workspace-plan", *argv]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "must be at most 2147483648, got 100000000000000000000" in err, err
+
+
+def test_the_divisors_are_found_up_to_the_square_root() -> None:
+    """Cause 7: the layout message's divisors, without a loop of ``tp`` steps."""
+    from overlay.regress.workspace_plan import _divisors
+
+    assert _divisors(12) == [1, 2, 3, 4, 6, 12] and _divisors(1) == [1]
+    assert _divisors(2**31) == [2**i for i in range(32)]
+
+
+@pytest.mark.parametrize("mib", ["0.000001", "0.5", "65", "1e9"])
+def test_a_carry_limit_that_holds_nothing_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str],
+                                                                   mib: str) -> None:
+    """Cause 7: ``device-stage --limit-mib 0.000001`` exited 0 having staged nothing (and above 64 MiB a carry cannot
+    travel in one device call)."""
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["device-stage", "--limit-mib", mib])
+    err = capsys.readouterr().err
+    assert caught.value.code == 2 and "argument --limit-mib: expected MiB >= 1 and <= 64, got " + mib in err, err
+
+
+def test_carries_with_no_room_are_refused_not_left_empty(tmp_path: Path) -> None:
+    """Cause 7: the library says so too, for a limit that leaves no room beside the manifest."""
+    from overlay.device.carries import write_carries
+    from overlay.device.files import StagedFile
+
+    source = tmp_path / "w.whl"
+    source.write_bytes(b"x" * 100)
+    staged = StagedFile("wheels/w.whl", "wheel", source, 100, "ab" * 32)
+    with pytest.raises(ds.DeviceStageError, match=r"^carries of 3 bytes leave no room beside the manifest"):
+        write_carries(tmp_path / "out", "engine", [staged], limit=3)
+    assert not (tmp_path / "out").exists()

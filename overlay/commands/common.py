@@ -121,6 +121,11 @@ def positive(name: str = "a number") -> Callable[[str], int | float]:
     return _bounded(float, name, 0.0, strict=True)
 
 
+def between(low: float, high: float, name: str = "a number") -> Callable[[str], int | float]:
+    """A number ``>= low`` and ``<= high`` (a size with a floor: ``--limit-mib``)."""
+    return _bounded(float, name, low, high=high)
+
+
 def non_negative(name: str = "seconds") -> Callable[[str], int | float]:
     """A number ``>= 0`` (where the option says so, 0 means "none")."""
     return _bounded(float, name, 0.0)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from overlay.commands.common import add_vllm, folder_name, positive, root
+from overlay.commands.common import add_vllm, between, folder_name, root
 
 HELP = ("stage the built wheel's tree and kernels and the wheels vLLM needs for the GPU device "
         "machine into carries of <= 60 MiB, with the device calls to make")
@@ -28,7 +28,7 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
                          "(default %(default)s)")
     sp.add_argument("--no-device-requires", action="store_true",
                     help="stub the device packages as versions only (for a --device-packages of another machine)")
-    sp.add_argument("--limit-mib", type=positive("MiB"), default=60,
+    sp.add_argument("--limit-mib", type=between(1, 64, "MiB"), default=60,
                     help="largest carry in MiB (default 60; less when the checkout and a carry would "
                          "pass the 64 MiB of a device call)")
     sp.add_argument("--full", action="store_true", help="stage every requirement, also those an engine "

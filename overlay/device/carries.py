@@ -115,6 +115,9 @@ def write_carries(dest: Path, name: str, files: Sequence[StagedFile], *, limit: 
     reserve = min(MANIFEST_RESERVE, limit // 4)
     for _ in range(8):  # the manifest travels in every carry: keep room for it, grow the room if needed
         capacity = limit - reserve - sum(len(data) for data in beside.values())
+        if capacity < 1:  # split_pieces would make no piece: nothing staged, and no error
+            raise DeviceStageError(f"carries of {limit} bytes leave no room beside the manifest and "
+                                   f"{', '.join(beside) or 'nothing else'}: stage with a larger --limit-mib")
         carries = pack(split_pieces(sized, capacity), capacity)
         manifest = build_manifest(name, files, carries, limit, extra)
         text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"

@@ -35,6 +35,7 @@ function and workspace constructors.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -122,6 +123,7 @@ NON_NEGATIVE = ("speculative_tokens",)
 OPTIONAL_POSITIVE = ("cudagraph_capture_size", "q_padded_heads")
 BOOLEAN = ("parallel_drafting", "project_before_merge")
 DTYPE_BYTES = (1, 2, 4)
+MAX_COUNT = 1 << 31  # the largest count a field takes (vLLM's are 32-bit); beyond it a plan is not a server's
 
 
 def _flag(name: str) -> str:
@@ -142,10 +144,14 @@ def _field_problems(config: ServingConfig) -> list[str]:
             continue
         if not _is_int(value) or value < 1:
             problems.append(f"{_flag(name)} must be a positive integer, got {value!r}")
+        elif value > MAX_COUNT:
+            problems.append(f"{_flag(name)} must be at most {MAX_COUNT}, got {value}")
     for name in NON_NEGATIVE:
         value = getattr(config, name)
         if not _is_int(value) or value < 0:
             problems.append(f"{_flag(name)} must be 0 or a positive integer, got {value!r}")
+        elif value > MAX_COUNT:
+            problems.append(f"{_flag(name)} must be at most {MAX_COUNT}, got {value}")
     for name in ("output_dtype_bytes", "query_dtype_bytes"):
         value = getattr(config, name)
         if not _is_int(value) or value not in DTYPE_BYTES:
@@ -157,14 +163,20 @@ def _field_problems(config: ServingConfig) -> list[str]:
     return problems
 
 
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n``, found up to its square root (``range(2, n + 1)`` ran past a minute for 1e20)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
 def _layout_problems(c: ServingConfig) -> list[str]:
     """How the fields fit together (only once each field is valid on its own)."""
     problems: list[str] = []
     if c.num_heads % c.tp:
         problems.append(f"{_flag('num_heads')} {c.num_heads} must be divisible by --tp {c.tp}")
     if c.tp % c.dcp:
-        problems.append(f"{_flag('dcp')} must divide --tp {c.tp} (1, "
-                        + ", ".join(str(d) for d in range(2, c.tp + 1) if c.tp % d == 0) + f"), got {c.dcp}")
+        problems.append(f"{_flag('dcp')} must divide --tp {c.tp} ({', '.join(map(str, _divisors(c.tp)))}), "
+                        f"got {c.dcp}")
     if c.max_num_batched_tokens < c.max_num_seqs:
         problems.append(f"--max-num-batched-tokens ({c.max_num_batched_tokens}) must be at least --max-num-seqs "
                         f"({c.max_num_seqs}), as vLLM requires")

@@ -37,6 +37,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from overlay.errors import OverlayError, one_line
+
 _OWNED = re.compile(r"^(?P<host>[A-Za-z0-9.-]+)-(?P<pid>\d+)-[A-Za-z0-9_]+$")
 _LEGACY = re.compile(r"^[a-z0-9_]{8}$")  # tempfile's own 8 characters: no owner recorded
 LEGACY_QUIET_S = 24 * 3600  # an older tool's temporary in which nothing changed for a day is a leftover
@@ -235,13 +237,22 @@ def _words(size: int) -> str:
     return f"{size / 1000:.0f} kB" if size >= 1000 else f"{size} bytes"
 
 
+def refuse_link(dest: Path, error: type[OverlayError] = OverlayError) -> None:
+    """Raise ``error`` when ``dest``, a folder :func:`replacing_dir` replaces whole, is a symbolic link: the link
+    cannot be replaced by a folder (``rmtree`` refuses it), and nothing is ever written through it."""
+    if dest.is_symlink():
+        raise error(f"{dest}: is a symbolic link (to {one_line(os.readlink(dest))}); the folder is replaced whole, "
+                    "never through a link: remove the link, or name the folder it points to")
+
+
 @contextmanager
 def replacing_dir(dest: Path) -> Iterator[Path]:
     """Yield a temporary sibling of ``dest`` to fill; on success it replaces ``dest``.
 
     On any error (an interrupt included) the temporary folder is removed and ``dest`` is left
-    as it was.
+    as it was. A ``dest`` that is a symbolic link is refused first (:func:`refuse_link`).
     """
+    refuse_link(dest)
     with temp_dir(dest.parent, f".{dest.name}.tmp-") as tmp:
         yield tmp
         tmp.chmod(0o755)

@@ -5,6 +5,7 @@ checked where it is read, and each fault is one line naming its source."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,31 @@ def test_the_repositorys_device_packages_all_read() -> None:
     """The guard: the device's own list passes the new checks."""
     repo = Path(__file__).resolve().parent.parent
     assert len(ds.read_device_packages(repo / "scripts" / "device-packages.txt")) > 100
+
+
+def test_a_stage_folder_that_is_a_link_is_refused_before_anything_runs(rig: StageRig,  # noqa: F811
+                                                                       tmp_path: Path) -> None:
+    """Cause 8: the stage folder (``--dest``/``--name``) a symbolic link: a traceback from ``atomic.replacing_dir``
+    (``rmtree`` of a link) after the whole resolution; now one line before it, nothing written through the link."""
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / "keep").write_text("mine")
+    out = rig.tmp / "out" / "0.28.0+a"
+    out.parent.mkdir()
+    out.symlink_to(target)
+    with pytest.raises(ds.DeviceStageError, match=rf"^{re.escape(str(out))}: is a symbolic link \(to "
+                                                  rf"{re.escape(str(target))}\); the folder is replaced whole"):
+        rig.stage()
+    assert rig.resolves == 0 and [p.name for p in target.iterdir()] == ["keep"] and out.is_symlink()
+
+
+def test_replacing_dir_refuses_a_link(tmp_path: Path) -> None:
+    """Cause 8: at its cause, for every folder replaced whole (the stage, ``engine-checkpoint --out``)."""
+    from overlay.atomic import replacing_dir
+    from overlay.errors import OverlayError
+
+    (tmp_path / "t").mkdir()
+    (tmp_path / "d").symlink_to(tmp_path / "t")
+    with pytest.raises(OverlayError, match="is a symbolic link"), replacing_dir(tmp_path / "d") as tmp:
+        (tmp / "x").write_text("x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "t"] and not list((tmp_path / "t").iterdir())

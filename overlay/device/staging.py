@@ -13,7 +13,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-from overlay.atomic import scratch
+from overlay.atomic import refuse_link, scratch
 from overlay.build.fetch import cache_dir, sha256_file
 from overlay.build.pipeline import SeriesWheel
 from overlay.build.stand_ins import swap_all
@@ -239,6 +239,7 @@ def release_facts_of(wheel: Path) -> ReleaseFacts:
 def _check_paths(wheel: Path, dest: Path, cache: Path) -> None:
     """Refuse now, not after resolving, a destination or cache folder that cannot take the staging."""
     check_dir(dest, "--dest")  # a cache folder that is a file must stop the staging now, not after resolving
+    refuse_link(dest, DeviceStageError)  # the stage replaces it whole (write_carries)
     for sub in ("device-resolutions", "device-wheels", "device-wheels/from-sdist", "device-xz"):
         check_dir(cache / sub, "device-stage cache folder (VLLM_OVERLAY_CACHE)")
     if not wheel.is_file():

@@ -26,13 +26,16 @@ from overlay.errors import LockError
 
 
 @contextmanager
-def held(path: Path, what: str) -> Iterator[None]:
-    """Hold the lock ``path`` for the ``with`` body; when it is taken, say so (``what`` waits) and wait."""
+def held(path: Path, what: str, *, wait: bool = True) -> Iterator[None]:
+    """Hold the lock ``path`` for the ``with`` body; when it is taken, say so (``what`` waits) and wait; without
+    ``wait``, raise :class:`LockError` at once: ``what`` (``path`` is held by ``pid N on HOST since T``)."""
     fd = _open(path)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            if not wait:
+                raise LockError(f"{what} ({path} is held by {holder(fd)})") from None
             print(f"waiting for {what}: {path} is held by {holder(fd)}", file=sys.stderr, flush=True)
             fcntl.flock(fd, fcntl.LOCK_EX)
         _record(fd)
@@ -74,3 +77,21 @@ def holder(fd: int) -> str:
         return "another process (its record in the lock file is not one this tool writes)"
     pid, host, since = fields
     return f"pid {pid} on {host} since {since}"
+
+
+def holder_of(path: Path) -> str | None:
+    """Who holds the lock ``path`` now (``pid N on HOST since T``); None when no one does, or it is not a lock."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # refused while another holds it exclusively
+        except BlockingIOError:
+            return holder(fd)
+        return None
+    finally:
+        os.close(fd)

@@ -3,12 +3,14 @@ one of :data:`overlay.maintain.rebase.state.OUTCOMES`, resolving conflicts where
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from overlay import lock
 from overlay.atomic import scratch
 from overlay.build.pins import Pin, pin_dir
 from overlay.build.series import Patch, Series
@@ -20,7 +22,7 @@ from overlay.maintain.rebase.model_path import on_path
 from overlay.maintain.rebase.report import write_release, write_report
 from overlay.maintain.rebase.resolve import NOTHING_LEFT, abort, pick, try_candidates
 from overlay.maintain.rebase.stale import sha256_of
-from overlay.maintain.rebase.state import STATE, Outcome, RebaseError, Result, State, prepared_pin
+from overlay.maintain.rebase.state import STATE, Outcome, RebaseError, Result, State, prepared_pin, work_lock
 from overlay.maintain.rebase.testrun import TestRun, TestRunner, test_file
 from overlay.maintain.rebase.verdict import Verdict, behaviour_verdict, old_base_failure
 from overlay.maintain.replay import (
@@ -61,30 +63,35 @@ def start(
     if prepared is not None and (prepared.wheel, prepared.sha256) != (target_pin.wheel, target_pin.sha256):
         raise RebaseError(f"{out / 'pin.toml'}: pins {prepared.wheel} ({prepared.sha256[:12]}...), "
                           f"the rebase was given {target_pin.wheel} ({target_pin.sha256[:12]}...)")
-    if work.exists():
-        if not (work / ".git" / STATE).is_file():  # stopped before its state was saved (a kill, a power cut)
-            raise RebaseError(f"{work}: a rebase onto {to} that stopped before it began (no .git/{STATE}): "
-                              f"remove it (rm -rf {work}) and run make rebase again")
-        raise RebaseError(f"{work}: a rebase onto {to} is in progress: `make rebase-continue`, or remove it")
-    series = Series.load(pin_dir(patches_root, from_version))
-    if series.kernel_patches:
-        _refuse_kernel(series)
     work.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with sigterm_as_interrupt():  # SIGTERM cleans up as SIGINT does
-            old_commits = prepare(work, series, from_version, to, fill_base, fill_target)
-            state = State(from_version, to, {"version": to, "wheel": target_pin.wheel, "sha256": target_pin.sha256},
-                          str(patches_root), str(tests_dir), [p.name for p in series.patches], old_commits,
-                          facts=dict(facts or {}))
-            state.save(work)
-            return _run(work, state, series, runner)
-    except BaseException as exc:
-        if work.exists() and not in_progress(work):
-            _keep_partial_report(work, exc)
-            shutil.rmtree(work)
-        raise
+    with _held(work, to):  # a second rebase onto `to` is refused while this one runs, never told to remove it
+        if work.exists():
+            if not (work / ".git" / STATE).is_file():  # stopped before its state was saved (a kill, a power cut)
+                raise RebaseError(f"{work}: a rebase onto {to} that stopped before it began (no .git/{STATE}): "
+                                  f"remove it (rm -rf {work}) and run make rebase again")
+            raise RebaseError(f"{work}: a rebase onto {to} is in progress: `make rebase-continue`, or remove it")
+        series = Series.load(pin_dir(patches_root, from_version))
+        if series.kernel_patches:
+            _refuse_kernel(series)
+        try:
+            with sigterm_as_interrupt():  # SIGTERM cleans up as SIGINT does
+                old_commits = prepare(work, series, from_version, to, fill_base, fill_target)
+                state = State(from_version, to, {"version": to, "wheel": target_pin.wheel, "sha256": target_pin.sha256},
+                              str(patches_root), str(tests_dir), [p.name for p in series.patches], old_commits,
+                              facts=dict(facts or {}))
+                state.save(work)
+                return _run(work, state, series, runner)
+        except BaseException as exc:
+            if work.exists() and not in_progress(work):
+                _keep_partial_report(work, exc)
+                shutil.rmtree(work)
+            raise
 
 
+def _held(work: Path, to: str) -> contextlib.AbstractContextManager[None]:
+    """The lock of the rebase running in ``work`` (:func:`state.work_lock`), taken at once or refused."""
+    return lock.held(work_lock(work), f"{work}: a rebase onto {to} is running there now: wait for it to stop",
+                     wait=False)
 
 
 def _keep_partial_report(work: Path, exc: BaseException) -> None:
@@ -104,7 +111,12 @@ def _keep_partial_report(work: Path, exc: BaseException) -> None:
 def resume(work: Path, *, runner: TestRunner | None = None, left_out: str | None = None, why: str = "") -> Outcome:
     """Take up a rebase stopped at a conflict, once a person resolved it with git (``why``: their reason,
     recorded with it); or, with ``left_out`` (the person's reason), leave the patch it stopped at out of
-    the series (``left-out``)."""
+    the series (``left-out``). Refused while another rebase or continue runs in ``work``."""
+    with _held(work, work.name.removeprefix("rebase-")):
+        return _resume(work, runner=runner, left_out=left_out, why=why)
+
+
+def _resume(work: Path, *, runner: TestRunner | None, left_out: str | None, why: str) -> Outcome:
     state = State.load(work)
     series = Series.load(pin_dir(Path(state.patches_root), state.from_version))
     if [p.name for p in series.patches] != state.names:

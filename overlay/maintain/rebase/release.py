@@ -7,10 +7,11 @@ from pathlib import Path
 
 from overlay.build.pins import Pin, check_version, load_pin, pin_dir, release_order
 from overlay.build.series import Series
+from overlay.lock import holder_of
 from overlay.maintain.rebase.classify import resume, start
 from overlay.maintain.rebase.deps import deps_for
 from overlay.maintain.rebase.runcache import maybe_cached
-from overlay.maintain.rebase.state import STATE, Outcome, RebaseError, State, prepared_pin, work_dir
+from overlay.maintain.rebase.state import STATE, Outcome, RebaseError, State, prepared_pin, work_dir, work_lock
 from overlay.maintain.rebase.testrun import pytest_runner
 from overlay.maintain.workspace import extract_text_tree
 from overlay.releases.facts import ReleaseFacts, ReleaseFactsError, release_facts
@@ -74,7 +75,8 @@ def continue_release(to_version: str | None = None, *, work_root: Path = Path(".
     else:
         found = sorted(p for p in work_root.glob("rebase-*") if (p / ".git" / STATE).is_file())
         if not found:
-            half = sorted(p.name for p in work_root.glob("rebase-*") if p.is_dir() and not p.name.endswith("-stopped"))
+            half = sorted(p.name for p in work_root.glob("rebase-*") if p.is_dir() and not p.name.endswith("-stopped")
+                          and holder_of(work_lock(p)) is None)  # a live rebase's, still preparing: not to remove
             raise RebaseError(f"no rebase in progress under {work_root}/" + (
                 f" ({', '.join(half)}: stopped before it began; remove it and run make rebase again)" if half else ""))
         if len(found) > 1:

@@ -119,6 +119,11 @@ def work_dir(to_version: str, root: Path = Path(".work")) -> Path:
     return root / f"rebase-{to_version}"
 
 
+def work_lock(work: Path) -> Path:
+    """The lock a rebase holds on its worktree while it runs (``.work/.rebase-<to>.lock``, :mod:`overlay.lock`)."""
+    return work.with_name(f".{work.name}.lock")
+
+
 
 
 def prepared_pin(patches_root: Path, to: str) -> Pin | None:

@@ -79,7 +79,10 @@ def test_slow_decoding_is_a_latency_regression(standin, tmp_path: Path) -> None:
                   "--skip", "gsm8k,long_context,acceptance")
     assert run.code == 1, run.stderr
     [finding] = run.findings()
-    assert finding["check"] == "latency" and finding["message"].startswith("mean_tpot_ms 4")
+    # the stand-in sleeps 40 ms a token: a busy machine makes that longer, never shorter (issue 53 cause 10:
+    # "mean_tpot_ms 4..." failed once the scheduler made it 50); the judgement on given numbers is a unit test
+    assert finding["check"] == "latency" and finding["message"].startswith("mean_tpot_ms ")
+    assert float(finding["message"].split()[1]) >= 40.0
     assert finding["message"].endswith("> 23.00 (baseline 20.00 x 1.15)")
     assert (run.out / "latency.png").exists() and (run.out / "latency" / "latency.json").exists()
 

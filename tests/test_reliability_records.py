@@ -294,3 +294,68 @@ def test_a_liveness_lines_file_naming_a_file_outside_the_tree_is_refused(tmp_pat
     tree.mkdir(parents=True)
     with pytest.raises(ValueError, match=words):
         liveness({"a.patch": {file: [1]}}, tree, {})
+
+
+def _rebase_state(path: Path) -> None:
+    from overlay.maintain.rebase.state import State
+
+    State.load(path.parent.parent)
+
+
+def _cherry_pick_state(path: Path) -> None:
+    from overlay.maintain.cherry_pick import _state
+
+    _state(path)
+
+
+def _verdict(path: Path) -> None:
+    from overlay.regress.verdicts import judge_runs
+
+    judge_runs(path.parent.parent, [f"{path.parent.name}=pass"])
+
+
+def _engine_json(path: Path) -> None:
+    from overlay.bench.engine.report import load_result
+
+    try:
+        load_result(path)
+    except ValueError as exc:  # bench-engine --plot/--reanalyze makes it one line naming the file
+        raise OverlayError(f"{path}: cannot read an engine.json ({exc})") from None
+
+
+OTHER_READERS: dict[str, tuple[str, Callable[[Path], None], str]] = {
+    "rebase-state": (".git/overlay-rebase.json", _rebase_state, '{"from_version": "0.28.0", "index": "x"}'),
+    "cherry-pick-state": (".git/overlay-cherry-pick.json", _cherry_pick_state, '{"name": 7}'),
+    "verdict-json": ("run/verdict.json", _verdict, '{"verdict": "pass", "reasons": [1]}'),
+    "engine-json": ("engine.json", _engine_json, '{"cells": [], "runs": {}}'),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["deep", "dev-zero", "fifo", "folder", "too-large", "wrong-shape"])
+@pytest.mark.parametrize("reader", list(OTHER_READERS))
+def test_the_other_records_read_the_same_way(tmp_path: Path, reader: str, how: str) -> None:
+    """Cause 1, readers the issue does not name: a rebase's and a cherry-pick's state, a regress run's
+    ``verdict.json``, an ``engine.json`` (``bench-engine --plot/--reanalyze``): one line naming the file."""
+    where, read, wrong = OTHER_READERS[reader]
+    path = tmp_path / "w" / where
+    path.parent.mkdir(parents=True)
+    _hostile(path, how, wrong)
+    with pytest.raises(OverlayError) as caught:
+        read(path)
+    if reader == "rebase-state" and how in ("dev-zero", "fifo", "folder"):  # not a file: no rebase there
+        assert str(caught.value).startswith(f"{path.parent.parent}: no rebase in progress there")
+    else:
+        _one_line(caught.value, path)
+
+
+def test_a_gzipped_engine_json_is_decompressed_bounded(tmp_path: Path) -> None:
+    """Cause 1: a gzipped ``engine.json`` that decompresses past the limit (a gzip bomb) is refused, not held."""
+    import gzip
+
+    from overlay.bench.engine.report import load_result
+
+    path = tmp_path / "engine.json.gz"
+    path.write_bytes(gzip.compress(b" " * (jsonfile.LIMIT * 4)))
+    with pytest.raises(ValueError, match=r"decompressed, larger than an engine\.json may be"):
+        load_result(path)

@@ -344,12 +344,24 @@ def _held(work: Path) -> contextlib.AbstractContextManager[None]:
     return lock.held(work.with_name(f".{work.name}.lock"), f"another cherry-pick in {work}")
 
 
+def _state(path: Path) -> dict:
+    """The state a cherry-pick stopped at a conflict wrote (:mod:`overlay.jsonfile`), its fields checked."""
+    from overlay import jsonfile
+
+    doc = jsonfile.read(path, CherryPickError, "a cherry-pick's state")
+    for key in ("name", "patches_root", "version"):
+        jsonfile.need(doc.get(key), str, key, str(path), CherryPickError)
+    change = jsonfile.need(doc.get("change"), dict, "change", str(path), CherryPickError)
+    jsonfile.need(change.get("left_out"), list, "change.left_out", str(path), CherryPickError)
+    return doc
+
+
 def _clear_or_refuse(work: Path) -> None:
     """Before a new pick into ``work``, which exists (the lock held, so no pick runs there): refuse when a
     conflict waits to be continued; remove a tree a killed pick left before its conflict, saying so."""
     state = work / ".git" / STATE
     if state.is_file():
-        name = json.loads(state.read_text()).get("name", "a patch")
+        name = _state(state).get("name", "a patch")
         raise CherryPickError(f"{work}: the cherry-pick of {name} stopped at a conflict: resolve it there (edit, "
                               "`git add`) and run `make cherry-pick-continue`, or remove it "
                               f"(rm -rf {work}) to start again")
@@ -368,7 +380,7 @@ def cherry_pick_continue(work: Path) -> PickOutcome:
         if not path.is_file():
             raise CherryPickError(f"{work}: left by a cherry-pick that was killed before it reached a conflict: "
                                   "nothing to continue; `make cherry-pick REF=...` removes it and starts again")
-        state = json.loads(path.read_text())
+        state = _state(path)
         series = Series.load(pin_dir(Path(state["patches_root"]), state["version"]))
         if state["name"] in [p.name for p in series.patches]:  # a continue killed after it wrote the series
             shutil.rmtree(work)

@@ -22,6 +22,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from overlay import jsonfile
 from overlay.atomic import write_file
 from overlay.regress.errors import RegressError
 
@@ -90,10 +91,11 @@ def judge_runs(root: Path, expectations: list[str]) -> int:
         except ValueError as exc:
             raise RegressError(str(exc)) from None
         path = root / name / "verdict.json"
-        try:
-            doc = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-        except (OSError, ValueError) as exc:
-            raise RegressError(f"{path}: {exc}") from None
+        doc = jsonfile.read(path, RegressError, "a run's verdict.json") if path.exists() else None
+        if doc is not None:
+            jsonfile.get(doc, "verdict", str, "", str(path), RegressError)
+            for i, r in enumerate(jsonfile.get(doc, "reasons", list, "", str(path), RegressError) or []):
+                jsonfile.need(r, str, f"reasons[{i}]", str(path), RegressError)
         outcomes.append(judge(name, verdict, reason, doc))
     text = markdown(outcomes)
     write_file(root / "verdicts.md", text)

@@ -8,10 +8,12 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from overlay import jsonfile
 from overlay.atomic import write_file
 from overlay.bench.engine.common import CONFIDENCE, DEFINITIONS, FLAGS, METRIC_RATIO, METRICS, TARGET, fmt, progress
 from overlay.bench.engine.servers import comparison
 from overlay.bench.engine.stats import Request, cell_summary, summarize
+from overlay.errors import OverlayError
 
 
 def _runs_text(s: dict[str, Any]) -> str:
@@ -139,14 +141,30 @@ def plot(result: dict[str, Any], png: Path) -> None:
 
 
 def load_result(path: Path) -> dict[str, Any]:
-    """An ``engine.json``, gzipped or not (the docs keep large ones as ``engine.json.gz``)."""
+    """An ``engine.json``, gzipped or not (the docs keep large ones as ``engine.json.gz``), read bounded
+    (:mod:`overlay.jsonfile`, decompressed too); a ``ValueError`` (or gzip's ``EOFError``) says what is wrong."""
     import gzip
+    import io
 
-    raw = path.read_bytes()
-    result = json.loads(gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw)
+    try:
+        raw = jsonfile.read_bytes(path, _NotAResult, "an engine.json")
+        if raw[:2] == b"\x1f\x8b":
+            with gzip.GzipFile(fileobj=io.BytesIO(raw)) as gz:
+                raw = gz.read(jsonfile.LIMIT + 1)
+            if len(raw) > jsonfile.LIMIT:
+                raise _NotAResult(f"{path}: decompressed, larger than an engine.json may be ({jsonfile.LIMIT} bytes)")
+        result = jsonfile.loads(raw, str(path), _NotAResult, "an engine.json", nonfinite=True)
+    except _NotAResult as exc:
+        raise ValueError(str(exc).removeprefix(f"{path}: ")) from None
     if not isinstance(result, dict) or "cells" not in result:
         raise ValueError("no 'cells' in it")
+    if not isinstance(result["cells"], dict) or not isinstance(result.get("runs", []), list):
+        raise ValueError("its 'cells' not an object or its 'runs' not a list")
     return result
+
+
+class _NotAResult(OverlayError):
+    pass
 
 
 def reanalyze(result: dict[str, Any], source: str) -> dict[str, Any]:

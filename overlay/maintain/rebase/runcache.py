@@ -29,8 +29,9 @@ import sys
 from importlib.metadata import distributions
 from pathlib import Path
 
-from overlay import digest
+from overlay import digest, jsonfile
 from overlay.build.series import Patch
+from overlay.errors import OverlayError
 from overlay.maintain.rebase.testrun import TestRun, TestRunner
 
 KEPT = frozenset({"passed", "failed", "skipped"})
@@ -96,8 +97,8 @@ def cached(runner: TestRunner, tests_dir: Path, *, cwd: Path, cache: Path) -> Te
         key = digest.of_text("\n".join([patch.name, folder_digest(tree), *fixed, run_environment(tree)]))
         path = cache / f"{key}.json"
         try:
-            kept = TestRun.from_dict(json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, ValueError, KeyError, TypeError):
+            kept = TestRun.from_dict(jsonfile.read(path, OverlayError, "a kept test run")) if path.exists() else None
+        except (OverlayError, ValueError, KeyError, TypeError):
             kept = None
         if kept is not None:
             print(f"  {patch.name}: its tests on this tree ran before, with these tests and packages: "

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from overlay.build.pins import Pin, load_pin, pin_dir
-from overlay.errors import OverlayError
+from overlay.errors import OverlayError, shown
 from overlay.maintain.replay import ConflictHunk
 
 STATE = "overlay-rebase.json"  # inside the scratch repository's .git: survives git commands
@@ -99,7 +99,19 @@ class State:
             half = (" (a rebase that stopped before it began: remove it and run make rebase again)"
                     if work.exists() else "")
             raise RebaseError(f"{work}: no rebase in progress there (no .git/{STATE}){half}")
-        return cls(**json.loads(path.read_text()))
+        from overlay import jsonfile
+
+        doc = jsonfile.read(path, RebaseError, "a rebase's state")
+        names = {f.name for f in fields(cls)}
+        for key, kind in (("from_version", str), ("to_version", str), ("pin", dict), ("patches_root", str),
+                          ("tests_dir", str), ("names", list), ("old_commits", list), ("index", int),
+                          ("results", list), ("exported", dict), ("pending", dict), ("facts", dict)):
+            jsonfile.get(doc, key, kind, "", str(path), RebaseError)
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        odd = sorted(set(doc) - names) + [f"{k} missing" for k in sorted(required - set(doc))]
+        if odd:
+            raise RebaseError(f"{path}: not a rebase's state this tool wrote ({', '.join(map(shown, odd))})")
+        return cls(**doc)
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,11 @@ import pytest
 
 from overlay.build.pins import Pin, carried_releases, default_version, load_pin
 from overlay.build.series import Series
-from overlay.engine import release_table
 from overlay.engine.variants import expectations
 from overlay.image.plan import plan_image
 from overlay.maintain.rebase.matrix import newer_pinned
 from overlay.maintain.upstream_tests import EXPECTED_NAME, Expectations
+from overlay.releases import engine_cases
 
 REPO = Path(__file__).resolve().parent.parent
 PATCHES = REPO / "patches"
@@ -37,7 +37,7 @@ def _accepted(root: Path, release: str) -> None:
     series = Series.load(root / release).require_patches("a carried release")
     names = {p.name for p in series.patches}
     Expectations.load(root / release / EXPECTED_NAME, names)  # upstream-tests' gate
-    table = release_table.load(release, root)  # the engine check's acts and variant expectations
+    table = engine_cases.load(release, root)  # the engine check's acts and variant expectations
     assert set(table.acts) <= names and set(table.expect) <= {"stock", *names}
     assert expectations(release, "stock")  # engine-variants: its own or the default's
     plan = plan_image(root, release)  # the image over the release's own base image

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from overlay import jsonfile
 from overlay.engine.inputs import EngineCheckError
 from overlay.errors import shown
+from overlay.maintain.liveness import file_problem
 
 if TYPE_CHECKING:
     from overlay.build.pipeline import SeriesWheel
@@ -37,18 +38,6 @@ if TYPE_CHECKING:
 FILE = "liveness.json"  # its name in the stage, beside manifest.json
 ENV = "OVERLAY_LIVENESS"  # scripts/device-run.sh sets it to the unpacked file: engine-check's default --liveness
 FORMAT = 1
-
-
-def file_problem(path: str) -> str | None:
-    """None when ``path`` is a file of the package a lines file may name (``vllm/x/y.py``: relative, every part
-    a name, no ``..``); else why not. The file is read from the tree that ran (``tree / path``): a lines file
-    naming ``../../etc/shadow`` or ``/etc/shadow`` would have it read and counted into a patch."""
-    parts = path.split("/")
-    if path.startswith("/") or "\0" in path:
-        return "an absolute path" if path.startswith("/") else "a NUL in it"
-    if parts[0] != "vllm" or any(p in ("", ".", "..") for p in parts):
-        return "not a file of the vllm package (vllm/..., no '.', '..' or empty parts)"
-    return None
 
 
 @dataclass(frozen=True)

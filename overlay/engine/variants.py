@@ -25,8 +25,8 @@ from overlay.build.archive import tar_bytes
 from overlay.build.fetch import fetch_wheel
 from overlay.build.pins import load_pin, pin_dir
 from overlay.build.series import Patch, Series
-from overlay.engine import release_table
 from overlay.errors import ApplyError
+from overlay.releases import engine_cases
 
 # The fix patches: what the engine check must see without each (the seed's bug reports), and
 # the case that shows it (None: cannot be shown on a machine without NVLink multicast). Every patch
@@ -66,7 +66,7 @@ def expectations(version: str, key: str) -> tuple[tuple[str, str, str | None], .
     """What the variant of ``key`` (``stock`` or a patch file name) must show on ``version``'s build: the
     release's own ``[[expect]]`` jobs (``patches/<version>/engine.toml``, where its code makes a variant show
     something else than EXPECT says: ``pass`` where the fix does nothing there), else :data:`EXPECT`."""
-    own = release_table.load(version).expect.get(key)
+    own = engine_cases.load(version).expect.get(key)
     return own if own is not None else (EXPECT[key],)
 
 

@@ -19,9 +19,9 @@ from overlay import jsonfile
 from overlay.engine.compare import FLOOR, SAFETY, compare, derive_tolerance
 from overlay.engine.liveness_run import problems as liveness_problems
 from overlay.engine.liveness_run import table as liveness_table
-from overlay.engine.workload import case_problem
 from overlay.errors import OverlayError, shown_value
 from overlay.outpaths import check_name
+from overlay.releases.engine_cases import case_problem
 from overlay.releases.facts import ReleaseFacts
 
 RESULTS = "an engine check's results.json"

@@ -21,7 +21,7 @@ V2 and still has V1 (0.33.0) runs its DCP 1 references under both (:func:`runner
 
 Each case also names the patches that must act in it (``Case.acts``, from the release's own
 ``patches/<release>/engine.toml``): under ``engine-check --coverage`` a named patch none of whose added
-statements ran fails the case.
+statements ran fails the case (:func:`overlay.releases.engine_cases.declared_acts`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from overlay.engine import release_table
+from overlay.releases.engine_cases import V1_RUNNER_ENV, declared_acts
 
 if TYPE_CHECKING:
     from overlay.releases.facts import ReleaseFacts
@@ -64,8 +64,7 @@ MAX_CUDAGRAPH_CAPTURE_SIZE = 128
 # What a release makes of the DCP options a GLM-5 user leaves unset, and its default model runner, are
 # release facts (overlay/releases/: ReleaseFacts.dcp_*, .runner, .v1_runner), read from its tree.
 # A build on Model Runner V2 that still has V1 runs the DCP 1 references again under V1
-# (VLLM_USE_V2_MODEL_RUNNER=0), where spec-decode-prompt-logprobs-graph-pool still applies.
-V1_RUNNER_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+# (V1_RUNNER_ENV), where spec-decode-prompt-logprobs-graph-pool still applies.
 # The explicit settings of our two-GPU regress profiles (overlay/regress/profiles/): their
 # server arguments name the comm backend, never query replication; their env names the rest.
 PROFILE_SETTINGS: dict[str, dict[str, Any]] = {
@@ -184,31 +183,6 @@ class Case:
         return cls(**{k: tuple(v) if k in ("prompt_lens", "log_lines") else v for k, v in doc.items()})
 
 
-# each field of a case as JSON holds it (:meth:`Case.to_dict`): what a results file read back is held to
-CASE_FIELDS: dict[str, type | tuple[type, ...]] = {
-    "name": str, "role": str, "tp": int, "dcp": int, "backend": str, "eager": bool, "mtp": bool, "env": dict,
-    "reverse": bool, "max_num_batched_tokens": int, "note": str, "compare_to": str, "interleave": int,
-    "graphs": str, "prompt_lens": list, "q_replicate": bool, "resolves": dict, "release": str, "log_lines": list}
-
-
-def case_problem(doc: dict[str, Any]) -> str | None:
-    """What keeps ``doc`` (a case read back from a file) from being a case :meth:`Case.to_dict` writes:
-    ``name`` missing, a field of the wrong type; None when it is one."""
-    from overlay.jsonfile import kind_problem
-
-    if not isinstance(doc.get("name"), str):
-        return "name: a case needs a name (a string)"
-    for key, kind in CASE_FIELDS.items():
-        if key in doc and doc[key] is not None and (problem := kind_problem(doc[key], kind)):
-            return f"{key}: {problem}"
-    for key in ("prompt_lens", "log_lines"):
-        kind = int if key == "prompt_lens" else str
-        for i, item in enumerate(doc.get(key) or ()):
-            if problem := kind_problem(item, kind):
-                return f"{key}[{i}]: {problem}"
-    return None
-
-
 def _dcp(name: str, *, backend: str = "a2a", direct: bool = True, project: bool = True, eager: bool = False,
          mtp: bool = False, fused: bool = False, tp: int = 2, dcp: int = 2, interleave: int = 1,
          long: bool = False) -> Case:
@@ -223,29 +197,6 @@ def _dcp(name: str, *, backend: str = "a2a", direct: bool = True, project: bool 
     ref = ("ref-dcp1-mtp-long" if long else "ref-dcp1-mtp") if mtp else ""
     return Case(name, tp=tp, dcp=dcp, backend=backend, eager=eager, mtp=mtp, env=env, compare_to=ref,
                 interleave=interleave, graphs=graphs, prompt_lens=LONG_PROMPT_LENS if long else PROMPT_LENS)
-
-
-def _piecewise_mtp(c: Case) -> bool:
-    """MTP in graphs under DCP with interleave > 1: where flashmla-sparse-dcp-spec-cudagraphs reports
-    single-token decodes (and spec decoding falls back to PIECEWISE); elsewhere it returns the release's
-    own support."""
-    return c.dcp > 1 and c.interleave > 1 and c.mtp and not c.eager
-
-
-def _v1_runner(c: Case) -> bool:
-    return c.env.get("VLLM_USE_V2_MODEL_RUNNER") == V1_RUNNER_ENV["VLLM_USE_V2_MODEL_RUNNER"]
-
-
-def declared_acts(case: Case, release: str | None) -> tuple[str, ...]:
-    """The patches that must act in ``case`` on ``release``'s build (None: the default release's), by the
-    ``[acts]`` of that release's own ``patches/<release>/engine.toml`` (:mod:`overlay.engine.release_table`);
-    none for a release without one. The names must be in the release's series
-    (tests/engine/test_liveness_run.py; engine-check --coverage refuses one that is not)."""
-    from overlay.build.pins import REPO_PATCHES, default_version
-
-    table = release_table.load(release or default_version(REPO_PATCHES))
-    return tuple(name for name, conds in table.acts.items()
-                 if release_table.predicate(conds, _piecewise_mtp, _v1_runner)(case))
 
 
 def cases(tp: int = 2, facts: ReleaseFacts | None = None) -> list[Case]:

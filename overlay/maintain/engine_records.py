@@ -17,12 +17,13 @@ every count and named by :func:`unreadable` (``make status`` prints it in one li
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from overlay import jsonfile
 from overlay.errors import OverlayError
+from overlay.releases.engine_cases import case_problem, declared_acts
 
 RECORDS = Path("docs") / "records" / "engine"  # below the repository
 RAN = ("pass", "reference", "spread")  # the verdicts of a case that ran and agreed (or is the yardstick)
@@ -81,8 +82,6 @@ class Proof:
 
 def _case(raw: dict[str, Any], where: str, source: str) -> CaseRun:
     """One case of a record, its fields checked (``where``: its place in the record, ``cases[3]``)."""
-    from overlay.engine.workload import case_problem
-
     def get(doc: dict[str, Any], key: str, kind: type | tuple[type, ...], at: str = where) -> Any:
         return jsonfile.get(doc, key, kind, at, source, RecordError)
 
@@ -180,16 +179,9 @@ def unattributed(root: Path) -> list[str]:
 
 
 def _acts(case: CaseRun, release: str) -> tuple[str, ...]:
-    """The patches the case declares must act on ``release``'s build (its ``engine.toml`` ``[acts]``, as the
-    engine check reads them)."""
-    from overlay.engine.workload import Case, declared_acts
-
-    names = {f.name for f in fields(Case)}
-    try:
-        built = Case(**{k: tuple(v) if k == "prompt_lens" else v for k, v in case.case.items() if k in names})
-    except TypeError:
-        return ()
-    return declared_acts(built, release)
+    """The patches the case declares must act on ``release``'s build (its ``engine.toml`` ``[acts]``, read the
+    one way the engine check reads them: :func:`overlay.releases.engine_cases.declared_acts`)."""
+    return declared_acts(case.case, release)
 
 
 def proofs(run: EngineRun) -> dict[str, Proof]:

@@ -26,10 +26,21 @@ from pathlib import Path
 
 from overlay.atomic import scratch
 from overlay.build.series import Patch
-from overlay.engine.liveness_lines import file_problem
 from overlay.git import git, git_text
 
 PACKAGE = "vllm"
+
+
+def file_problem(path: str) -> str | None:
+    """None when ``path`` is a file of the package a lines file may name (``vllm/x/y.py``: relative, every part
+    a name, no ``..``); else why not. The file is read from the tree that ran (``tree / path``): a lines file
+    naming ``../../etc/shadow`` or ``/etc/shadow`` would have it read and counted into a patch."""
+    parts = path.split("/")
+    if path.startswith("/") or "\0" in path:
+        return "an absolute path" if path.startswith("/") else "a NUL in it"
+    if parts[0] != "vllm" or any(p in ("", ".", "..") for p in parts):
+        return "not a file of the vllm package (vllm/..., no '.', '..' or empty parts)"
+    return None
 
 
 @dataclass(frozen=True)

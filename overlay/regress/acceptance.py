@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from overlay.regress.checks import StepContext
 from overlay.regress.errors import RegressError
 from overlay.regress.profiles import Profile
 from overlay.regress.results import Finding
+from overlay.regress.step import StepContext
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"

@@ -4,7 +4,8 @@ A check is one :class:`Check` line in :data:`CHECKS`: its name (the word a profi
 ``checks_off`` and ``--skip`` use), its title (the words the help, the README and the guides use),
 the thresholds it reads (a profile must justify exactly those), whether a profile that names no
 checks runs it, the profile section holding its options, and where its code lives: ``step`` (run it
-against the server: ``(StepContext) -> (data, findings)``), ``summary`` (its result in one line),
+against the server: ``(StepContext) -> (data, findings)``, :mod:`overlay.regress.step`), ``summary`` (its
+result in one line),
 ``section`` (its part of ``report.md``) and, where it has them, ``plot`` (its PNG), ``record`` (the
 baseline fields ``--record-baseline`` takes from it) and ``prepare`` (before any check runs). They
 are ``module:function`` strings, imported when a run reaches them, so a profile loads without the
@@ -47,31 +48,8 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from overlay.regress.profiles import Profile
-    from overlay.regress.results import Finding
-    from overlay.regress.server import Server
-
-
-@dataclass
-class StepContext:
-    """What a check's step gets: the profile, the server, the run's folder and options, a progress line."""
-
-    profile: Profile
-    server: Server
-    out_dir: Path
-    say: Callable[[str], None]
-    ref_url: str | None = None
-    ref_file: str | None = None
-    record_differential: str | None = None
-    state: dict[str, Any] = field(default_factory=dict)  # what a check's prepare keeps for its step
-
-
-StepFn = Callable[[StepContext], "tuple[dict[str, Any], list[Finding]]"]
+from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -113,7 +91,9 @@ class Check:
     def words(self) -> str:
         return self.title or self.name
 
-    def wanted(self, checks: tuple[str, ...], ctx: StepContext | None = None) -> bool:
+    def wanted(self, checks: tuple[str, ...], ctx: object | None = None) -> bool:
+        """Run it: the profile names it, or ``ctx`` (a :class:`overlay.regress.step.StepContext`) sets
+        its ``also_when`` option."""
         return self.name in checks or bool(self.also_when and ctx is not None and getattr(ctx, self.also_when))
 
 

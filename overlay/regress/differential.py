@@ -32,13 +32,13 @@ import httpx
 from overlay import digest, textfile
 from overlay.atomic import write_file
 from overlay.engine.compare import compare, derive_tolerance
-from overlay.regress.checks import StepContext
 from overlay.regress.client import Client, describe, rate_limited
 from overlay.regress.errors import RegressError
 from overlay.regress.profiles import DifferentialSpec, Profile
 from overlay.regress.reference import FORMAT, ShapeError, check_run, load_recording, parse_reply
 from overlay.regress.results import Finding
 from overlay.regress.server import Server
+from overlay.regress.step import StepContext
 
 
 def prompt_ids(spec: DifferentialSpec) -> list[list[int]]:

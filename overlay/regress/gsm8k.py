@@ -25,11 +25,11 @@ from typing import Any
 import yaml
 
 from overlay.interrupt import bound_to_parent
-from overlay.regress.checks import StepContext
 from overlay.regress.errors import RegressError
 from overlay.regress.profiles import GSM8K_METRICS, Profile, check_gsm8k_data
 from overlay.regress.results import Finding
 from overlay.regress.server import Server
+from overlay.regress.step import StepContext
 
 
 def lm_eval_gsm8k_yaml() -> Path:

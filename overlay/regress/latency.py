@@ -29,12 +29,12 @@ from typing import Any
 import httpx
 
 from overlay.interrupt import bound_to_parent
-from overlay.regress.checks import StepContext
 from overlay.regress.client import Client, StreamTiming, describe, rate_limited
 from overlay.regress.errors import RegressError
 from overlay.regress.profiles import Profile
 from overlay.regress.results import Finding
 from overlay.regress.server import Server
+from overlay.regress.step import StepContext
 from overlay.regress.textchecks import estimate_tokens
 
 RESULT = "latency.json"

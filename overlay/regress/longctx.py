@@ -16,11 +16,11 @@ from typing import Any
 
 import httpx
 
-from overlay.regress.checks import StepContext
 from overlay.regress.client import Client, Completion, describe, rate_limited
 from overlay.regress.profiles import Profile
 from overlay.regress.results import Finding
 from overlay.regress.server import Server
+from overlay.regress.step import StepContext
 from overlay.regress.textchecks import count_run, estimate_tokens, last_int, repetition
 
 _NOUNS = ("river", "garden", "engine", "letter", "harbor", "forest", "market", "window", "bridge", "lantern")

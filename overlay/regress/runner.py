@@ -16,7 +16,7 @@ from typing import Any
 
 from overlay.outpaths import check_dir, check_file
 from overlay.regress.baseline_record import destinations, failed_checks, recorded_values, write_recorded_profile
-from overlay.regress.checks import CHECKS, Check, StepContext, function
+from overlay.regress.checks import CHECKS, Check, function
 from overlay.regress.client import check_url
 from overlay.regress.errors import RegressError, ServerDied
 from overlay.regress.profiles import Profile
@@ -31,6 +31,7 @@ from overlay.regress.results import (
     write_verdict,
 )
 from overlay.regress.server import Server
+from overlay.regress.step import StepContext
 
 
 def _summary(check: Check, data: dict[str, Any], findings: list[Finding]) -> str:

@@ -88,9 +88,9 @@ def test_the_0_34_0_variants_show_what_that_release_does(tmp_path: Path) -> None
     """On 0.34.0 (FlashMLA-sparse DCP of its own, Model Runner V2 only) the variants follow the release's own
     ``patches/0.34.0/engine.toml``: unpatched, it serves; without the CUDA-graph fix the default expectation
     stands. Every case named exists on its build."""
-    from overlay.engine import release_table
     from overlay.engine.workload import cases
     from overlay.maintain.trees import base_tree
+    from overlay.releases import engine_cases
     from overlay.releases.facts import release_facts
 
     manifest = build_variants(REPO / "patches", "0.34.0", tmp_path)
@@ -103,7 +103,7 @@ def test_the_0_34_0_variants_show_what_that_release_does(tmp_path: Path) -> None
     facts = release_facts(base_tree(REPO / "patches", "0.34.0"))  # the build's cases, by its own tree's facts
     names = {c.name for c in cases(2, facts)} | {c.name for c in cases(1, facts)}
     assert {case for s in shows.values() for _, case in s} <= names
-    assert set(release_table.load("0.34.0").expect) <= {"stock", *EXPECT}
+    assert set(engine_cases.load("0.34.0").expect) <= {"stock", *EXPECT}
     builder = "vllm/v1/attention/backends/mla/flashmla_sparse.py"
     wheel = fetch_wheel(load_pin(REPO / "patches", "0.34.0"))
     with zipfile.ZipFile(wheel) as zf:
@@ -114,7 +114,7 @@ def test_the_0_34_0_variants_show_what_that_release_does(tmp_path: Path) -> None
 
 def test_a_release_table_names_what_is_wrong(tmp_path: Path) -> None:
     """A bad ``engine.toml`` is one line naming the file and each problem."""
-    from overlay.engine.release_table import ReleaseTableError, load
+    from overlay.releases.engine_cases import ReleaseTableError, load
 
     (tmp_path / "9.9.9").mkdir()
     (tmp_path / "9.9.9" / "engine.toml").write_text(

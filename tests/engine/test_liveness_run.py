@@ -14,11 +14,12 @@ import pytest
 
 from overlay.build.pins import carried_releases, default_version
 from overlay.cli import main
-from overlay.engine import check, liveness_run, release_table, verdict
+from overlay.engine import check, liveness_run, verdict
 from overlay.engine.inputs import EngineCheckError
 from overlay.engine.liveness_lines import FORMAT, Lines, load_lines
 from overlay.engine.workload import Case, cases, declared_acts
 from overlay.maintain import liveness
+from overlay.releases import engine_cases
 from tests import factskit
 
 REPO = Path(__file__).resolve().parents[2]
@@ -289,7 +290,7 @@ def test_the_lines_file_is_checked_before_anything_runs(tmp_path: Path, monkeypa
 
 def test_each_case_declares_what_the_patches_change() -> None:
     for release in carried_releases(REPO / "patches"):
-        declared = release_table.load(release).acts
+        declared = engine_cases.load(release).acts
         series = (REPO / "patches" / release / "series").read_text().split()
         assert set(declared) <= set(series), f"{release}: {set(declared) - set(series)} not in its series"
     acts = {c.name: set(c.acts) for c in cases(2, factskit.facts("0.28.0"))}

@@ -23,8 +23,9 @@ from regress_helpers import make_profile
 
 from overlay import cli
 from overlay.regress import baseline_record, checks, runner
-from overlay.regress.checks import CHECKS, TITLES, Check, StepContext
+from overlay.regress.checks import CHECKS, TITLES, Check
 from overlay.regress.profiles import Profile, load_profile, shipped_profiles
+from overlay.regress.step import StepContext
 
 REPO = Path(__file__).resolve().parents[2]
 

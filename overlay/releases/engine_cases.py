@@ -1,4 +1,7 @@
-"""What the engine check expects of one release's build, read from that release's own folder
+"""The engine check's cases as data, read by the engine check and by what judges its records
+(:mod:`overlay.maintain.engine_records`), neither importing the other: a case's fields as a record holds
+them (:data:`CASE_FIELDS`, :func:`case_problem`), the conditions a case meets (:func:`holds`), and what the
+engine check expects of one release's build, read from that release's own folder
 (``patches/<release>/engine.toml``): which patches must act in which cases (``engine-check --coverage``),
 and what a seed-bug variant shows there where it differs from the default expectation
 (:data:`overlay.engine.variants.EXPECT`). Nothing here names a release: a release folder without the
@@ -18,23 +21,76 @@ The file::
 Conditions: ``dcp>1``, ``mtp``, ``piecewise-mtp`` (MTP in graphs under DCP with interleave > 1),
 ``v1-runner`` (the case runs Model Runner V1), ``env:NAME=VALUE``. Standard library only: the engine
 check reads it on the device machine.
+
+A case here is either the engine check's ``Case`` or its record (the dict ``Case.to_dict`` writes, where a
+field at its default is left out): :func:`holds` and :func:`declared_acts` read both.
 """
 
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from overlay.build.pins import REPO_PATCHES, default_version
 from overlay.errors import OverlayError
+from overlay.jsonfile import kind_problem
 
 TABLE = "engine.toml"
-PATCHES = Path(__file__).resolve().parents[2] / "patches"
+PATCHES = REPO_PATCHES
 CONDITIONS = ("dcp>1", "mtp", "piecewise-mtp", "v1-runner")
 
 Expectation = tuple[str, str, str | None]  # (expect, symptom, case)
+V1_RUNNER_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}  # a case that runs Model Runner V1 (where a release has both)
+
+# each field of a case as JSON holds it (``Case.to_dict``): what a results file read back is held to
+CASE_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "name": str, "role": str, "tp": int, "dcp": int, "backend": str, "eager": bool, "mtp": bool, "env": dict,
+    "reverse": bool, "max_num_batched_tokens": int, "note": str, "compare_to": str, "interleave": int,
+    "graphs": str, "prompt_lens": list, "q_replicate": bool, "resolves": dict, "release": str, "log_lines": list}
+
+
+def case_problem(doc: dict[str, Any]) -> str | None:
+    """What keeps ``doc`` (a case read back from a file) from being a case ``Case.to_dict`` writes:
+    ``name`` missing, a field of the wrong type; None when it is one."""
+    if not isinstance(doc.get("name"), str):
+        return "name: a case needs a name (a string)"
+    for key, kind in CASE_FIELDS.items():
+        if key in doc and doc[key] is not None and (problem := kind_problem(doc[key], kind)):
+            return f"{key}: {problem}"
+    for key in ("prompt_lens", "log_lines"):
+        kind = int if key == "prompt_lens" else str
+        for i, item in enumerate(doc.get(key) or ()):
+            if problem := kind_problem(item, kind):
+                return f"{key}[{i}]: {problem}"
+    return None
+
+
+_DEFAULTS: dict[str, Any] = {"dcp": 1, "mtp": False, "eager": False, "interleave": 1}
+
+
+def _field(case: Any, name: str) -> Any:
+    """A case's field, from a ``Case`` or its record (where a field at its default is left out)."""
+    if isinstance(case, Mapping):
+        value = case.get(name)
+        return ({} if name == "env" else _DEFAULTS[name]) if value is None else value
+    return getattr(case, name)
+
+
+def piecewise_mtp(case: Any) -> bool:
+    """MTP in graphs under DCP with interleave > 1: where flashmla-sparse-dcp-spec-cudagraphs reports
+    single-token decodes (and spec decoding falls back to PIECEWISE); elsewhere it returns the release's
+    own support."""
+    return (_field(case, "dcp") > 1 and _field(case, "interleave") > 1 and bool(_field(case, "mtp"))
+            and not _field(case, "eager"))
+
+
+def v1_runner(case: Any) -> bool:
+    """The case runs Model Runner V1 (:data:`V1_RUNNER_ENV`)."""
+    key, value = next(iter(V1_RUNNER_ENV.items()))
+    return _field(case, "env").get(key) == value
 
 
 class ReleaseTableError(OverlayError):
@@ -111,19 +167,27 @@ def load(release: str, patches_root: Path = PATCHES) -> ReleaseTable:
     return ReleaseTable.from_dict(data, str(path))
 
 
-def predicate(conditions: tuple[str, ...], piecewise_mtp: Callable[[Any], bool],
-              v1_runner: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    """A case predicate that holds when every condition does."""
-    def holds(case: Any, condition: str) -> bool:
+def holds(case: Any, conditions: tuple[str, ...]) -> bool:
+    """Whether ``case`` (a ``Case`` or its record) meets every one of ``conditions``."""
+    def one(condition: str) -> bool:
         if condition == "dcp>1":
-            return case.dcp > 1
+            return _field(case, "dcp") > 1
         if condition == "mtp":
-            return bool(case.mtp)
+            return bool(_field(case, "mtp"))
         if condition == "piecewise-mtp":
             return piecewise_mtp(case)
         if condition == "v1-runner":
             return v1_runner(case)
         name, _, value = condition.removeprefix("env:").partition("=")
-        return case.env.get(name) == value
+        return _field(case, "env").get(name) == value
 
-    return lambda case: all(holds(case, c) for c in conditions)
+    return all(one(c) for c in conditions)
+
+
+def declared_acts(case: Any, release: str | None, patches_root: Path = PATCHES) -> tuple[str, ...]:
+    """The patches that must act in ``case`` (a ``Case`` or its record) on ``release``'s build (None: the
+    default release's), by the ``[acts]`` of that release's own ``engine.toml``; none for a release without
+    one. The names must be in the release's series (tests/engine/test_liveness_run.py; engine-check --coverage
+    refuses one that is not)."""
+    table = load(release or default_version(patches_root), patches_root)
+    return tuple(name for name, conds in table.acts.items() if holds(case, conds))

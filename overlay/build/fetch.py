@@ -24,7 +24,7 @@ from pathlib import Path
 from overlay import digest
 from overlay.atomic import child_tmpdir, scratch, sweep, temp_dir
 from overlay.build.pins import Pin
-from overlay.errors import FetchError
+from overlay.errors import FetchError, OverlayError
 from overlay.interrupt import bound_to_parent
 from overlay.outpaths import check_own_folder
 
@@ -53,6 +53,33 @@ def cache_dir() -> Path:
         return check_own_folder(root, "VLLM_OVERLAY_CACHE", holds=CACHE_HOLDS, default=CACHE_DEFAULT)
     return check_own_folder(Path.home() / ".cache" / "vllm-overlay", "the default cache (VLLM_OVERLAY_CACHE unset)",
                             holds=CACHE_HOLDS, default=CACHE_DEFAULT)
+
+
+CACHE_MARK = "<cache>"  # a recorded path under the cache root: ``<cache>/deps/0.34.0-62340614bfc3``
+ELSEWHERE_MARK = "<elsewhere>"  # a recorded path under neither root: only its last part (``<elsewhere>/site``)
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def recorded_path(path: str | Path, cache: Path | None = None, repo: Path = REPO_ROOT) -> str:
+    """``path`` as a record the tools write carries it: relative to the repository (``docs/records/...``),
+    under the cache as ``<cache>/...``, anywhere else as ``<elsewhere>/<its name>``; never a machine's absolute
+    path (the same run on another machine, or another user's cache, writes the same record). A relative
+    path and "" stay as they are; ``cache`` defaults to :func:`cache_dir` (an unusable cache setting: none)."""
+    if not str(path) or not Path(path).is_absolute():
+        return str(path)
+    where = Path(os.path.abspath(path))
+    if cache is None:
+        try:
+            cache = cache_dir()
+        except OverlayError:
+            cache = None
+    roots = [(cache, CACHE_MARK)] if cache is not None else []
+    for root, mark in sorted([*roots, (repo, "")], key=lambda r: -len(str(r[0]))):  # the deeper root first
+        root = Path(os.path.abspath(root))
+        if where == root or root in where.parents:
+            rel = "" if where == root else where.relative_to(root).as_posix()
+            return f"{mark}/{rel}".rstrip("/") if mark else (rel or ".")
+    return f"{ELSEWHERE_MARK}/{where.name}"
 
 
 def sha256_file(path: Path) -> str:

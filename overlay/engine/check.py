@@ -432,16 +432,18 @@ def run_check(ns: CheckOptions) -> int:
         jobs[4:4] = variant_jobs(ns.variants, ns.tp, ns.out, facts)
     measure = start_measure(ns.liveness, ns.out, [(j.name, a) for j in jobs for a in j.case.acts]) \
         if ns.coverage else None
+    from overlay.build.fetch import recorded_path
     from overlay.engine.checkpoint import TinyGlm5Spec, checkpoint_id, default_cache, generate
 
     spec = TinyGlm5Spec()
     model = ns.model or default_cache() / checkpoint_id(spec, 0)
     generate(model, spec, 0)
-    meta = {"model": str(model), "tree": str(ns.tree or ""), "vllm": release, "release_facts": facts.to_dict(),
+    meta = {"model": recorded_path(model), "tree": recorded_path(ns.tree or ""), "vllm": release,
+            "release_facts": facts.to_dict(),
             "series": series_under_test(ns.tree), "torch": torch_under_test(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "gpus": gpus_under_test(), "parallel": ns.parallel,
-            **({"liveness": str(measure.lines.path)} if measure else {})}
+            **({"liveness": recorded_path(measure.lines.path)} if measure else {})}
     t0 = time.monotonic()
 
     def progress(records: list[dict[str, Any]]) -> None:

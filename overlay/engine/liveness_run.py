@@ -85,11 +85,12 @@ def in_series_order(lines: Lines) -> dict[str, dict[str, list[int]]]:
 def job_liveness(lines: Lines, data_file: Path, tree: Path) -> dict[str, Any]:
     """Each patch's added statements in function bodies of ``tree`` (holding the ``vllm/`` that ran) and
     how many of them ``data_file`` saw run; with how many files of the package were measured at all."""
+    from overlay.build.fetch import recorded_path
     from overlay.maintain.liveness import body_statements, executed, liveness
 
     ran = executed(data_file) if data_file.is_file() else {}
     live = liveness(in_series_order(lines), tree, ran, counted=body_statements)
-    return {"measured_files": len(ran), "tree": str(tree), "patches": [p.to_dict() for p in live]}
+    return {"measured_files": len(ran), "tree": recorded_path(tree), "patches": [p.to_dict() for p in live]}
 
 
 @dataclass

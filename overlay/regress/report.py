@@ -12,6 +12,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from overlay.build.fetch import recorded_path
 from overlay.regress.checks import CHECKS, function
 from overlay.regress.profiles import GSM8K_METRICS
 from overlay.regress.results import RunReport
@@ -19,15 +20,33 @@ from overlay.regress.results import RunReport
 _ICON = {"pass": "PASS", "fail": "FAIL", "error": "ERROR", "skipped": "skipped"}
 
 
+def in_run(value: Any, out: Path) -> Any:
+    """``value`` with every absolute path in it (a string, in dicts and lists) as a record carries it: a file
+    of the run's folder ``out`` relative to it (``server.log``, ``gsm8k/lm_eval.log``), any other as
+    :func:`overlay.build.fetch.recorded_path` writes it (the repository's ``overlay/regress/profiles/x.yaml``)."""
+    if isinstance(value, dict):
+        return {k: in_run(v, out) for k, v in value.items()}
+    if isinstance(value, list):
+        return [in_run(v, out) for v in value]
+    if isinstance(value, str) and value.startswith("/"):
+        path, root = Path(value), out.resolve()
+        if root in path.resolve().parents:
+            return path.resolve().relative_to(root).as_posix()
+        return recorded_path(path)
+    return value
+
+
 def to_dict(report: RunReport) -> dict[str, Any]:
     p = report.profile
+    out = report.out_dir
     return {
-        "verdict": report.verdict, "exit_code": report.exit_code, "profile": p.name, "profile_file": p.path,
+        "verdict": report.verdict, "exit_code": report.exit_code, "profile": p.name,
+        "profile_file": in_run(str(Path(p.path).absolute()), out) if p.path else p.path,
         "started": report.started, "seconds": round(report.seconds, 1), "base_url": report.base_url,
         "attached": report.attached, "server_command": p.server.command(), "server_env": p.server.env,
-        "server_log": report.server_log, "baseline_source": p.baseline.source,
+        "server_log": in_run(report.server_log, out), "baseline_source": p.baseline.source,
         "thresholds": {k: {"value": t.value, "why": t.why} for k, t in p.thresholds.items()},
-        "steps": [s.to_dict() for s in report.steps], "checks_off": dict(p.checks_off),
+        "steps": [in_run(s.to_dict(), out) for s in report.steps], "checks_off": dict(p.checks_off),
     }
 
 

@@ -67,7 +67,7 @@ def write_verdict(out_dir: Path, exit_code: int, reasons: list[str], report: Pat
     word = VERDICT_WORDS.get(exit_code, "harness")
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {"verdict": word, "exit_code": exit_code, "reasons": reasons,
-           "report": str(report) if report is not None else None}
+           "report": report.name if report is not None else None}  # beside it (never a machine's path)
     (out_dir / "verdict.json").write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
     (out_dir / "verdict").write_text(word + "\n", encoding="utf-8")
     return word

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from overlay.atomic import scratch
+from overlay.build.fetch import recorded_path
 from overlay.build.series import Patch
 from overlay.interrupt import bound_to_parent
 
@@ -43,7 +44,7 @@ class TestRun:
     skipped: tuple[str, ...] = ()  # tests skipped, with the first reason in skip_reason
     skip_reason: str = ""
     retried: tuple[str, ...] = ()  # ranks killed at their timeout and started again (tests/patches/ranks.py)
-    environment: str = ""  # the release's dependency folder the run had (deps), or "" for this environment
+    environment: str = ""  # the release's dependency folder the run had (``<cache>/deps/...``), or "" for this one
 
     def to_dict(self) -> dict[str, object]:
         return {"status": self.status, "passed": list(self.passed), "failed": list(self.failed),
@@ -205,13 +206,13 @@ def run_files(files: list[Path], tree: Path, *, cwd: Path, timeout: float = 900,
                                   timeout=timeout, preexec_fn=bound_to_parent())  # none runs on after a kill
         except subprocess.TimeoutExpired:
             return TestRun("error", summary=f"timed out after {timeout:.0f} s", retried=_retries(retries),
-                           environment=str(deps or ""))
+                           environment=recorded_path(deps or ""))
         cases = _junit(junit, tree)
         retried = _retries(retries)
     tail = [ln for ln in (proc.stdout + proc.stderr).strip().splitlines() if ln.strip()]
     summary = tail[-1] if tail else f"pytest exited {proc.returncode}"
     run = _run_of(proc.returncode, summary, tail, cases)
-    return dataclasses.replace(run, retried=retried, environment=str(deps or ""))
+    return dataclasses.replace(run, retried=retried, environment=recorded_path(deps or ""))
 
 
 def _retries(path: Path) -> tuple[str, ...]:

@@ -1,5 +1,5 @@
-"""The package's shape, held: what one module takes from another is public, and the README's
-Layout names every package and module there is.
+"""The package's shape, held: what one module takes from another is public, and the Layout of
+``docs/ARCHITECTURE.md`` ("Package layout") names every package and module there is.
 
 A name with a leading underscore is its module's own: another module that imports it (or reaches it
 as ``module._name``) ties itself to what its owner may change without a word. A Layout row that names
@@ -54,13 +54,13 @@ def packages() -> dict[str, set[str]]:
     return out
 
 
-def layout_rows(readme: str | None = None) -> dict[str, set[str]]:
-    """The README Layout's ``overlay/...`` rows -> the module names they give (backticked words). A row
-    whose first cell is empty continues the row above (the README keeps its lines short)."""
+def layout_rows(text: str | None = None) -> dict[str, set[str]]:
+    """The ``overlay/...`` rows of ARCHITECTURE's "Package layout" -> the module names they give (backticked
+    words). A row whose first cell is empty continues the row above (lines stay short)."""
     import re
 
-    readme = (REPO / "README.md").read_text() if readme is None else readme
-    section = readme.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+    text = (REPO / "docs" / "ARCHITECTURE.md").read_text() if text is None else text
+    section = text.split("\n## Package layout", 1)[1].split("\n## ", 1)[0]
     rows: dict[str, set[str]] = {}
     current = None
     for line in section.splitlines():
@@ -79,7 +79,7 @@ def layout_rows(readme: str | None = None) -> dict[str, set[str]]:
 
 
 def test_a_layout_row_may_continue_on_the_next_lines() -> None:
-    readme = ("\n## Layout\n\n| path | holds |\n| --- | --- |\n| `overlay/a/` | `x`, `y` |\n| | and `z` |\n"
+    readme = ("\n## Package layout\n\n| path | holds |\n| --- | --- |\n| `overlay/a/` | `x`, `y` |\n| | and `z` |\n"
               "| `scripts/` | `s.sh` |\n| | `t` |\n\n## Next\n")
     assert layout_rows(readme) == {"overlay/a/": {"x", "y", "z"}}
 
@@ -88,5 +88,5 @@ def test_the_readme_layout_names_every_package_and_module() -> None:
     rows, tree = layout_rows(), packages()
     assert sorted(rows) == sorted(tree), f"Layout rows {sorted(rows)} vs packages {sorted(tree)}"
     for pkg, names in tree.items():
-        assert rows[pkg] == names, (f"README Layout, {pkg}: leaves out {sorted(names - rows[pkg])}, "
+        assert rows[pkg] == names, (f"ARCHITECTURE.md Package layout, {pkg}: leaves out {sorted(names - rows[pkg])}, "
                                     f"names what is not there {sorted(rows[pkg] - names)}")

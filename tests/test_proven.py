@@ -186,7 +186,7 @@ def test_the_readme_says_which_release_is_proven_how_far() -> None:
     from overlay.build.pins import default_version
 
     readme = (REPO / "README.md").read_text()
-    section = readme.split("### What is proven, per release", 1)[1].split("\n## ", 1)[0]
+    section = readme.split("\n## What is proven, per release\n", 1)[1].split("\n## ", 1)[0]
     rows = {m[1]: (m[2], m[3]) for m in re.finditer(r"^\| (\d+\.\d+\.\d+) \| (.*?) \| (.*) \|$", section, re.M)}
     runs = engine_runs(REPO / RECORDS)
     held = [p.name for p in (REPO / "patches").iterdir() if (p / "series").is_file()]

@@ -39,6 +39,32 @@ def test_every_target_has_a_readme_row_and_every_row_a_target() -> None:
     assert make_targets() == readme_table_targets()
 
 
+def readme_job_targets(readme: str = README) -> list[str]:
+    """The Make targets the "Where to look" rows name (its second column), one list over every job."""
+    section = readme.split("## Where to look", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|") for line in section.splitlines() if line.startswith("| ") and "---" not in line]
+    return [name for cells in rows[1:] for name in re.findall(rf"`({TARGET})`", cells[2])]
+
+
+def test_every_target_belongs_to_one_job() -> None:
+    """``make help`` (and ``python -m overlay --help``, whose verbs are the targets: below) agree with the job
+    table: each target in exactly one job's row."""
+    named = readme_job_targets()
+    twice = sorted({n for n in named if named.count(n) > 1})
+    assert not twice, f"a target in two jobs: {twice}"
+    assert set(named) == make_targets(), (f"jobs lack {sorted(make_targets() - set(named))}, "
+                                          f"name no target {sorted(set(named) - make_targets())}")
+
+
+def test_the_job_table_keeps_each_cell_on_one_line() -> None:
+    """A job is one line: a row continued on the next (an empty first cell) would be a job that wants its guide."""
+    section = README.split("## Where to look", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    assert rows and all(line.split("|")[1].strip() for line in rows), "a 'Where to look' row runs over a line"
+    assert len(readme_job_targets(README.replace("| `build`, `test`,", "| `build`, `bogus`, `test`,"))) == \
+        len(readme_job_targets()) + 1
+
+
 def test_make_commands_in_the_readme_name_real_targets() -> None:
     for target in re.findall(rf"`make ({TARGET})", README):
         assert target in make_targets() | {"help"}, f"README: make {target}: no such target"
@@ -81,6 +107,12 @@ def test_the_extending_list_names_real_files_and_symbols() -> None:
         assert (REPO / path).exists(), f"README Extending: {path} is not there"
         if symbol:
             assert re.search(rf"\b{re.escape(symbol)}\b", (REPO / path).read_text()), f"{path} has no {symbol}"
+
+
+def test_the_readme_fits_a_screen_per_job() -> None:
+    """Issue 52: at most about 160 lines; dated history, measurements and device lore live in docs/records/ and
+    the guides."""
+    assert len(README.splitlines()) <= 165, len(README.splitlines())
 
 
 LONGEST = 200  # characters: a longer line is a table cell (or a paragraph) that wants its guide

@@ -13,7 +13,7 @@ line in the table below, and:
   ``tests/test_commands.py`` holds the table, the header and the recipes;
 - its row in the README's "Make targets" table (``tests/test_readme.py``: every target ``make help``
   lists has one; a target's name is letters, digits, ``_`` and ``-``);
-- a new module also in the README's Layout row ``overlay/commands/`` (``tests/test_package_layout.py``).
+- a new module also in ``docs/ARCHITECTURE.md``'s Layout row ``overlay/commands/`` (``tests/test_package_layout.py``).
 
 These modules import only the standard library at import time, and so does building the parser
 (``tests/test_commands.py`` imports each in a fresh interpreter and looks): the library behind a

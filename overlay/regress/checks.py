@@ -23,7 +23,7 @@ profile's ``checks`` and ``checks_off`` to it.
 
 Adding a check touches, besides its one line here:
 
-- its module, with ``step`` and ``summary`` (and ``prepare`` where it has one), named in the README's
+- its module, with ``step`` and ``summary`` (and ``prepare`` where it has one), named in ``docs/ARCHITECTURE.md``'s
   Layout row ``overlay/regress/`` when it is a new one; ``plot`` and ``record``, where it has them, may
   live anywhere (the shipped checks keep them in ``plots.py`` and ``baseline_record.py``); its ``Finding`` and
   ``ensure_alive`` calls name the check by its ``name`` here (``regress-verdicts`` matches on it);

@@ -8,9 +8,8 @@ touches, with that variant's contents (the base's where the variant leaves a fil
 ``variants.json`` naming what each variant is and what the check must see (the bug report's
 symptom; for a release whose code makes a variant show something else, the ``[[expect]]`` of its own
 ``patches/<release>/engine.toml``: one or more cases each, ``pass`` where the fix does nothing there).
-On the device, ``scripts/device-variants.sh`` lays each variant over the staged tree as a symlink farm
-(``/tmp/variants/<variant>/vllm``), and ``overlay engine-check --tree`` runs it (``overlay engine-variants``
-writes them).
+On the device, ``overlay engine-check --variants`` lays each variant over the installed tree as a symlink
+farm (:func:`overlay.engine.inputs.lay_variant`) and runs it (``overlay engine-variants`` writes them).
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def test_gathered_w_uv_and_the_managers_own_combines(cpu_reports) -> None:
 def test_switch_decides(monkeypatch: pytest.MonkeyPatch, env: str | None, dcp: int, pcp: bool,
                         expected: bool | str) -> None:
     """Unset, the switch takes the default this tree's ``envs.py`` gives it: the one the series sets for
-    this release (on where an engine run at DCP > 1 proved it: ``tests/test_project_default.py``)."""
+    this release (what an engine run proved of it: ``make status``, from ``tests/test_proven.py``'s records)."""
     if env is None:
         monkeypatch.delenv("VLLM_DCP_PROJECT_BEFORE_MERGE", raising=False)
     else:

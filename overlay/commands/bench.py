@@ -133,7 +133,11 @@ def _configure_bench_engine(sub: argparse._SubParsersAction) -> None:
                     help="B runs this vLLM tree (first on its PYTHONPATH; e.g. engine-variants' mtp-as-prefills "
                          "laid out by engine-check's lay_variant) instead of VLLM_DCP_PROJECT_BEFORE_MERGE=0; the "
                          "flag is 1 on every server")
-    ap.add_argument("--b-label", help="how reports name B's tree (default: its path)")
+    ap.add_argument("--b-label", help="how reports name B's tree or site (default: its path)")
+    ap.add_argument("--b-site", type=Path,
+                    help="B runs another release's staged site (scripts/device-run.sh's OVERLAY_DEVICE_SITE of "
+                         "another staging): it and its .pth paths replace the inherited PYTHONPATH on B alone; "
+                         "the flag is 1 on every server (release A/B on one machine)")
     ap.add_argument("--vllm", default=os.environ.get("OVERLAY_VLLM", DEFAULT_VLLM),
                     help=f"the vLLM command line ({DEFAULT_VLLM!r}; env OVERLAY_VLLM)")
     ap.add_argument("--server-cmd", help="a whole server command instead of vllm serve (tests): "

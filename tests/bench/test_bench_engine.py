@@ -298,6 +298,35 @@ def test_b_tree_compares_two_trees_with_the_flag_on(tmp_path: Path) -> None:
     assert str(tree) not in null.env("B", tmp_path)["PYTHONPATH"]
 
 
+def test_b_site_gives_b_another_release_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--b-site: B imports another staged release (its site and the folders its .pth files name) in place
+    of the inherited PYTHONPATH, nothing of A's; A and the twin keep theirs; the flag is on everywhere."""
+    site_a, site_b = tmp_path / "site034", tmp_path / "site028"
+    for site in (site_a, site_b):
+        (site / "vllm").mkdir(parents=True)
+        (site / "cutlass_dsl" / "python").mkdir(parents=True)
+        (site / "pkg_dsl").mkdir()
+        (site / "pkg_dsl" / "__init__.py").write_text("")
+        (site / "pkg_dsl" / "dsl_packages").mkdir()
+        # nvidia-cutlass-dsl's form: the folder is added by code, from the package the site holds
+        (site / "cutlass.pth").write_text("# a comment\ncutlass_dsl/python\nmissing/dir\nimport sys, os, pkg_dsl; "
+                                          "sys.path.insert(0, os.path.join(pkg_dsl.__path__[0], 'dsl_packages'))\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site_a), str(site_a / "cutlass_dsl" / "python")]))
+    st = engine.Settings(model="/m", tp=1, dcp=1, b_site=str(site_b), b_label="0.28.0")
+    envs = {side: st.env(side, tmp_path / "out") for side in st.sides()}
+    assert {e["VLLM_DCP_PROJECT_BEFORE_MERGE"] for e in envs.values()} == {"1"}
+    b_paths = envs["B"]["PYTHONPATH"].split(os.pathsep)
+    assert b_paths[-3:] == [str(site_b), str(site_b / "pkg_dsl" / "dsl_packages"),
+                            str(site_b / "cutlass_dsl" / "python")]
+    assert not any(p.startswith(str(site_a)) for p in b_paths)
+    for side in ("A", "C"):
+        assert envs[side]["PYTHONPATH"].endswith(os.environ["PYTHONPATH"])
+        assert str(site_b) not in envs[side]["PYTHONPATH"]
+    assert engine.comparison(asdict(st), short=True) == "the series vs 0.28.0"
+    null = engine.Settings(model="/m", b_site=str(site_b), null=True)
+    assert str(site_b) not in null.env("B", tmp_path)["PYTHONPATH"]
+
+
 # ------------------------------------------------------------------------------- against the stand-ins
 
 

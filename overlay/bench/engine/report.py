@@ -36,7 +36,8 @@ def table(result: dict[str, Any]) -> str:
              f"{_runs_text(s)}, medians; {result.get('gpu') or ''}"
              + (f"; both servers: `{' '.join(s['extra_args'])}`" if s.get("extra_args") else ""),
              "",
-             f"Ratios are > 1 when {'the series' if s.get('b_tree') else 'the optimization'} (A) is faster: "
+             f"Ratios are > 1 when {'the series' if s.get('b_tree') or s.get('b_site') else 'the optimization'} (A) "
+             "is faster: "
              "B / A for times, A / B for tok/s. Each cell is "
              "judged on one metric: decode cells on the median ITL (the median gap between single-token "
              "chunks: one decode step; the prefill of the requests' last tokens and other stalls left out) "
@@ -128,7 +129,7 @@ def plot(result: dict[str, Any], png: Path) -> None:
     vals += [iv[k] for n in names if (iv := cells[n].get("twin_interval")) for k in (0, 1)]
     ax.set_ylim(min([*vals, TARGET]) - 0.03, max([*vals, 1.0]) + 0.03)
     s = result.get("settings", {})
-    faster = "A (the series) faster" if s.get("b_tree") else "project-before-merge faster"
+    faster = "A (the series) faster" if s.get("b_tree") or s.get("b_site") else "project-before-merge faster"
     ax.set(ylabel=f"ratio (> 1: {faster})", xlabel="cell (batch x context), verdict")
     what = comparison(s, short=True)
     ax.set_title(f"{what}: TP{s.get('tp')} x DCP{s.get('dcp')} "

@@ -135,6 +135,7 @@ class RunOptions:
     server_args: str | None
     b_tree: Path | None
     b_label: str | None
+    b_site: Path | None
     vllm: str
     server_cmd: str | None
     ports: tuple[int, ...]
@@ -217,7 +218,8 @@ def plan(opts: RunOptions) -> tuple[list[Cell], Settings]:
         twin=not opts.no_twin, seed=opts.seed, mixed_batch=opts.mixed_batch, mixed_context=opts.mixed_context,
         mixed_interval=opts.mixed_interval, layers=layers, deep_gemm_standin=not opts.no_deep_gemm_standin,
         extra_args=shlex.split(opts.server_args or ""),
-        b_tree=str(opts.b_tree.resolve()) if opts.b_tree else "", b_label=opts.b_label or "")
+        b_tree=str(opts.b_tree.resolve()) if opts.b_tree else "", b_label=opts.b_label or "",
+        b_site=str(opts.b_site.resolve()) if opts.b_site else "")
     st.kv_cache_memory_bytes = opts.kv_cache_memory_bytes or kv_cache_bytes(
         -(-largest_tokens(cells, opts.decode_tokens) // opts.dcp), max(layers, 1))
     return cells, st
@@ -306,3 +308,7 @@ def check_options(opts: RunOptions) -> None:
         raise BenchUsageError(f"--b-tree {opts.b_tree}: not a vLLM tree (no vllm/ folder in it)")
     if opts.b_tree is not None and opts.null:
         raise BenchUsageError("--b-tree and --null exclude each other (a null run compares A with itself)")
+    if opts.b_site is not None and not (opts.b_site / "vllm").is_dir():
+        raise BenchUsageError(f"--b-site {opts.b_site}: not a staged site (no vllm/ folder in it)")
+    if opts.b_site is not None and opts.null:
+        raise BenchUsageError("--b-site and --null exclude each other (a null run compares A with itself)")

@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +62,10 @@ class Settings:
     # VLLM_DCP_PROJECT_BEFORE_MERGE=1 on every server (e.g. engine.variants' mtp-as-prefills)
     b_tree: str = ""
     b_label: str = ""
+    # B runs another staged site (scripts/device-run.sh's OVERLAY_DEVICE_SITE of another release's staging):
+    # that folder and the paths of its .pth files replace the inherited PYTHONPATH on B alone, so B imports
+    # that release's vLLM and its packages, nothing of A's; VLLM_DCP_PROJECT_BEFORE_MERGE=1 on every server
+    b_site: str = ""
 
     def server_args(self) -> list[str]:
         args = ["--tensor-parallel-size", str(self.tp), "--decode-context-parallel-size", str(self.dcp),
@@ -88,13 +93,16 @@ class Settings:
         env = dict(os.environ)
         env.update(SAFE_ENV)
         env["VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"] = "0"
-        env["VLLM_DCP_PROJECT_BEFORE_MERGE"] = FLAGS["A"] if self.null or self.b_tree else FLAGS[side]
+        env["VLLM_DCP_PROJECT_BEFORE_MERGE"] = FLAGS["A"] if self.null or self.b_tree or self.b_site else FLAGS[side]
         if self.transport in ("direct", "a2a"):
             env["VLLM_USE_DIRECT_DCP_A2A"] = "1" if self.transport == "direct" else "0"
         paths = ([str(STANDIN)] if self.deep_gemm_standin else []) + [str(REPO)]
         if self.b_tree and side == "B" and not self.null:
             paths.insert(0, self.b_tree)
-        env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])
+        inherited = list(filter(None, [os.environ.get("PYTHONPATH")]))
+        if self.b_site and side == "B" and not self.null:
+            inherited = site_paths(Path(self.b_site))
+        env["PYTHONPATH"] = os.pathsep.join([*paths, *inherited])
         env.setdefault("PYTHONUNBUFFERED", "1")
         slot = list(FLAGS).index(side)
         env["VLLM_PORT"] = str(PORT_BASE + slot * PORT_STRIDE)
@@ -102,13 +110,30 @@ class Settings:
         return env
 
 
+def site_paths(site_dir: Path) -> list[str]:
+    """``site_dir`` and the folders its ``.pth`` files add, as ``scripts/device-run.sh`` lists them for its own
+    site: a PYTHONPATH entry's ``.pth`` files are not read by Python, and theirs may add a folder only by code
+    (nvidia-cutlass-dsl's ``import ...; sys.path.insert(0, ...)`` puts ``cutlass`` on the path). So a fresh
+    interpreter, without the inherited PYTHONPATH and with ``site_dir`` first, runs ``site.addsitedir`` on it."""
+    code = ("import site, sys\nd = sys.argv[1]\nsys.path.insert(0, d)\nbefore = list(sys.path)\n"
+            "site.addsitedir(d)\nprint('\\n'.join(p for p in sys.path if p not in before))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code, str(site_dir)], capture_output=True, text=True, env=env,
+                          timeout=120, check=False)
+    if proc.returncode != 0:
+        raise BenchError(f"--b-site {site_dir}: its .pth files do not run: "
+                         f"{(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    return [str(site_dir), *(line for line in proc.stdout.splitlines() if line and line != str(site_dir))]
+
+
 def comparison(settings: dict[str, Any], short: bool = False) -> str:
-    """What A and B differ in, for titles: the projection flag, another vLLM tree, or nothing (null)."""
+    """What A and B differ in, for titles: the projection flag, another vLLM tree or staged site, or nothing
+    (null)."""
     if settings.get("null"):
         return "A/A null run" if short else ("A/A null run, both VLLM_DCP_PROJECT_BEFORE_MERGE=1: the ratios are "
                                              "the method's noise")
-    if settings.get("b_tree"):
-        b = settings.get("b_label") or settings["b_tree"]
+    if settings.get("b_tree") or settings.get("b_site"):
+        b = settings.get("b_label") or settings.get("b_tree") or settings["b_site"]
         return f"the series vs {b}" if short else f"A = the series vs B = {b} (VLLM_DCP_PROJECT_BEFORE_MERGE=1 on both)"
     return "VLLM_DCP_PROJECT_BEFORE_MERGE 1 vs 0" if short else "VLLM_DCP_PROJECT_BEFORE_MERGE A=1 vs B=0"
 

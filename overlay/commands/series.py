@@ -36,7 +36,8 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_status(ns: argparse.Namespace) -> int:
     from overlay.maintain.engine_records import records_root, unreadable
-    from overlay.maintain.proven import format_proven, proven
+    from overlay.build.pins import default_version
+    from overlay.maintain.proven import format_proven, proven, retired
     from overlay.maintain.status import format_table, series_status
 
     rows = series_status(root(ns), ns.vllm)
@@ -44,11 +45,15 @@ def cmd_status(ns: argparse.Namespace) -> int:
     releases, unnamed = proven(root(ns), records)
     unread = unreadable(records)
     if ns.json:
+    gone = retired(root(ns), records)
+    default = default_version(root(ns))
+    if ns.json:
         print(json.dumps({"release": ns.vllm, "patches": [r.to_dict() for r in rows],
                           "proven": [r.to_dict() for r in releases], "records_naming_no_build": unnamed,
-                          "records_not_read": unread}, indent=2))
+                          "records_not_read": unread, "default": default, "retired_records": gone}, indent=2))
     else:
-        sys.stdout.write(format_table(rows, ns.vllm) + format_proven(releases, unnamed, records, unread))
+        sys.stdout.write(format_table(rows, ns.vllm)
+                         + format_proven(releases, unnamed, records, unread, default=default, gone=gone))
     return 0 if all(r.applies for r in rows) else 1
 
 

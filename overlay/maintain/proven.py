@@ -150,16 +150,37 @@ def proven(patches_root: Path, records: Path) -> tuple[list[ReleaseProof], list[
     return out, unattributed(records)
 
 
+def retired(patches_root: Path, records: Path) -> dict[str, int]:
+    """Release -> how many engine records name a build of it, for the releases no longer carried (their
+    folders retired from ``patches/``; the records stay as history)."""
+    carried = set(carried_releases(patches_root))
+    found: dict[str, int] = {}
+    for run in engine_runs(records):
+        if run.release not in carried:
+            found[run.release] = found.get(run.release, 0) + 1
+    return dict(sorted(found.items(), key=lambda kv: release_order(kv[0])))
+
+
 def format_proven(releases: list[ReleaseProof], unnamed: list[str], records: Path,
-                  unread: list[str] | None = None) -> str:
-    """The section ``make status`` prints after its table; ``unread``: one line per record that cannot be read
-    (``engine_records.unreadable``), counted for none."""
+                  unread: list[str] | None = None, *, default: str | None = None,
+                  gone: dict[str, int] | None = None) -> str:
+    """The section ``make status`` prints after its table: which releases are carried (``default``: the
+    default's, the oldest being production's), then each; ``unread``: one line per record that cannot be read
+    (``engine_records.unreadable``), counted for none; ``gone``: the retired releases' records (:func:`retired`)."""
     try:
         shown = records.relative_to(Path.cwd())
     except ValueError:
         shown = records
-    lines = ["", f"What is proven, per release and patch (rebased; on GLM-5's path; proven in an engine: the "
-                 f"records in {shown}/):"]
+    lines = [""]
+    if releases:
+        said = []
+        for i, rel in enumerate(releases):
+            roles = [*(["production's, the oldest"] if i == 0 and len(releases) > 1 else []),
+                     *(["the default"] if rel.release == default else [])]
+            said.append(f"{rel.release} ({', '.join(roles)})" if roles else rel.release)
+        lines.append(f"Carried releases: {', '.join(said)}")
+    lines.append(f"What is proven, per release and patch (rebased; on GLM-5's path; proven in an engine: the "
+                 f"records in {shown}/):")
     for rel in releases:
         lines.append(f"{rel.release} ({len(rel.patches)} patches, {rel.source}; "
                      f"{len(rel.runs)} engine-check record(s) of its build)")
@@ -169,4 +190,7 @@ def format_proven(releases: list[ReleaseProof], unnamed: list[str], records: Pat
     if unnamed:
         lines.append(f"records that name no build (meta.vllm), counted for none: {', '.join(unnamed)}")
     lines += [f"record not read, counted for none: {line}" for line in unread or ()]
+    if gone:
+        lines.append("records of releases no longer carried (retired, kept as history): "
+                     + ", ".join(f"{r} ({n})" for r, n in gone.items()))
     return "\n".join(lines) + "\n"

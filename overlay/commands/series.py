@@ -35,8 +35,8 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_status(ns: argparse.Namespace) -> int:
-    from overlay.maintain.engine_records import records_root, unreadable
     from overlay.build.pins import default_version
+    from overlay.maintain.engine_records import records_root, unreadable
     from overlay.maintain.proven import format_proven, proven, retired
     from overlay.maintain.status import format_table, series_status
 
@@ -44,7 +44,6 @@ def cmd_status(ns: argparse.Namespace) -> int:
     records = records_root(root(ns))
     releases, unnamed = proven(root(ns), records)
     unread = unreadable(records)
-    if ns.json:
     gone = retired(root(ns), records)
     default = default_version(root(ns))
     if ns.json:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from overlay.build.pins import carried_releases
+from overlay.build.pins import carried_releases, release_order
 from overlay.build.series import Patch, Series
 from overlay.errors import OverlayError
 from overlay.maintain.engine_records import RAN, EngineRun, Proof, engine_runs, proofs, unattributed

@@ -203,3 +203,21 @@ def test_the_readme_says_which_release_is_proven_how_far() -> None:
         said = [int(n) for n in re.findall(r"DCP (\d+)", engine)]
         assert dcp and max(said) == max(dcp), (release, said, sorted(set(dcp)))
     assert "`patches/DEFAULT`" in rows[default_version(REPO / "patches")][0]
+
+
+def test_status_says_which_releases_are_carried_and_which_records_are_history() -> None:
+    """Carried: production's (the oldest) and the default; a retired release's records are named as history,
+    never as a release of the table."""
+    from overlay.build.pins import default_version
+    from overlay.maintain.proven import retired
+
+    patches, records = REPO / "patches", REPO / RECORDS
+    carried = carried_releases(patches)
+    gone = retired(patches, records)
+    assert "0.33.0" in gone and not set(gone) & set(carried)
+    releases, unnamed = proven(patches, records)
+    text = format_proven(releases, unnamed, records, default=default_version(patches), gone=gone)
+    first = text.splitlines()[1]
+    assert first.startswith(f"Carried releases: {carried[0]} (production's, the oldest")
+    assert f"{default_version(patches)} (the default)" in first or f"{carried[0]} (production's, the oldest, the default)" in first
+    assert "records of releases no longer carried (retired, kept as history): 0.33.0 (" in text

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from overlay.build.fetch import recorded_path
 from overlay.maintain.rebase.deps import (
     DONE,
     RUNNER,
@@ -181,7 +182,7 @@ def test_a_tree_runs_with_its_releases_set_and_nothing_else_of_this_environment(
         run = runner(SimpleNamespace(name="p.patch"), tree)
         assert runner.environment(tree) is not None  # its runs are kept by the release's set, not by .venv
     assert run is not None and run.status == "passed", run
-    assert len(run.passed) == 3 and run.environment == str(deps)
+    assert len(run.passed) == 3 and run.environment == recorded_path(deps)
 
 
 def test_a_frame_in_the_releases_set_is_library_code(tmp_path: Path) -> None:

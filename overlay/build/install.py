@@ -53,7 +53,7 @@ from overlay.atomic import umask as current_umask
 from overlay.build import swap
 from overlay.build.stand_ins import swap_all
 from overlay.build.wheel import dist_info_name, read_record, record_hash
-from overlay.errors import OverlayError
+from overlay.errors import OverlayError, PinError
 from overlay.interrupt import bound_to_parent
 
 # CUDA-only builds on PyPI that fail to import beside the CPU torch (docs/ARCHITECTURE.md, "Pins").
@@ -111,8 +111,6 @@ def torch_pin(wheel: Path) -> str | None:
 def check_torch_pin(pin_torch: str | None, wheel: Path, source: str) -> None:
     """A :class:`~overlay.errors.PinError` naming ``source`` (the pin file) when its ``torch`` field is
     missing or differs from the torch the wheel itself pins."""
-    from overlay.errors import PinError
-
     pinned = torch_pin(wheel)
     if pinned is not None and pin_torch != pinned:
         have = f"is {pin_torch!r}" if pin_torch else "is missing"

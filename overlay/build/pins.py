@@ -157,11 +157,16 @@ def release_order(version: str) -> tuple[int, ...]:
     return (int(m["major"]), int(m["minor"]), int(m["patch"]), 0 if rc else 1, int(rc or 0), int(post or 0))
 
 
+def is_release(text: str) -> bool:
+    """Whether ``text`` is a release version like 0.30.0 (:func:`check_version`'s form), as a folder name."""
+    return bool(_VERSION.match(text))
+
+
 def carried_releases(patches_root: Path) -> list[str]:
     """Every release ``patches_root`` carries (a folder named as a release with a ``pin.toml`` and a
     ``series``), oldest first: what the tools and tests walk, none of them naming a release by value."""
     found = [p.name for p in patches_root.iterdir()
-             if _VERSION.match(p.name) and (p / "pin.toml").is_file() and (p / "series").is_file()]
+             if is_release(p.name) and (p / "pin.toml").is_file() and (p / "series").is_file()]
     return sorted(found, key=release_order)
 
 

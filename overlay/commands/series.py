@@ -36,15 +36,16 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_status(ns: argparse.Namespace) -> int:
     from overlay.build.pins import default_version
-    from overlay.maintain.engine_records import records_root, unreadable
+    from overlay.maintain.engine_records import engine_runs, records_root, unreadable
     from overlay.maintain.proven import format_proven, proven, retired
     from overlay.maintain.status import format_table, series_status
 
     rows = series_status(root(ns), ns.vllm)
     records = records_root(root(ns))
-    releases, unnamed = proven(root(ns), records)
+    runs = engine_runs(records)
+    releases, unnamed = proven(root(ns), records, runs)
     unread = unreadable(records)
-    gone = retired(root(ns), records)
+    gone = retired(root(ns), runs)
     default = default_version(root(ns))
     if ns.json:
         print(json.dumps({"release": ns.vllm, "patches": [r.to_dict() for r in rows],

@@ -137,10 +137,12 @@ def release_proof(patches_root: Path, release: str, runs: list[EngineRun]) -> Re
     return ReleaseProof(release, f"rebased from {base}" if base else "written on this release", tuple(rows), recorded)
 
 
-def proven(patches_root: Path, records: Path) -> tuple[list[ReleaseProof], list[str]]:
-    """Every release ``patches_root`` holds a series for, oldest first, and the records that name no build."""
+def proven(patches_root: Path, records: Path,
+           runs: list[EngineRun] | None = None) -> tuple[list[ReleaseProof], list[str]]:
+    """Every release ``patches_root`` holds a series for, oldest first, and the records that name no build
+    (``runs``: the records already read, :func:`overlay.maintain.engine_records.engine_runs`)."""
     releases = carried_releases(patches_root)
-    runs = engine_runs(records)
+    runs = engine_runs(records) if runs is None else runs
     out = []
     for release in releases:
         try:
@@ -150,12 +152,12 @@ def proven(patches_root: Path, records: Path) -> tuple[list[ReleaseProof], list[
     return out, unattributed(records)
 
 
-def retired(patches_root: Path, records: Path) -> dict[str, int]:
-    """Release -> how many engine records name a build of it, for the releases no longer carried (their
-    folders retired from ``patches/``; the records stay as history)."""
+def retired(patches_root: Path, runs: list[EngineRun]) -> dict[str, int]:
+    """Release -> how many of the engine records ``runs`` name a build of it, for the releases no longer
+    carried (their folders retired from ``patches/``; the records stay as history)."""
     carried = set(carried_releases(patches_root))
     found: dict[str, int] = {}
-    for run in engine_runs(records):
+    for run in runs:
         if run.release not in carried:
             found[run.release] = found.get(run.release, 0) + 1
     return dict(sorted(found.items(), key=lambda kv: release_order(kv[0])))

@@ -53,7 +53,7 @@ from packaging.version import Version
 from overlay import digest, lock
 from overlay.atomic import child_tmpdir, scratch, temp_dir
 from overlay.build.fetch import cache_dir
-from overlay.build.install import CPU_SKIP, requirements
+from overlay.build.install import CPU_SKIP, requirements, torch_pin
 from overlay.build.pipeline import VERSION_PY
 from overlay.build.stand_ins import TABLE, exact_pin, stand_in_version, swap_all
 from overlay.errors import OverlayError
@@ -111,15 +111,10 @@ def env_torch() -> Torch:
 
 
 def own_torch(wheel: Path, torch: Torch) -> str | None:
-    """The torch the release pins exactly when it is not this environment's (its folder then holds it),
-    else None (the run takes this environment's torch)."""
-    for text in requirements(wheel, skip=frozenset()):
-        req = Requirement(text)
-        if canonicalize_name(req.name) == "torch":
-            pinned = exact_pin(req)
-            if pinned is not None and Version(pinned).public != Version(torch.version).public:
-                return pinned
-    return None
+    """The torch the release pins exactly (:func:`overlay.build.install.torch_pin`) when it is not this
+    environment's (its folder then holds it), else None (the run takes this environment's torch)."""
+    pinned = torch_pin(wheel)
+    return pinned if pinned is not None and Version(pinned).public != Version(torch.version).public else None
 
 
 def roots(wheel: Path, torch: Torch) -> tuple[list[str], dict[str, tuple[str, tuple[str, ...]]]]:
@@ -228,14 +223,14 @@ def release_deps(release: str, wheel: Path, *, cache: Path | None = None, resolv
     # second's replace would pull the folder from under the first's runs.
     with lock.held(root / MAKE_LOCK, f"another run making a release's test environment in {root}"):
         if not (dest / DONE).is_file():
-            _make(release, wheel, torch, reqs, stubs, root, dest, resolver, installer)
+            own = None if "torch" in stubs else own_torch(wheel, torch)  # roots() stubbed torch unless it is
+            _make(release, wheel, f"its own {own}" if own else f"this environment's {torch.version}", reqs, stubs,
+                  root, dest, resolver, installer)
     return dest
 
 
-def _make(release: str, wheel: Path, torch: Torch, reqs: list[str], stubs: dict[str, tuple[str, tuple[str, ...]]],
+def _make(release: str, wheel: Path, which: str, reqs: list[str], stubs: dict[str, tuple[str, tuple[str, ...]]],
           root: Path, dest: Path, resolver: Resolver | None, installer: Installer | None) -> None:
-    own = own_torch(wheel, torch)
-    which = f"its own {own}" if own else f"this environment's {torch.version}"
     print(f"deps {release}: resolving its whole dependency set for the test runs (torch: {which}) into {dest} ...",
           file=sys.stderr, flush=True)
     for line in swap_all(requirements(wheel, skip=frozenset()))[1]:
@@ -255,7 +250,6 @@ def _make(release: str, wheel: Path, torch: Torch, reqs: list[str], stubs: dict[
         if dest.exists():
             shutil.rmtree(dest)  # an earlier attempt that did not complete
         os.replace(tmp, dest)
-
 
 
 def deps_for(wheels: dict[str, Path]) -> Callable[[str], Path | None]:

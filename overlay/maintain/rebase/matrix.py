@@ -37,7 +37,7 @@ from functools import partial
 from pathlib import Path
 
 from overlay.atomic import scratch
-from overlay.build.pins import check_version, pin_dir, release_order
+from overlay.build.pins import check_version, is_release, pin_dir, release_order
 from overlay.build.series import Patch, Series
 from overlay.errors import OverlayError, SeriesError
 from overlay.git import git, git_text
@@ -231,17 +231,9 @@ def markdown(cells: list[Cell], releases: list[str], from_version: str) -> str:
 def newer_pinned(from_version: str, roots: list[Path]) -> list[str]:
     """Every release newer than ``from_version`` with a ``pin.toml`` in one of ``roots`` (the release
     folders of ``patches/`` and the pins kept for tests), oldest first: the matrix's default columns."""
-    found = {p.parent.name for root in roots if root.is_dir() for p in root.glob("*/pin.toml")}
-    found = {v for v in found if _is_version(v)}
+    found = {p.parent.name for root in roots if root.is_dir() for p in root.glob("*/pin.toml")
+             if is_release(p.parent.name)}
     return sorted((v for v in found if release_order(v) > release_order(from_version)), key=release_order)
-
-
-def _is_version(text: str) -> bool:
-    try:
-        check_version(text, "")
-    except OverlayError:
-        return False
-    return True
 
 
 def main(patches_root: Path, from_version: str, releases: list[str] | None, out: Path, tests_dir: Path,

@@ -244,3 +244,20 @@ def test_a_missing_expectations_file_is_named_and_stops_the_gate(tmp_path: Path)
     assert exc.value.exit_code == 2
     assert str(exc.value).startswith(f"{missing}: missing: the release's expectations")
     assert not (tmp_path / "cache").exists() and not (tmp_path / "out").exists()
+
+
+def test_upstream_tests_refuse_another_releases_build(tmp_path: Path, capsys) -> None:
+    """`make upstream-tests VLLM=<a release not installed here>` ran that release's tests against the installed
+    build (another release's) and judged it; now it stops in one line, exit 2, before any sdist is read."""
+    from importlib.metadata import version
+
+    from overlay.cli import main
+
+    repo = Path(__file__).resolve().parent.parent
+    other = next(r for r in carried_releases(repo / "patches") if r != version("vllm").split("+", 1)[0])
+    assert main(["upstream-tests", "--vllm", other, "--out", str(tmp_path / "u")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: upstream-tests --vllm {other}: the installed vLLM is ")
+    assert len(err.splitlines()) == 1
+    assert err.endswith("vLLM's own tests judge the build this environment imports")
+    assert not (tmp_path / "u").exists()

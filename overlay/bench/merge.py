@@ -431,23 +431,6 @@ def write_outputs(result: dict[str, Any], out_dir: Path) -> None:
         print("matplotlib missing here: draw the plot later with --plot merge.json")
 
 
-def installed_mismatch(release: str | None) -> str | None:
-    """Why the installed vLLM is not the build of ``release`` the bench was asked to time, or None."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    if release is None:
-        return None
-    try:
-        have = version("vllm")
-    except PackageNotFoundError:
-        return f"--vllm {release}: no vLLM is installed here; install its build (make build VLLM={release})"
-    if have.split("+", 1)[0] != release:
-        return f"--vllm {release}: the installed vLLM is {have}; install {release}'s build (make build VLLM={release})"
-    if "+" not in have:
-        return f"--vllm {release}: the installed vLLM {have} is unpatched: the bench times the series' projection"
-    return None
-
-
 def run(out_dir: Path, *, tokens: list[int] | None = None, replays: int = 50,
         plot_from: Path | None = None, ranks: int = 2, bounds: str = "decode",
         profile_tokens: tuple[int, ...] = (), release: str | None = None) -> int:
@@ -459,6 +442,8 @@ def run(out_dir: Path, *, tokens: list[int] | None = None, replays: int = 50,
         result = json.loads(plot_from.read_text())
         write_outputs(result, out_dir)
         return 0
+    from overlay.build.install import installed_mismatch
+
     why = installed_mismatch(release)
     if why is not None:
         print(f"bench-merge: {why}", file=sys.stderr)

@@ -140,6 +140,24 @@ def torch_mismatch(wheel: Path, env_dir: Path) -> str | None:
     return f"it pins torch=={pinned}, and {env_dir} holds torch {have} (another release's)"
 
 
+def installed_mismatch(release: str | None) -> str | None:
+    """Why the vLLM this environment imports is not a build of ``release`` (a tool that judges the installed
+    build was asked for that release: bench-merge, upstream-tests), or None; None for no ``release``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    if release is None:
+        return None
+    try:
+        have = version("vllm")
+    except PackageNotFoundError:
+        return f"--vllm {release}: no vLLM is installed here; install its build (make build VLLM={release})"
+    if have.split("+", 1)[0] != release:
+        return f"--vllm {release}: the installed vLLM is {have}; install {release}'s build (make build VLLM={release})"
+    if "+" not in have:
+        return f"--vllm {release}: the installed vLLM {have} is unpatched: not the series' build"
+    return None
+
+
 def _pip(python: Path, args: list[str], *, bound: bool = False) -> None:
     quiet = [] if sys.stderr.isatty() else ["-q"]
     with child_tmpdir() as env:  # a killed install's pip-* temporaries: swept by the next run

@@ -26,8 +26,12 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_upstream_tests(ns: argparse.Namespace) -> int:
-    from overlay.maintain.upstream_tests import run
+    from overlay.build.install import installed_mismatch
+    from overlay.maintain.upstream_tests import UpstreamTestsError, run
 
+    why = installed_mismatch(ns.vllm)
+    if why is not None:  # vLLM's own tests import the installed vllm: another release's build would be judged
+        raise UpstreamTestsError(f"upstream-tests {why}: vLLM's own tests judge the build this environment imports")
     out = Path(ns.out)
     report = run(root(ns), ns.vllm, out, timeout=ns.timeout)
     for row in report.regressions:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from importlib.metadata import version
 from pathlib import Path
 
-from overlay.bench.merge import installed_mismatch
+from overlay.build.install import installed_mismatch
 from overlay.build.pins import carried_releases
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,3 +28,4 @@ def test_the_command_refuses_another_release_before_any_gpu(tmp_path: Path, caps
     assert main(["bench-merge", "--vllm", other, "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"bench-merge: --vllm {other}: the installed vLLM is ") and len(err.splitlines()) == 1
+

@@ -38,6 +38,7 @@ import math
 import os
 import random
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,12 +59,51 @@ TRANSPORTS = ("ag_rs", "nccl_a2a", "direct_a2a")
 class Case:
     """One step: per request its query length and its length after the step; ``only`` picks, for
     some rows, the positions their top-k may take (``"even"``/``"odd"``: owned by one rank at DCP 2,
-    interleave 1, so the other rank owns none of them)."""
+    interleave 1, so the other rank owns none of them).
+
+    ``pad_tokens``: rows past the step's tokens in every tensor the layer is handed, outside the
+    metadata (a piecewise CUDA graph's padded batch: ``num_actual_tokens`` counts the real rows).
+    ``pad_reqs``: requests of ``1 + MTP`` query rows and no KV appended to the batch, inside the
+    metadata (a FULL decode graph's padded uniform batch as Model Runner V2 builds it: their
+    ``query_start_loc`` stays at the real token count, ``seq_lens`` 0, ``num_actual_tokens`` counts
+    every padded row). ``offset``: every score of the step raised by this much (through one RoPE
+    dimension), so LSEs sit where long contexts put them and every merge's overflow guard is used."""
 
     query_lens: tuple[int, ...]
     seq_lens: tuple[int, ...]
     only: tuple[str | None, ...] = ()
+    pad_tokens: int = 0
+    pad_reqs: int = 0
+    offset: bool = False
+    topk: int = 128  # the model's index_topk (a multiple of the index-conversion kernel's tile)
 
+    @property
+    def prefill_max_seq_len(self) -> int:
+        """The longest sequence of the prefills (query longer than the decode threshold); 0 if none."""
+        return max((s for q, s in zip(self.query_lens, self.seq_lens, strict=True) if q > DECODE_THRESHOLD),
+                   default=0)
+
+    @property
+    def dense(self) -> bool:
+        """0.29.0+ routes the step's prefills to dense MHA (``_use_dense_mha_prefill``: the longest
+        prefill sequence at most ``index_topk``)."""
+        return 0 < self.prefill_max_seq_len <= self.topk
+
+    @property
+    def merges(self) -> bool:
+        """A DCP merge runs: some rows attend through the sparse MQA path (decodes always; prefills
+        unless dense)."""
+        return any(q <= DECODE_THRESHOLD for q in self.query_lens) or not self.dense
+
+
+# FlashMLA-sparse's batch split on Hopper (``FlashMLASparseMetadataBuilder``: 256 query tokens below 16
+# heads per rank, GLM-5's 8 at TP 8 included): a longer query is a prefill, a shorter one a (varlen) decode.
+DECODE_THRESHOLD = 256
+STEPS_TOPK = 512  # so that a prefill (over 256 query tokens) can still be short enough for dense MHA
+
+# A common score offset of OFFSET_Q * OFFSET_K * scale (about 543): exp() of such an LSE overflows
+# float32, as a merge that forgets to subtract the max would.
+OFFSET_Q, OFFSET_K = 64.0, 96.0
 
 CASES: dict[str, Case] = {
     "decode": Case((1, 1, 1), (300, 170, 37)),
@@ -72,6 +112,29 @@ CASES: dict[str, Case] = {
     "forced_mqa_prefill": Case((48,), (400,)),
     "empty_rows": Case((1, 1, 1, 1), (300, 300, 200, 90), ("even", "odd", "even", None)),
 }
+
+# Every other step GLM-5 takes under DCP (``test_glm5_steps.py``): the smallest decode, requests
+# shorter than the DCP group, CUDA-graph padding both ways, long-context LSEs, the dense-MHA prefill of
+# short prompts (with and without cached context, at and past its routing threshold) and mixed with
+# decodes.
+STEPS: dict[str, Case] = {
+    "one_token": Case((1,), (900,), topk=STEPS_TOPK),
+    "short_requests": Case((1, 1, 1), (1, 2, 3), topk=STEPS_TOPK),
+    "padded_rows": Case((1, 1, 1), (900, 600, 37), pad_tokens=5, topk=STEPS_TOPK),
+    "padded_mtp5_graph": Case((1 + MTP, 1 + MTP), (700, 800), pad_reqs=2, topk=STEPS_TOPK),
+    "large_lse_mtp5": Case((1, 1 + MTP), (900, 650), offset=True, topk=STEPS_TOPK),
+    "dense_prefill": Case((300,), (300,), topk=STEPS_TOPK),
+    "dense_prefill_context": Case((280,), (480,), topk=STEPS_TOPK),
+    "dense_at_topk": Case((300,), (STEPS_TOPK,), topk=STEPS_TOPK),
+    "mqa_past_topk": Case((300,), (STEPS_TOPK + 1,), topk=STEPS_TOPK),
+    "dense_mixed": Case((1 + MTP, 1 + MTP, 280), (900, 700, 450), topk=STEPS_TOPK),
+    "large_lse_dense_context": Case((280,), (480,), offset=True, topk=STEPS_TOPK),
+}
+
+
+def case_of(name: str) -> Case:
+    return CASES[name] if name in CASES else STEPS[name]
+
 
 GLM5_CONFIG: dict[str, Any] = {
     "architectures": [ARCH], "model_type": "glm_moe_dsa", "hidden_size": 256, "num_hidden_layers": 2,
@@ -148,16 +211,17 @@ def resolve() -> ModelPath:
 # --------------------------------------------------------------------------------------------
 # the config, the CPU environment, the module
 # --------------------------------------------------------------------------------------------
-def write_model_dir(root: Path) -> Path:
+def write_model_dir(root: Path, topk: int = TOPK) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"config.json.{os.getpid()}"
-    tmp.write_text(json.dumps(GLM5_CONFIG))
+    tmp.write_text(json.dumps({**GLM5_CONFIG, "index_topk": topk}))
     os.replace(tmp, root / "config.json")
     return root
 
 
-def make_vllm_config(model_dir: Path, world: int):
-    """TP = DCP = ``world`` serving the test model with the fp8_ds_mla cache and MTP-5."""
+def make_vllm_config(model_dir: Path, world: int, max_tokens: int = 256):
+    """TP = DCP = ``world`` serving the test model with the fp8_ds_mla cache and MTP-5, at most
+    ``max_tokens`` tokens a step."""
     import compat
     from vllm.config import (
         CacheConfig,
@@ -178,36 +242,15 @@ def make_vllm_config(model_dir: Path, world: int):
                                  target_parallel_config=parallel)
         return VllmConfig(model_config=model, parallel_config=parallel,
                           cache_config=CacheConfig(cache_dtype="fp8_ds_mla", block_size=BLOCK),
-                          scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256,
+                          scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_tokens,
                                                            max_model_len=8192, is_encoder_decoder=False),
                           device_config=DeviceConfig(device="cpu"), speculative_config=spec)
 
 
-class PrefillStandIn:
-    """The dense-MHA prefill backend (FlashAttention, CUDA only): built, cloned and given metadata as
-    vLLM does; the cases keep every prefill on the sparse MQA path, so running it is a harness error."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        self.kwargs = kwargs
-
-    def clone(self) -> PrefillStandIn:  # each metadata builder takes its own copy
-        return self
-
-    def prepare_metadata(self, prefill_metadata: Any) -> None:
-        pass
-
-    def supports_quant_output(self, quant_key: Any) -> bool:
-        return False
-
-    def __getattr__(self, name: str) -> Any:
-        import compat
-
-        raise compat.HarnessError(f"the dense-MHA prefill backend was used ({name}): no case should take it")
-
-
 def install_cpu_env() -> None:
     """What a CUDA machine gives vLLM's constructors, on CPU (kernels at their boundary, see the
-    module docstring); FlashMLA-sparse as the attention backend, as Hopper selects for fp8_ds_mla."""
+    module docstring); FlashMLA-sparse as the attention backend, as Hopper selects for fp8_ds_mla, and
+    FlashAttention as the dense-MHA prefill backend (``glm5_prefill_standins``)."""
     import compat
     import flashmla_standins as fk
     import sparse_dcp_harness as h
@@ -218,6 +261,7 @@ def install_cpu_env() -> None:
     mla = compat.module("mla_attention")
     torch.accelerator.empty_cache = lambda: None
     torch.accelerator.synchronize = lambda *a, **k: None
+    torch.cuda.is_current_stream_capturing = lambda: False  # eager steps: nothing is captured on CPU
     h.no_pinned_memory(setattr)
     fs.num_compute_units = lambda index=None: 132
     fs.torch = h.UnpinnedTorch()
@@ -233,7 +277,9 @@ def install_cpu_env() -> None:
     install_cpu_streams()
     assert "fp8_ds_mla" in fs.FlashMLASparseBackend.supported_kv_cache_dtypes
     mla.get_attn_backend = lambda *a, **k: fs.FlashMLASparseBackend
-    mla.get_mla_prefill_backend = lambda vllm_config: PrefillStandIn
+    prefill = importlib.import_module("glm5_prefill_standins")
+    standin = prefill.flash_attn_prefill_standin()
+    mla.get_mla_prefill_backend = lambda vllm_config: standin
 
 
 class CpuStream:
@@ -389,10 +435,13 @@ def make_step(name: str) -> Step:
     import flashmla_standins as fk
     import torch
 
-    case = CASES[name]
+    case = case_of(name)
     gen = torch.Generator().manual_seed(sum(map(ord, name)))
     rng = random.Random(name)
     kv = [torch.randn(s, LORA + ROPE, generator=gen) * 0.5 for s in case.seq_lens]
+    if case.offset:  # one RoPE dimension of every key (bf16 in the cache: exact)
+        for x in kv:
+            x[:, LORA] = OFFSET_K
     raw = [fk.quantize_fp8_ds_mla(x) for x in kv]
     kv = [fk.dequantize_fp8_ds_mla(r) for r in raw]
     rows, req_ids, positions = [], [], []
@@ -400,13 +449,15 @@ def make_step(name: str) -> Step:
     for r, (qlen, slen) in enumerate(zip(case.query_lens, case.seq_lens, strict=True)):
         for pos in range(slen - qlen, slen):
             cand = [t for t in range(pos + 1) if only[r] is None or t % 2 == (only[r] == "odd")]
-            picked = rng.sample(cand, min(TOPK, len(cand)))
-            row = picked + [-1] * (TOPK - len(picked))
+            picked = rng.sample(cand, min(case.topk, len(cand)))
+            row = picked + [-1] * (case.topk - len(picked))
             rng.shuffle(row)
             rows.append(row)
             req_ids.append(r)
             positions.append(pos)
     q = (torch.randn(len(rows), HEADS, NOPE + ROPE, generator=gen) * 0.5).to(torch.bfloat16)
+    if case.offset:
+        q[:, :, NOPE] = OFFSET_Q
     return Step(q, kv, raw, torch.tensor(rows, dtype=torch.int32), req_ids, positions)
 
 
@@ -452,20 +503,26 @@ def build_metadata(vllm_config: Any, layer_name: str, name: str, table: Any):
     import torch
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    case = CASES[name]
+    case = case_of(name)
     with compat.setup("FlashMLASparseMetadataBuilder.build"):
         spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=LORA + ROPE, dtype=torch.uint8,
                                 cache_dtype_str="fp8_ds_mla")
         builder = compat.symbol("flashmla_sparse", "FlashMLASparseMetadataBuilder")(
             spec, [layer_name], vllm_config, torch.device("cpu"))
-        qsl = torch.tensor([0, *torch.tensor(case.query_lens).cumsum(0).tolist()], dtype=torch.int32)
-        seq_lens = torch.tensor(case.seq_lens, dtype=torch.int32)
+        num_real = sum(case.query_lens)
+        # a FULL graph's padded requests: query_start_loc held at the real token count, no KV
+        qsl = torch.tensor([0, *torch.tensor(case.query_lens).cumsum(0).tolist()] + [num_real] * case.pad_reqs,
+                           dtype=torch.int32)
+        seq_lens = torch.tensor(case.seq_lens + (0,) * case.pad_reqs, dtype=torch.int32)
+        num_actual = num_real + case.pad_reqs * (1 + MTP)
+        if case.pad_reqs:
+            table = torch.cat([table, torch.zeros(case.pad_reqs, table.shape[1], dtype=table.dtype)])
         common = h.common_attention_metadata(
             query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens,
-            num_reqs=len(case.seq_lens), num_actual_tokens=int(qsl[-1]), max_query_len=max(case.query_lens),
+            num_reqs=len(seq_lens), num_actual_tokens=num_actual, max_query_len=max(case.query_lens),
             max_seq_len=max(case.seq_lens), block_table_tensor=table,
-            slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64), seq_lens_cpu_upper_bound=seq_lens.clone(),
-            _seq_lens_cpu=seq_lens.clone())
+            slot_mapping=torch.full((num_actual,), -1, dtype=torch.int64),
+            seq_lens_cpu_upper_bound=seq_lens.clone(), _seq_lens_cpu=seq_lens.clone())
         return builder.build(0, common)
 
 
@@ -476,30 +533,41 @@ def run_step(path: ModelPath, module: Any, layer: Any, vllm_config: Any, name: s
     from vllm.forward_context import set_forward_context
 
     step = make_step(name)
+    case = case_of(name)
     heads = HEADS // world
-    q = step.q[:, rank * heads:(rank + 1) * heads].contiguous()
+    q = step.q[:, rank * heads:(rank + 1) * heads]
     num_tokens = q.shape[0]
+    # CUDA-graph padding: rows past the step's tokens, garbage in every input, NaN in the output
+    rows = num_tokens + case.pad_tokens + case.pad_reqs * (1 + MTP)
+    gen = torch.Generator().manual_seed(7 + rank)
+    q = torch.cat([q, torch.randn(rows - num_tokens, heads, NOPE + ROPE, generator=gen).to(q.dtype)]).contiguous()
     cache, table = rank_cache(step, rank, world)
     layer.kv_cache = cache
     metadata = build_metadata(vllm_config, layer.layer_name, name, table)
     layer.impl.topk_indices_buffer[:num_tokens] = step.topk
+    layer.impl.topk_indices_buffer[num_tokens:rows] = -1
     new_kv = torch.stack([step.kv[r][p] for r, p in zip(step.req_ids, step.positions, strict=True)])
+    new_kv = torch.cat([new_kv, torch.randn(rows - num_tokens, LORA + ROPE, generator=gen)])
     kv_c, k_pe = new_kv[:, :LORA].to(torch.bfloat16), new_kv[:, LORA:].to(torch.bfloat16)
-    output = torch.full((num_tokens, heads * V), float("nan"), dtype=torch.bfloat16)
-    slots = {layer.layer_name: torch.full((num_tokens,), -1, dtype=torch.int64)}
+    output = torch.full((rows, heads * V), float("nan"), dtype=torch.bfloat16)
+    slots = {layer.layer_name: torch.full((rows,), -1, dtype=torch.int64)}
     with set_forward_context({layer.layer_name: metadata}, vllm_config, slot_mapping=slots):
         if path.entry == "forward_impl":
             with compat.exercising("MLAAttention.forward_impl (deepseek_v2's GLM-5 attention)"):
                 layer.forward_impl(q, kv_c, k_pe.unsqueeze(1), cache, metadata, output=output)
-            return output
+            return output[:num_tokens]
         q_nope, q_pe = q.split([NOPE, ROPE], dim=-1)
-        ql_nope = torch.bmm(q_nope.transpose(0, 1), module.W_UK_T).transpose(0, 1)  # forward's own line
-        positions = torch.tensor(step.positions, dtype=torch.int64)
-        dummy = torch.zeros(num_tokens, 1)
+        # forward's own lines: a dense-MHA step (outside a FULL graph) skips the absorption
+        absorb = getattr(module, "_should_prepare_mqa_query", None)
+        eager = importlib.import_module("vllm.config").CUDAGraphMode.NONE
+        ql_nope = (torch.bmm(q_nope.transpose(0, 1), module.W_UK_T).transpose(0, 1)
+                   if absorb is None or absorb(metadata, eager) else q_nope)
+        positions = torch.tensor(step.positions + [0] * (rows - num_tokens), dtype=torch.int64)
+        dummy = torch.zeros(rows, 1)
         with compat.exercising("DeepseekV32Attention._sparse_indexer_and_attn (GLM-5's attention)"):
-            module._sparse_indexer_and_attn(positions, torch.zeros(num_tokens, 64, dtype=torch.bfloat16), q_nope,
+            module._sparse_indexer_and_attn(positions, torch.zeros(rows, 64, dtype=torch.bfloat16), q_nope,
                                             q_pe, dummy, None, dummy, kv_c, k_pe, ql_nope, q_pe, output)
-    return output
+    return output[:num_tokens]
 
 
 def install_indexer(path: ModelPath, steps: dict[str, Any]) -> None:
@@ -546,7 +614,10 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
             initialize_model_parallel,
         )
 
-        vc = make_vllm_config(write_model_dir(Path(model_dir)), world)
+        (topk,) = {case_of(name).topk for name in cases}  # one model config per run of the ranks
+        rows = max(sum(case_of(n).query_lens) + case_of(n).pad_tokens + case_of(n).pad_reqs * (1 + MTP)
+                   for n in cases)
+        vc = make_vllm_config(write_model_dir(Path(model_dir), topk), world, max(256, 1 << (rows - 1).bit_length()))
         with set_current_vllm_config(vc):
             init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
                                          distributed_init_method=f"tcp://127.0.0.1:{port}")
@@ -561,6 +632,7 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
             calls: dict[str, int] = {}
             if world > 1:
                 install_transports(get_dcp_group(), calls)
+            importlib.import_module("glm5_prefill_standins").install(get_dcp_group() if world > 1 else None)
             seen: dict[str, Any] = {}
             install_indexer(path, seen)
             for i, (transport, project) in enumerate(runs_for(world)):
@@ -569,16 +641,19 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
                 if world > 1:
                     set_transport(vc, transport)
                 os.environ["VLLM_DCP_PROJECT_BEFORE_MERGE"] = "1" if project else "0"
-                topk_buffer = torch.full((256, TOPK), -1, dtype=torch.int32)
+                topk_buffer = torch.full((vc.scheduler_config.max_num_batched_tokens, topk), -1, dtype=torch.int32)
                 module = build_attention(path, vc, f"model.layers.{i}.self_attn", topk_buffer)
                 layer = mla_layer(path, module)
                 load_weights(layer)
                 dims = spy_combines(layer)
+                steps = spy_steps(layer)
                 run["manager_output_head_dim"] = getattr(layer.dcp_manager, "output_head_dim", None)
                 run["project_flag"] = bool(getattr(layer, "dcp_project_before_merge", False))
                 for name in cases:
                     dims.clear()
+                    steps.clear()
                     before = dict(calls)
+                    started = time.perf_counter()
                     try:
                         out = run_step(path, module, layer, vc, name, rank, world)
                         torch.save(out, output_file(out_dir, world, transport, project, name, rank))
@@ -590,7 +665,9 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
                         if cause is not None:
                             result["cause"] = f"{type(cause).__name__}: {cause}"
                         result["where"] = traceback.format_exception(exc)[-12:]
+                    result["seconds"] = round(time.perf_counter() - started, 3)
                     result["combines"] = list(dims)
+                    result["steps"] = dict(steps)
                     result["direct_a2a_calls"] = calls.get("direct_a2a", 0) - before.get("direct_a2a", 0)
                     run["cases"][name] = result
                     if world > 1:
@@ -607,7 +684,7 @@ def spy_combines(layer: Any) -> list[dict[str, Any]]:
     manager = layer.dcp_manager
     if manager is None:
         return seen
-    for name in ("combine", "project_combine"):
+    for name in ("combine", "project_combine", "v_up_proj_combine"):
         inner = getattr(manager, name, None)
         if inner is None:
             continue
@@ -618,6 +695,29 @@ def spy_combines(layer: Any) -> list[dict[str, Any]]:
             return _inner(partial, *args, **kwargs)
 
         setattr(manager, name, spy)
+    return seen
+
+
+def spy_steps(layer: Any) -> dict[str, int]:
+    """Count what a step ran besides the merges: the dense-MHA prefill (``impl.forward_mha``), the sparse
+    MQA attention (``impl.forward_mqa``) and, under DCP, the context KV gather (``kv_gather``)."""
+    seen: dict[str, int] = {}
+
+    def counted(owner: Any, name: str, key: str) -> None:
+        inner = getattr(owner, name, None)
+        if inner is None:
+            return
+
+        def spy(*args: Any, **kwargs: Any):
+            seen[key] = seen.get(key, 0) + 1
+            return inner(*args, **kwargs)
+
+        setattr(owner, name, spy)
+
+    counted(layer.impl, "forward_mha", "dense_mha")
+    counted(layer.impl, "forward_mqa", "mqa")
+    if layer.dcp_manager is not None:
+        counted(layer.dcp_manager, "kv_gather", "kv_gather")
     return seen
 
 

@@ -1,0 +1,157 @@
+"""Every step GLM-5 takes under DCP, on the code it runs (``glm5_path``): DCP 2 and DCP 4 against DCP 1.
+
+``test_dcp_project_before_merge__glm5_path.py`` runs the decode, MTP-5, mixed and forced-MQA steps the
+projection changes; this file runs the rest of what a GLM-5 server hands its attention
+(``glm5_path.STEPS``), on the build under test as a whole (the release and its whole series), over every
+transport (ag_rs, NCCL a2a, the direct A2A) with the projection switch off and on:
+
+- a single request's one-token decode, and requests shorter than the DCP group (ranks that own no KV);
+- CUDA-graph padding both ways: rows past the step's tokens outside the metadata (piecewise graphs) and a
+  FULL decode graph's padded requests of ``1 + k`` rows inside it (Model Runner V2's uniform batch);
+- LSEs as long contexts make them (a common score offset of about 543: ``exp`` of it overflows float32),
+  through the decode merge and through the dense prefill's context merge;
+- the dense-MHA prefill of short prompts (0.29.0+): without context, over cached context (under DCP the
+  context is gathered from every rank's shard, ``kv_gather``), exactly at ``index_topk`` and one past it
+  (where the release sends the step to the sparse MQA path instead), and mixed with MTP-5 decodes.
+
+Every rank's rows of the real tokens equal DCP 1's (which equals attention computed in float64), and every
+step took the path its shape sends it on. The three rank sets run once per module (DCP 4: four gloo ranks).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import compat
+import glm5_path as g
+import pytest
+import torch
+
+# bf16 rounding of the absorbed query, the partials, the merges and the projection (~2^-8 relative each);
+# a lost partial, a row merged with the wrong weight or written to the wrong place is of the order of the
+# output itself.
+REL_TOL = 3e-2
+NAMES = list(g.STEPS)
+WORLDS = (2, 4)
+
+
+def _ranks(factory: pytest.TempPathFactory, world: int) -> tuple[Path, list[dict[str, Any]]]:
+    tmp = factory.mktemp(f"glm5-steps-dcp{world}")
+    return tmp, g.run_ranks(tmp, world, NAMES, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def dcp1(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    return _ranks(tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="module")
+def dcp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    return _ranks(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def dcp4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    return _ranks(tmp_path_factory, 4)
+
+
+def _results(reports: list[dict[str, Any]], transport: str, project: bool, case: str) -> list[dict[str, Any]]:
+    out = []
+    for rep in reports:
+        (run,) = [r for r in rep["runs"] if r["transport"] == transport and r["project"] == project]
+        out.append(run["cases"][case])
+    return out
+
+
+def _raise(result: dict[str, Any], rank: int) -> None:
+    if result["ok"]:
+        return
+    message = f"rank {rank}: {result['error']}\n" + "".join(result.get("where", []))
+    if result.get("error_kind") == "harness":
+        raise compat.HarnessError(message)
+    raise compat.BehaviourFailure(message)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert torch.isfinite(out).all(), f"{what}: non-finite output in the real rows"
+    err = float((out.double() - ref.double()).abs().max())
+    top = float(ref.double().abs().max())
+    assert err <= REL_TOL * top, f"{what}: max error {err:.3g} against a reference of max {top:.3g}"
+
+
+def _runs(world: int) -> list[tuple[str, bool]]:
+    return g.runs_for(world)
+
+
+@pytest.mark.parametrize("case", NAMES)
+def test_dcp1_step_is_attention(dcp1, case: str) -> None:
+    """The check of the check: one rank over the whole cache computes attention (float64, same data)."""
+    tmp, (rep,) = dcp1
+    _raise(rep["runs"][0]["cases"][case], 0)
+    out = torch.load(g.output_file(tmp, 1, "none", False, case, 0))
+    _close(out, g.reference(case), f"DCP 1 {case}")
+
+
+@pytest.mark.parametrize("case", NAMES)
+@pytest.mark.parametrize("world", WORLDS)
+def test_dcp_step_equals_dcp1(dcp1, request: pytest.FixtureRequest, world: int, case: str) -> None:
+    """Every transport and switch value at DCP ``world``: each rank's heads of the real rows equal DCP 1's."""
+    tmp1, _ = dcp1
+    tmp, reps = request.getfixturevalue(f"dcp{world}")
+    whole = torch.load(g.output_file(tmp1, 1, "none", False, case, 0))
+    width = whole.shape[1] // world
+    failures = []
+    for transport, project in _runs(world):
+        for rank, result in enumerate(_results(reps, transport, project, case)):
+            what = f"DCP {world} {transport} projection {'on' if project else 'off'} rank {rank} {case}"
+            try:
+                _raise(result, rank)
+                out = torch.load(g.output_file(tmp, world, transport, project, case, rank))
+                _close(out, whole[:, rank * width:(rank + 1) * width], what)
+            except (AssertionError, compat.BehaviourFailure) as exc:
+                failures.append(f"{what}: {exc}".splitlines()[0])
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("case", NAMES)
+def test_each_step_takes_its_path(dcp1, dcp2, dcp4, case: str) -> None:
+    """The shape decides the path, as the release routes it: a prefill whose longest sequence is at most
+    ``index_topk`` runs dense MHA (over DCP its cached context is gathered from every rank), one token past it
+    the sparse MQA path; decodes always run sparse MQA and, under DCP, a merge."""
+    spec = g.case_of(case)
+    has_context = any(s > q for q, s in zip(spec.query_lens, spec.seq_lens, strict=True) if q > g.DECODE_THRESHOLD)
+    for world, (_, reps) in ((1, dcp1), (2, dcp2), (4, dcp4)):
+        for transport, project in g.runs_for(world):
+            for rank, result in enumerate(_results(reps, transport, project, case)):
+                _raise(result, rank)
+                steps, where = result["steps"], f"DCP {world} {transport} {project} rank {rank}"
+                assert steps.get("dense_mha", 0) == int(spec.dense), (where, steps)
+                assert steps.get("mqa", 0) == int(spec.merges), (where, steps)
+                gathered = world > 1 and spec.dense and has_context
+                assert steps.get("kv_gather", 0) == int(gathered), (where, steps)
+                if world > 1:
+                    assert bool(result["combines"]) == spec.merges, (where, result["combines"])
+
+
+def test_the_routing_threshold_is_index_topk() -> None:
+    """The two threshold cases sit on either side of the release's own routing function."""
+    try:
+        sparse = importlib.import_module("vllm.model_executor.layers.attention.sparse_mla_attention")
+    except ImportError:
+        sparse = None
+    route = getattr(sparse, "_use_dense_mha_prefill", None)
+    if route is None:
+        pytest.skip("this release routes no sparse-MLA prefill to dense MHA")
+
+    class _Attention:
+        hisparse_config = None
+        sparse_mla_force_mqa = False
+
+    class _Config:
+        attention_config = _Attention()
+
+    at, past = g.case_of("dense_at_topk"), g.case_of("mqa_past_topk")
+    assert route(_Config(), at.prefill_max_seq_len, at.topk) and at.dense
+    assert not route(_Config(), past.prefill_max_seq_len, past.topk) and not past.dense

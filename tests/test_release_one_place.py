@@ -20,6 +20,7 @@ from overlay.build.pins import Pin, carried_releases, default_version, load_pin
 from overlay.build.series import Series
 from overlay.engine.variants import expectations
 from overlay.image.plan import plan_image
+from overlay.maintain import upstream_reports
 from overlay.maintain.rebase.matrix import newer_pinned
 from overlay.maintain.upstream_tests import EXPECTED_NAME, Expectations
 from overlay.releases import engine_cases
@@ -38,6 +39,7 @@ def _accepted(root: Path, release: str) -> None:
     names = {p.name for p in series.patches}
     Expectations.load(root / release / EXPECTED_NAME, names)  # upstream-tests' gate
     table = engine_cases.load(release, root)  # the engine check's acts and variant expectations
+    upstream_reports.load(root, release)  # `make status`'s judged upstream reports
     assert set(table.acts) <= names and set(table.expect) <= {"stock", *names}
     assert expectations(release, "stock")  # engine-variants: its own or the default's
     plan = plan_image(root, release)  # the image over the release's own base image

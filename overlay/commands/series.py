@@ -1,4 +1,5 @@
-"""The series itself: ``status`` (each patch, does it apply; per release and patch, what is proven), ``workspace``
+"""The series itself: ``status`` (each patch, does it apply; per release and patch, what is proven; the upstream
+reports judged on GLM-5's path), ``workspace``
 and ``export`` (patches as commits)."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from overlay.commands.common import add_vllm, root
 
 def configure_parser(sub: argparse._SubParsersAction) -> None:
     text = ("each patch: subject, origin, kind, files, applies to the pinned base; then per release and patch: "
-            "rebased, on GLM-5's path, proven in an engine (where, DCP size, when)")
+            "rebased, on GLM-5's path, proven in an engine (where, DCP size, when); then per release the "
+            "upstream reports judged on GLM-5's path (verdict, evidence)")
     sp = sub.add_parser("status", help=text, description=text)
     add_vllm(sp)
     sp.add_argument("--json", action="store_true")
@@ -39,6 +41,7 @@ def cmd_status(ns: argparse.Namespace) -> int:
     from overlay.maintain.engine_records import engine_runs, records_root, unreadable
     from overlay.maintain.proven import format_proven, proven, retired
     from overlay.maintain.status import format_table, series_status
+    from overlay.maintain.upstream_reports import format_reports, load
 
     rows = series_status(root(ns), ns.vllm)
     records = records_root(root(ns))
@@ -47,13 +50,18 @@ def cmd_status(ns: argparse.Namespace) -> int:
     unread = unreadable(records)
     gone = retired(root(ns), runs)
     default = default_version(root(ns))
+    reports = {rel.release: load(root(ns), rel.release) for rel in releases}
     if ns.json:
         print(json.dumps({"release": ns.vllm, "patches": [r.to_dict() for r in rows],
                           "proven": [r.to_dict() for r in releases], "records_naming_no_build": unnamed,
-                          "records_not_read": unread, "default": default, "retired_records": gone}, indent=2))
+                          "records_not_read": unread, "default": default, "retired_records": gone,
+                          "upstream_reports": {rel: [r.to_dict() for r in found] for rel, found in reports.items()}},
+                         indent=2))
     else:
+        judged = [line for rel, found in reports.items() for line in format_reports(rel, found)]
         sys.stdout.write(format_table(rows, ns.vllm)
-                         + format_proven(releases, unnamed, records, unread, default=default, gone=gone))
+                         + format_proven(releases, unnamed, records, unread, default=default, gone=gone)
+                         + "".join(f"{line}\n" for line in judged))
     return 0 if all(r.applies for r in rows) else 1
 
 

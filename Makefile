@@ -31,8 +31,10 @@ OVERLAY = $(call q,PY) -m overlay
 # verbs that run on the GPU device machine, which has neither a venv nor a network: the one list is
 # overlay/commands/__init__.py:DEVICE_VERBS (engine-check, engine-checkpoint, bench-engine), which
 # says why scripts/device-*.sh may call other verbs there; overlay/commands/ imports only the
-# standard library so they can. A new target is named as its verb (letters, digits, _ and -):
-# `<verb>: $(TOOL_STAMP) ## help [VARS]`, then `$(OVERLAY) <verb>`, and the verb goes on a
+# standard library so they can. bench-merge runs under $(INSTALL)'s python (after $(BUILD_STAMP)): it
+# times the build that environment imports, VLLM's own (.venv-<release> for another release). A new
+# target is named as its verb (letters, digits, _ and -): `<verb>: $(TOOL_STAMP) ## help [VARS]`,
+# then `$(OVERLAY) <verb>`, and the verb goes on a
 # .PHONY line: every target `make help` lists is a command, never a file, and one named like a path
 # that exists (dist, docs, kernel-sources) would otherwise be "up to date" and do nothing. Its README
 # rows: the "Make targets" table (tests/test_readme.py) and, for a new commands module, the Layout row
@@ -112,8 +114,8 @@ export: $(TOOL_STAMP) ## write .work/<VLLM>'s commits back to patches/<VLLM>/ (d
 bench-build: $(TOOL_STAMP) ## rebuild time from the cached wheel vs cp of that wheel; edit -> installed vs pip, as ratios
 	$(OVERLAY) bench-build --vllm $(call q,VLLM)
 
-bench-merge: $(TOOL_STAMP) ## GPUs: DCP merge + W_UV projection, baseline vs project-first, per transport [OUT=bench-merge PLOT=merge.json RANKS=2 BOUNDS=decode PROFILE_EAGER="16 768"]
-	$(OVERLAY) bench-merge --vllm $(call q,VLLM)$(if $(OUT), --out $(call q,OUT))$(if $(PLOT), --plot $(call q,PLOT))$(if $(RANKS), --ranks $(call q,RANKS))$(if $(BOUNDS), --bounds $(call q,BOUNDS))$(if $(PROFILE_EAGER), --profile-eager$(call qw,PROFILE_EAGER))
+bench-merge: $(BUILD_STAMP) ## GPUs: DCP merges per transport, merge-then-project vs W_UV first, over a token grid, in VLLM's environment [OUT=bench-merge PLOT=merge.json RANKS=2 TP=8 MAX_NUM_SEQS= BOUNDS=decode PROFILE_EAGER="16 768"]
+	$(call q,INSTALL)/bin/python -m overlay bench-merge --vllm $(call q,VLLM)$(if $(OUT), --out $(call q,OUT))$(if $(PLOT), --plot $(call q,PLOT))$(if $(RANKS), --ranks $(call q,RANKS))$(if $(TP), --tp $(call q,TP))$(if $(MAX_NUM_SEQS), --max-num-seqs $(call q,MAX_NUM_SEQS))$(if $(BOUNDS), --bounds $(call q,BOUNDS))$(if $(PROFILE_EAGER), --profile-eager$(call qw,PROFILE_EAGER))
 
 image: $(TOOL_STAMP) ## image over vllm/vllm-openai with docker, podman or buildah (first usable; kernels rebuilt only for kernel patches) [DRY_RUN=1 ENGINE= SANDBOX=auto IMAGE= TAGS= ARCH=9.0a BASE_DIGEST= PUSH=1]
 	$(OVERLAY) image --vllm $(call q,VLLM)$(if $(DRY_RUN), --dry-run)$(if $(ENGINE), --engine $(call q,ENGINE))$(if $(SANDBOX), --sandbox $(call q,SANDBOX))$(if $(IMAGE), --image $(call q,IMAGE))$(foreach t,$(TAGS), --tag $(call q,t))$(if $(ARCH), --arch $(call q,ARCH))$(if $(MAX_JOBS), --max-jobs $(call q,MAX_JOBS))$(if $(NVCC_THREADS), --nvcc-threads $(call q,NVCC_THREADS))$(if $(BASE_DIGEST), --base-digest $(call q,BASE_DIGEST))$(if $(PUSH), --push)

@@ -1,5 +1,10 @@
 """``make bench-merge``: DCP merge + W_UV projection, merge-then-project vs project-then-merge.
 
+Which bench runs is read from the installed build's tree: where the release's ``MLADCPManager`` owns
+``v_up_proj_combine`` (0.29.0 on), the sweep of :mod:`overlay.bench.merge_sweep` (its report:
+:mod:`overlay.bench.merge_sweep_report`); where it has none and the series adds ``project_combine``
+(0.28.0's), the bench below, which drives that patch's API.
+
 ``--ranks`` ranks, 2 by default (one process per GPU, NCCL, vLLM's own DCP group with
 DCP = TP = ranks, 8 heads per rank as GLM-5's 64 heads at TP8). For each model's
 dimensions, token count and transport, both orders run through the patched vLLM's own code:
@@ -33,7 +38,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import statistics
 import sys
 import traceback
 from collections.abc import Iterator
@@ -42,6 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+from overlay.bench.merge_sweep import bounds as sequence_bounds
+from overlay.bench.merge_sweep import time_side_by_side
 
 MODELS: dict[str, dict[str, int]] = {
     "GLM-5": {"heads": 8, "kv_lora_rank": 512, "v_head_dim": 256},
@@ -98,74 +105,15 @@ def _transport_fns(transport: str, group: Any, device: Any, heads: int, kv_lora_
             manager.project_combine)
 
 
-def _stepper(fn: Any, group: Any, graph: bool, inner: int = 10) -> Any:
-    """One sample's step: ``inner`` back-to-back calls of ``fn`` (one CUDA graph, or eager)."""
-    import torch
-
-    def calls() -> None:
-        for _ in range(inner):
-            fn()
-
-    if not graph:
-        return calls
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    group.barrier()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        calls()
-    return g.replay
-
-
 def _time_pair(base: Any, opt: Any, replays: int, group: Any, graph: bool, rounds: int = 5,
                inner: int = 10) -> tuple[float, float]:
-    """Median microseconds per call of ``base`` and ``opt``, the slower rank's each.
-
-    One sample is ``inner`` back-to-back calls after a barrier, divided by ``inner``: the
-    ranks' launch skew at the barrier is spread over the calls instead of dominating a
-    ~20 us decode-sized merge. The ``replays`` samples of each are taken in ``rounds``
-    alternating blocks (base, opt, base, ...), so clock or neighbour drift during the run
-    weighs on both alike.
-    """
+    """Median microseconds per call of ``base`` and ``opt``, the slower rank's each (sampled as
+    :func:`overlay.bench.merge_sweep.time_side_by_side` says)."""
     import torch
 
-    steps = [_stepper(base, group, graph, inner), _stepper(opt, group, graph, inner)]
-    for step in steps:
-        for _ in range(3):
-            step()
-    torch.cuda.synchronize()
-    samples: list[list[float]] = [[], []]
-    per_round = -(-replays // rounds)
-    for _ in range(rounds):
-        for which, step in enumerate(steps):
-            for _ in range(per_round):
-                group.barrier()
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                step()
-                end.record()
-                end.synchronize()
-                samples[which].append(start.elapsed_time(end) * 1000.0 / inner)
-    med = torch.tensor([statistics.median(s) for s in samples], device="cuda")
-    torch.distributed.all_reduce(med, op=torch.distributed.ReduceOp.MAX, group=group.device_group)
-    return float(med[0].item()), float(med[1].item())
-
-
-def _bounds(n: int, world: int, rank: int, device: Any, kind: str) -> tuple[Any, Any]:
-    """(seq_lens, query_start_loc) the layer hands the combine for a batch of ``n`` rows.
-
-    ``decode``: what the engine passes for a decode batch: one query row per sequence, each
-    sequence's local KV length on this rank (a few thousand tokens, none empty), as int32 tensors.
-    ``none``: no bounds (the merge masks nothing; what the first benchmark runs measured).
-    """
-    import torch
-
-    if kind == "none":
-        return None, None
-    seq_lens = (torch.arange(n, device=device, dtype=torch.int32) * 7 + 2048 + rank) // world
-    return seq_lens, torch.arange(n + 1, device=device, dtype=torch.int32)
+    device = torch.device("cuda", torch.cuda.current_device())
+    b, o = time_side_by_side([base, opt], group, device, graph, replays=replays, rounds=rounds, inner=inner)
+    return b, o
 
 
 def _steps(layer: Any, base_combine: Any, partial: Any, lse: Any, seq_lens: Any = None,
@@ -321,7 +269,7 @@ def _measure(at: _Rank, layer: Any, base_combine: Any, model: str, transport: st
     g2 = torch.Generator(device=at.device).manual_seed(1000 * at.rank + n)
     partial = torch.randn(n, at.world * heads, lora, generator=g2, device=at.device).bfloat16()
     lse = torch.randn(n, at.world * heads, generator=g2, device=at.device) * 3
-    seq_lens, query_start_loc = _bounds(n, at.world, at.rank, at.device, at.bounds)
+    seq_lens, query_start_loc = sequence_bounds(n, at.world, at.rank, at.device, at.bounds)
     baseline, optimized, out_base, out_opt = _steps(layer, base_combine, partial, lse, seq_lens, query_start_loc)
     row: dict[str, Any] = {
         "model": model, "transport": transport, "tokens": n,
@@ -433,20 +381,38 @@ def write_outputs(result: dict[str, Any], out_dir: Path) -> None:
 
 def run(out_dir: Path, *, tokens: list[int] | None = None, replays: int = 50,
         plot_from: Path | None = None, ranks: int = 2, bounds: str = "decode",
-        profile_tokens: tuple[int, ...] = (), release: str | None = None) -> int:
-    """Time both orders on ``ranks`` GPUs with the installed build (which must be ``release``'s), or only
-    draw an earlier run's outputs (``plot_from``)."""
+        profile_tokens: tuple[int, ...] = (), release: str | None = None, tp: int = 8,
+        max_num_seqs: int | None = None) -> int:
+    """Time the merges on ``ranks`` GPUs with the installed build (which must be ``release``'s), or only
+    draw an earlier run's outputs (``plot_from``). A release whose DCP manager owns ``v_up_proj_combine``
+    runs the sweep (:mod:`overlay.bench.merge_sweep`); one without it, ``project_combine``'s bench here."""
     out_dir.mkdir(parents=True, exist_ok=True)
     replays = max(replays, 50)  # the median of at least 50 replays
     if plot_from is not None:
         result = json.loads(plot_from.read_text())
-        write_outputs(result, out_dir)
+        if result.get("kind") == "v_up_proj_combine":
+            from overlay.bench.merge_sweep_report import write_outputs as write_sweep
+
+            write_sweep(result, out_dir)
+        else:
+            write_outputs(result, out_dir)
         return 0
     from overlay.build.install import installed_mismatch
 
     why = installed_mismatch(release)
     if why is not None:
         print(f"bench-merge: {why}", file=sys.stderr)
+        return 2
+    from overlay.releases.derive import Missing
+
+    try:
+        ops_module, sweep = _installed_merges()
+    except Missing as exc:
+        print(f"bench-merge: the installed vLLM: {exc}", file=sys.stderr)
+        return 2
+    if sweep and profile_tokens:
+        print("bench-merge: --profile-eager: only for a build whose manager has project_combine, not "
+              f"{ops_module}'s v_up_proj_combine", file=sys.stderr)
         return 2
     import torch
     import torch.multiprocessing as mp
@@ -462,7 +428,29 @@ def run(out_dir: Path, *, tokens: list[int] | None = None, replays: int = 50,
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     json_path = out_dir / "merge.json"
+    if sweep:
+        from overlay.bench.merge_sweep import SweepOptions, gpu_worker
+        from overlay.bench.merge_sweep_report import write_outputs as write_sweep
+
+        opts = SweepOptions(ops_module, tp=tp, max_num_seqs=max_num_seqs, tokens=tuple(tokens or ()),
+                            replays=replays, bounds=bounds)
+        mp.spawn(gpu_worker, args=(ranks, port, opts, str(json_path)), nprocs=ranks)
+        write_sweep(json.loads(json_path.read_text()), out_dir)
+        return 0
     mp.spawn(_worker, args=(ranks, port, tokens or TOKENS, replays, str(json_path), bounds, tuple(profile_tokens)),
              nprocs=ranks)
     write_outputs(json.loads(json_path.read_text()), out_dir)
     return 0
+
+
+def _installed_merges() -> tuple[str, bool]:
+    """(the importable build's DCP ops module, whether its manager owns ``v_up_proj_combine``), read from
+    its tree without importing it."""
+    from overlay.releases import derive
+    from overlay.releases.source import FolderTree, importable_tree
+
+    root = importable_tree()
+    if root is None:
+        raise derive.Missing("no importable vllm")
+    tree = FolderTree(root)
+    return derive.dcp_ops(tree), derive.manager_projects(tree)

@@ -22,11 +22,17 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("bench-merge", help=text, description=text)
     add_vllm(sp)
     sp.add_argument("--out", default="bench-merge", help="folder for merge.json/.txt/.png")
-    sp.add_argument("--tokens", type=at_least(1), nargs="+", help="token counts (default 1 16 128 768 8192)")
+    sp.add_argument("--tokens", type=at_least(1), nargs="+",
+                    help="token counts (default: the sweep's 1, 2, 4, ... past the release's DCP workspace size; "
+                         "project_combine's bench: 1 16 128 768 8192)")
     sp.add_argument("--replays", type=at_least(50), default=50, help="timed CUDA-graph replays (>= 50)")
     sp.add_argument("--plot", help="only draw the table and plot from this merge.json")
     sp.add_argument("--ranks", type=at_least(2), default=2,
                     help="DCP ranks, one GPU each, 8 heads per rank (2; 4 and 8 need as many GPUs)")
+    sp.add_argument("--tp", type=at_least(1), choices=[1, 2, 4, 8, 16, 32, 64], default=8,
+                    help="the sweep: GLM-5's 64 heads over this TP, heads per rank (8: production's TP8)")
+    sp.add_argument("--max-num-seqs", type=at_least(1),
+                    help="the sweep: max_num_seqs of the config the DCP workspace is sized by (default: the release's)")
     sp.add_argument("--bounds", choices=["decode", "none"], default="decode",
                     help="sequence bounds handed to the merge: decode (as the engine passes them: one "
                          "row per sequence, local KV lengths) or none (nothing to mask)")
@@ -49,7 +55,7 @@ def cmd_bench_merge(ns: argparse.Namespace) -> int:
 
     return run(Path(ns.out), tokens=ns.tokens, replays=ns.replays,
                plot_from=Path(ns.plot) if ns.plot else None, ranks=ns.ranks, bounds=ns.bounds,
-               profile_tokens=tuple(ns.profile_eager), release=ns.vllm)
+               profile_tokens=tuple(ns.profile_eager), release=ns.vllm, tp=ns.tp, max_num_seqs=ns.max_num_seqs)
 
 
 def _ports(text: str) -> tuple[int, ...]:

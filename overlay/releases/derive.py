@@ -286,3 +286,17 @@ def direct_a2a_switches(tree: Tree, ops_module: str) -> tuple[str, ...]:
     if not found:
         raise Missing(f"{DIRECT_A2A_ENV}: read by neither {ops_module} nor the indexer's direct top-k exchange")
     return tuple(found)
+
+
+def manager_projects(tree: Tree) -> bool:
+    """Whether the DCP ops' ``MLADCPManager.__init__`` sets ``self.v_up_proj_combine`` (the manager owns the
+    combine that projects through W_UV; later releases) rather than having none (0.28.0's series adds
+    ``project_combine`` instead)."""
+    path = f"{dcp_ops(tree).replace('.', '/')}.py"
+    cls = _class(_parse(tree, path), "MLADCPManager")
+    if cls is None:
+        raise Missing(f"{path}: no class MLADCPManager")
+    init = _method(cls, "__init__")
+    return init is not None and any(
+        isinstance(n, ast.Attribute) and n.attr == "v_up_proj_combine" and isinstance(n.ctx, ast.Store)
+        and isinstance(n.value, ast.Name) and n.value.id == "self" for n in ast.walk(init))

@@ -430,12 +430,12 @@ def run(out_dir: Path, *, tokens: list[int] | None = None, replays: int = 50,
     json_path = out_dir / "merge.json"
     if sweep:
         from overlay.bench.merge_sweep import SweepOptions, gpu_worker
-        from overlay.bench.merge_sweep_report import write_outputs as write_sweep
+        from overlay.bench.merge_sweep_report import finish
 
         opts = SweepOptions(ops_module, tp=tp, max_num_seqs=max_num_seqs, tokens=tuple(tokens or ()),
                             replays=replays, bounds=bounds)
         mp.spawn(gpu_worker, args=(ranks, port, opts, str(json_path)), nprocs=ranks)
-        write_sweep(json.loads(json_path.read_text()), out_dir)
+        finish(json_path)
         return 0
     mp.spawn(_worker, args=(ranks, port, tokens or TOKENS, replays, str(json_path), bounds, tuple(profile_tokens)),
              nprocs=ranks)

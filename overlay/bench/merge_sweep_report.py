@@ -156,6 +156,17 @@ def plot(result: dict[str, Any], png: Path) -> bool:
     return True
 
 
+def finish(json_path: Path) -> dict[str, Any]:
+    """A sweep's ``merge.json`` (rank 0's) completed with its thresholds, and the outputs beside it."""
+    import json
+
+    result = json.loads(json_path.read_text())
+    result["thresholds"] = thresholds(result)
+    json_path.write_text(json.dumps(result, indent=1))
+    write_outputs(result, json_path.parent)
+    return result
+
+
 def write_outputs(result: dict[str, Any], out_dir: Path) -> None:
     """``merge.txt``, ``merge.png`` and ``merge.md`` beside ``merge.json``; the grid printed."""
     text = table(result)

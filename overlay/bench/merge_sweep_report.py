@@ -132,7 +132,7 @@ def plot(result: dict[str, Any], png: Path) -> bool:
     shown = [t for t, a in result["transports"].items() if a.get("available") and a.get("projection")]
     if not shown:
         return False
-    fig, axes = plt.subplots(1, len(shown), figsize=(5.5 * len(shown), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(shown), figsize=(max(7.0, 5.5 * len(shown)), 4.4), squeeze=False)
     for ax, transport in zip(axes[0], shown, strict=True):
         rows = [r for r in result["rows"] if r["transport"] == transport]
         for i, (order, label) in enumerate(RATIOS):
@@ -143,13 +143,16 @@ def plot(result: dict[str, Any], png: Path) -> bool:
         ax.axvline(result["workspace_tokens"], color="gray", lw=0.8, ls=":", label="DCP workspace")
         knob = result["transports"][transport].get("knob")
         if knob:
-            ax.axvline(knob["value"], color="C3", lw=0.8, ls="--", label=f"{knob['name']} = {knob['value']}")
-        ax.set(xscale="log", xlabel="tokens T", ylabel=f"projected / unprojected ({mode})", title=transport)
+            # a label starting with "_" is hidden from the legend: say what the line is first
+            ax.axvline(knob["value"], color="C3", lw=0.8, ls="--",
+                       label=f"threshold now: {knob['name']} = {knob['value']}")
+        ax.set(xlabel="tokens T", ylabel=f"projected / unprojected ({mode})", title=transport)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(result["tokens"], [str(t) for t in result["tokens"]], fontsize=7)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"W_UV before the DCP merge, DCP {result['world']}, {result['heads_per_rank']} heads/rank "
-                 f"({result['device']})")
+    fig.suptitle(f"W_UV before the DCP merge: DCP {result['world']}, {result['heads_per_rank']} heads/rank\n"
+                 f"{result['device']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)

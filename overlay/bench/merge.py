@@ -382,7 +382,7 @@ def write_outputs(result: dict[str, Any], out_dir: Path) -> None:
 def run(out_dir: Path, *, tokens: list[int] | None = None, replays: int = 50,
         plot_from: Path | None = None, ranks: int = 2, bounds: str = "decode",
         profile_tokens: tuple[int, ...] = (), release: str | None = None, tp: int = 8,
-        max_num_seqs: int | None = None) -> int:
+        max_num_seqs: int | None = None, parallel: tuple[tuple[str, str], ...] = ()) -> int:
     """Time the merges on ``ranks`` GPUs with the installed build (which must be ``release``'s), or only
     draw an earlier run's outputs (``plot_from``). A release whose DCP manager owns ``v_up_proj_combine``
     runs the sweep (:mod:`overlay.bench.merge_sweep`); one without it, ``project_combine``'s bench here."""
@@ -403,16 +403,25 @@ def run(out_dir: Path, *, tokens: list[int] | None = None, replays: int = 50,
     if why is not None:
         print(f"bench-merge: {why}", file=sys.stderr)
         return 2
-    from overlay.releases.derive import Missing
+    from overlay.releases.derive import PARALLEL_CONFIG, Missing
 
     try:
-        ops_module, sweep = _installed_merges()
+        ops_module, sweep, fields = _installed_merges()
     except Missing as exc:
         print(f"bench-merge: the installed vLLM: {exc}", file=sys.stderr)
         return 2
     if sweep and profile_tokens:
         print("bench-merge: --profile-eager: only for a build whose manager has project_combine, not "
               f"{ops_module}'s v_up_proj_combine", file=sys.stderr)
+        return 2
+    unknown = next((name for name, _ in parallel if name not in fields), None)
+    if unknown is not None:
+        print(f"bench-merge: --parallel-config {unknown}: the installed vLLM's ParallelConfig "
+              f"({PARALLEL_CONFIG}) has no such field", file=sys.stderr)
+        return 2
+    if parallel and not sweep:
+        print("bench-merge: --parallel-config: only for a build whose manager owns v_up_proj_combine",
+              file=sys.stderr)
         return 2
     import torch
     import torch.multiprocessing as mp
@@ -433,7 +442,7 @@ def run(out_dir: Path, *, tokens: list[int] | None = None, replays: int = 50,
         from overlay.bench.merge_sweep_report import finish
 
         opts = SweepOptions(ops_module, tp=tp, max_num_seqs=max_num_seqs, tokens=tuple(tokens or ()),
-                            replays=replays, bounds=bounds)
+                            replays=replays, bounds=bounds, parallel=tuple(parallel))
         mp.spawn(gpu_worker, args=(ranks, port, opts, str(json_path)), nprocs=ranks)
         finish(json_path)
         return 0
@@ -443,9 +452,9 @@ def run(out_dir: Path, *, tokens: list[int] | None = None, replays: int = 50,
     return 0
 
 
-def _installed_merges() -> tuple[str, bool]:
-    """(the importable build's DCP ops module, whether its manager owns ``v_up_proj_combine``), read from
-    its tree without importing it."""
+def _installed_merges() -> tuple[str, bool, set[str]]:
+    """(the importable build's DCP ops module, whether its manager owns ``v_up_proj_combine``, its
+    ``ParallelConfig``'s fields), read from its tree without importing it."""
     from overlay.releases import derive
     from overlay.releases.source import FolderTree, importable_tree
 
@@ -453,4 +462,4 @@ def _installed_merges() -> tuple[str, bool]:
     if root is None:
         raise derive.Missing("no importable vllm")
     tree = FolderTree(root)
-    return derive.dcp_ops(tree), derive.manager_projects(tree)
+    return derive.dcp_ops(tree), derive.manager_projects(tree), derive.parallel_fields(tree)

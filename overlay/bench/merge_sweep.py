@@ -55,6 +55,7 @@ class SweepOptions:
     inner: int = 10
     bounds: str = "decode"
     transports: tuple[str, ...] = field(default=TRANSPORTS)
+    parallel: tuple[tuple[str, str], ...] = ()  # ParallelConfig fields set by name (e.g. a projection switch)
 
     @property
     def heads_per_rank(self) -> int:
@@ -87,15 +88,17 @@ def bounds(n: int, world: int, rank: int, device: Any, kind: str) -> tuple[Any, 
     return seq_lens, torch.arange(n + 1, device=device, dtype=torch.int32)
 
 
-def vllm_config(world: int, device_type: str, max_num_seqs: int | None) -> Any:
-    """The release's ``VllmConfig`` for DCP = TP = ``world`` on ``device_type`` (its defaults otherwise)."""
+def vllm_config(world: int, device_type: str, max_num_seqs: int | None,
+                parallel: tuple[tuple[str, str], ...] = ()) -> Any:
+    """The release's ``VllmConfig`` for DCP = TP = ``world`` on ``device_type``, ``parallel``'s fields of
+    ``ParallelConfig`` set (its validation converts them), the release's defaults otherwise."""
     from vllm.config import DeviceConfig, ParallelConfig, SchedulerConfig, VllmConfig
 
     kwargs: dict[str, Any] = {}
     if max_num_seqs is not None:
         kwargs["scheduler_config"] = SchedulerConfig.default_factory(max_num_seqs=max_num_seqs)
-    return VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=world, decode_context_parallel_size=world),
-                      device_config=DeviceConfig(device=device_type), **kwargs)
+    pc = ParallelConfig(tensor_parallel_size=world, decode_context_parallel_size=world, **dict(parallel))
+    return VllmConfig(parallel_config=pc, device_config=DeviceConfig(device=device_type), **kwargs)
 
 
 @contextmanager
@@ -333,6 +336,7 @@ def sweep_rank(config: Any, group: Any, device: Any, opts: SweepOptions) -> dict
         "kind": "v_up_proj_combine", "world": world, "tp": opts.tp, "heads_per_rank": heads,
         "dims": dict(GLM5), "workspace_tokens": workspace, "max_num_seqs": config.scheduler_config.max_num_seqs,
         "tokens": tokens, "modes": list(at.modes), "options": asdict(opts), "transports": {}, "rows": [],
+        "parallel_config": {name: getattr(config.parallel_config, name) for name, _ in opts.parallel},
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (gloo: wiring only)",
     }
     for transport in opts.transports:
@@ -372,7 +376,7 @@ def gpu_worker(rank: int, world: int, port: int, opts: SweepOptions, out_file: s
             torch.ops.load_library(str(Path(vllm.__file__).parent / "_C_stable_libtorch.abi3.so"))
         except OSError:
             pass  # no compiled kernels: the direct transport is reported unavailable
-    config = vllm_config(world, "cuda", opts.max_num_seqs)
+    config = vllm_config(world, "cuda", opts.max_num_seqs, opts.parallel)
     with dcp_group(rank, world, port, config, "nccl") as group:
         result = sweep_rank(config, group, torch.device("cuda", rank), opts)
     if rank == 0:

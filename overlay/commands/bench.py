@@ -33,6 +33,9 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
                     help="the sweep: GLM-5's 64 heads over this TP, heads per rank (8: production's TP8)")
     sp.add_argument("--max-num-seqs", type=at_least(1),
                     help="the sweep: max_num_seqs of the config the DCP workspace is sized by (default: the release's)")
+    sp.add_argument("--parallel-config", type=_field_value, action="append", default=[], metavar="FIELD=VALUE",
+                    help="the sweep: a field of the release's ParallelConfig the managers are built under "
+                         "(repeatable; e.g. the projection's switch)")
     sp.add_argument("--bounds", choices=["decode", "none"], default="decode",
                     help="sequence bounds handed to the merge: decode (as the engine passes them: one "
                          "row per sequence, local KV lengths) or none (nothing to mask)")
@@ -55,7 +58,15 @@ def cmd_bench_merge(ns: argparse.Namespace) -> int:
 
     return run(Path(ns.out), tokens=ns.tokens, replays=ns.replays,
                plot_from=Path(ns.plot) if ns.plot else None, ranks=ns.ranks, bounds=ns.bounds,
-               profile_tokens=tuple(ns.profile_eager), release=ns.vllm, tp=ns.tp, max_num_seqs=ns.max_num_seqs)
+               profile_tokens=tuple(ns.profile_eager), release=ns.vllm, tp=ns.tp, max_num_seqs=ns.max_num_seqs,
+               parallel=tuple(ns.parallel_config))
+
+
+def _field_value(text: str) -> tuple[str, str]:
+    name, eq, value = text.partition("=")
+    if not eq or not name.isidentifier() or not value:
+        raise argparse.ArgumentTypeError(f"{text!r}: want FIELD=VALUE, e.g. dcp_comm_backend=a2a")
+    return name, value
 
 
 def _ports(text: str) -> tuple[int, ...]:

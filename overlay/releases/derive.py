@@ -205,11 +205,7 @@ def runner(tree: Tree, arch: str = ARCH) -> tuple[str, bool]:
 def dcp_defaults(tree: Tree, arch: str = ARCH) -> tuple[str, bool | None, bool]:
     """(the DCP comm backend, query replication (None: the release has no such option), whether ``arch``'s
     config hook chose them) that a GLM-5 user who sets neither gets."""
-    parallel = _class(_parse(tree, PARALLEL_CONFIG), "ParallelConfig")
-    if parallel is None:
-        raise Missing(f"{PARALLEL_CONFIG}: no class ParallelConfig")
-    fields = {n.target.id: n.value for n in parallel.body
-              if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    parallel, fields = _parallel_config(tree)
     if "dcp_comm_backend" not in fields:
         raise Missing(f"{PARALLEL_CONFIG}: ParallelConfig has no dcp_comm_backend")
     backend = _literal(fields["dcp_comm_backend"])
@@ -230,6 +226,20 @@ def dcp_defaults(tree: Tree, arch: str = ARCH) -> tuple[str, bool | None, bool]:
     if "comm_backend" not in values or "q_replicate" not in values:
         raise Missing(f"{PARALLEL_CONFIG}: set_dcp_defaults names no default comm_backend / q_replicate")
     return values["comm_backend"], values["q_replicate"], call is not None
+
+
+def _parallel_config(tree: Tree) -> tuple[ast.ClassDef, dict[str, ast.expr | None]]:
+    """``ParallelConfig``'s class and its fields (name -> default expression, None for none)."""
+    parallel = _class(_parse(tree, PARALLEL_CONFIG), "ParallelConfig")
+    if parallel is None:
+        raise Missing(f"{PARALLEL_CONFIG}: no class ParallelConfig")
+    return parallel, {n.target.id: n.value for n in parallel.body
+                      if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def parallel_fields(tree: Tree) -> set[str]:
+    """The names of ``ParallelConfig``'s fields (what a bench may set by name)."""
+    return set(_parallel_config(tree)[1])
 
 
 def _hook_call(tree: Tree, arch: str) -> ast.Call | None:

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 
-def worker(rank: int, world: int, port: int, out_dir: str, sys_path: list[str], max_num_seqs: int) -> None:
+def worker(rank: int, world: int, port: int, out_dir: str, sys_path: list[str], max_num_seqs: int,
+           parallel: tuple[tuple[str, str], ...]) -> None:
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     from ranks import fatal_report
@@ -26,11 +27,11 @@ def worker(rank: int, world: int, port: int, out_dir: str, sys_path: list[str], 
         from overlay.releases.source import FolderTree, importable_tree
 
         ops = derive.dcp_ops(FolderTree(importable_tree()))
-        config = merge_sweep.vllm_config(world, "cpu", max_num_seqs)
+        config = merge_sweep.vllm_config(world, "cpu", max_num_seqs, parallel)
         with merge_sweep.dcp_group(rank, world, port, config, "gloo") as group:
             calls: dict[str, int] = {}
             glm5_path.install_transports(group, calls)
-            opts = merge_sweep.SweepOptions(ops, replays=2, rounds=1, inner=1)
+            opts = merge_sweep.SweepOptions(ops, replays=2, rounds=1, inner=1, parallel=parallel)
             result = merge_sweep.sweep_rank(config, group, torch.device("cpu"), opts)
         report["calls"] = calls
         if rank == 0:

@@ -49,6 +49,16 @@ def test_a_build_takes_the_sweep_where_its_manager_owns_v_up_proj_combine() -> N
     assert derive.manager_projects(FolderTree(importable_tree()))  # the installed build: the default release
 
 
+def test_a_parallel_config_field_the_release_lacks_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
+    from overlay.cli import main
+
+    assert "dcp_comm_backend" in derive.parallel_fields(FolderTree(importable_tree()))
+    assert main(["bench-merge", "--parallel-config", "dcp_no_such_field=on", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("bench-merge: --parallel-config dcp_no_such_field: the installed vLLM's ParallelConfig "
+                   "(vllm/config/parallel.py) has no such field")
+
+
 def test_the_grid_brackets_every_threshold_up_to_past_the_workspace() -> None:
     assert token_grid(1) == [1, 2]
     assert token_grid(8) == [1, 2, 4, 8, 16]
@@ -67,9 +77,11 @@ def test_a_cpu_dry_run_sweeps_every_transport_through_the_release_s_manager(tmp_
 
     from overlay.cli import main
 
-    reports = spawn_ranks(worker, lambda r, port: (r, 2, port, str(tmp_path), list(sys.path), 8), tmp_path,
-                          world=2, timeout=120)
+    parallel = (("dcp_kv_cache_interleave_size", "1"),)  # set by name, converted by the release's validation
+    reports = spawn_ranks(worker, lambda r, port: (r, 2, port, str(tmp_path), list(sys.path), 8, parallel),
+                          tmp_path, world=2, timeout=120)
     result = json.loads((tmp_path / "merge.json").read_text())
+    assert result["parallel_config"] == {"dcp_kv_cache_interleave_size": 1}
     assert result["workspace_tokens"] == 8 and result["tokens"] == [1, 2, 4, 8, 16]
     assert result["heads_per_rank"] == 8 and result["modes"] == ["eager"]
     about = result["transports"]

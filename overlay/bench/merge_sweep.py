@@ -282,7 +282,8 @@ def _orders(manager: Any, layer: Any, w_uv_dcp: Any, partial: Any, lse: Any, seq
 
 def _row(at: SimpleNamespace, manager: Any, layer: Any, transport: str, n: int,
          knob: tuple[dict[str, Any], str] | None) -> dict[str, Any]:
-    """One grid point of one transport: each order checked against ``unprojected``, then timed."""
+    """One grid point of one transport: each order's output checked against ``unprojected``'s (the largest
+    difference over the ranks, relative to the largest value), then timed."""
     import torch
 
     lora = layer.kv_lora_rank
@@ -296,10 +297,11 @@ def _row(at: SimpleNamespace, manager: Any, layer: Any, transport: str, n: int,
         for step in steps.values():
             step()
         ref = outs["unprojected"].float()
-        for order in steps:
-            if order != "unprojected":
-                row[f"{order}_rel_diff"] = float((outs[order].float() - ref).abs().max()
-                                                 / ref.abs().max().clamp_min(1e-30))
+        compared = [o for o in steps if o != "unprojected"]
+        diffs = torch.stack([(outs[o].float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)
+                             for o in compared] or [ref.new_zeros(())]).double()
+        torch.distributed.all_reduce(diffs, op=torch.distributed.ReduceOp.MAX, group=at.group.device_group)
+        row.update({f"{o}_rel_diff": float(d) for o, d in zip(compared, diffs.tolist(), strict=False)})
         for mode in at.modes:
             times = time_side_by_side(list(steps.values()), at.group, at.device, mode == "graph",
                                       replays=at.opts.replays, rounds=at.opts.rounds, inner=at.opts.inner)

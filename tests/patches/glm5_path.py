@@ -20,13 +20,24 @@ Replaced at their call boundary only: FlashMLA's sparse decode and its scheduler
 index-conversion Triton kernels (``flashmla_standins``), the indexer op (it writes this step's
 top-k into ``topk_indices_buffer``, as the real op does), the direct A2A op (``kernel_contracts``:
 the release's own argument checks), the symmetric-memory allocation and direct query gather
-(``dcp_direct_harness``), the NCCL a2a pack kernels and the ag_rs correction kernel (torch). Not run:
-the projections, norms and RoPE before the attention (0.29.0+: fused Triton kernels), identical at
-every DCP size and touched by no patch: the harness hands the section the query and KV they give.
+(``dcp_direct_harness``), the NCCL a2a pack kernels and the ag_rs correction kernel (torch), and the
+dense-MHA prefill's kernels (``glm5_prefill_standins``: FlashAttention by the release's own CPU
+prefill backend, the fp8 context gather with its host checks, the LSE merge op). Not run: the
+projections, norms and RoPE before the attention (0.29.0+: fused Triton kernels), identical at every
+DCP size and touched by no patch: the harness hands the section the query and KV they give.
+
+A step (:class:`Case`) is what a server hands the layer: decodes, MTP-5 verification, prefills (the
+release routes them: sparse MQA, or dense MHA when the longest prefill is at most ``index_topk``),
+mixed batches, with CUDA-graph padding rows outside or inside the metadata and long-context LSEs.
+``CASES`` are the steps the projection patch's tests run (``index_topk`` 128); ``STEPS`` the rest
+(``test_glm5_steps.py``; ``index_topk`` 512, so that a prefill past the 256-token decode threshold can
+still be dense).
 
 Every rank writes one report (:func:`worker`): per run (transport, projection switch) the combine
-calls it saw (which op, the head dim it carried) and per case its output, saved as a tensor, or the
-error it raised. ``test_glm5_path.py`` compares DCP 2 against DCP 1.
+calls it saw (which op, the head dim it carried), per case the paths it took (dense MHA, sparse MQA,
+the context KV gather), its seconds and its output, saved as a tensor, or the error it raised.
+``test_dcp_project_before_merge__glm5_path.py`` and ``test_glm5_steps.py`` compare DCP 2 (and 4)
+against DCP 1.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ transport (ag_rs, NCCL a2a, the direct A2A) with the projection switch off and o
   (where the release sends the step to the sparse MQA path instead), and mixed with MTP-5 decodes.
 
 Every rank's rows of the real tokens equal DCP 1's (which equals attention computed in float64), and every
-step took the path its shape sends it on. The three rank sets run once per module (DCP 4: four gloo ranks).
+step took the path its shape sends it on. Each rank set runs once per module; DCP 4 (four gloo ranks, minutes
+on two cores) is marked ``long`` and runs in ``make test-long``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import torch
 # output itself.
 REL_TOL = 3e-2
 NAMES = list(g.STEPS)
-WORLDS = (2, 4)
+# DCP 4 is four gloo ranks on the CI's two cores (minutes): it runs with the long tests (`make test-long`)
+WORLDS = (2, pytest.param(4, marks=pytest.mark.long))
 
 
 def _ranks(factory: pytest.TempPathFactory, world: int) -> tuple[Path, list[dict[str, Any]]]:
@@ -116,22 +118,23 @@ def test_dcp_step_equals_dcp1(dcp1, request: pytest.FixtureRequest, world: int, 
 
 
 @pytest.mark.parametrize("case", NAMES)
-def test_each_step_takes_its_path(dcp1, dcp2, dcp4, case: str) -> None:
+@pytest.mark.parametrize("world", WORLDS)
+def test_each_step_takes_its_path(dcp1, request: pytest.FixtureRequest, world: int, case: str) -> None:
     """The shape decides the path, as the release routes it: a prefill whose longest sequence is at most
     ``index_topk`` runs dense MHA (over DCP its cached context is gathered from every rank), one token past it
     the sparse MQA path; decodes always run sparse MQA and, under DCP, a merge."""
     spec = g.case_of(case)
     has_context = any(s > q for q, s in zip(spec.query_lens, spec.seq_lens, strict=True) if q > g.DECODE_THRESHOLD)
-    for world, (_, reps) in ((1, dcp1), (2, dcp2), (4, dcp4)):
-        for transport, project in g.runs_for(world):
+    for size, (_, reps) in ((1, dcp1), (world, request.getfixturevalue(f"dcp{world}"))):
+        for transport, project in g.runs_for(size):
             for rank, result in enumerate(_results(reps, transport, project, case)):
                 _raise(result, rank)
-                steps, where = result["steps"], f"DCP {world} {transport} {project} rank {rank}"
+                steps, where = result["steps"], f"DCP {size} {transport} {project} rank {rank}"
                 assert steps.get("dense_mha", 0) == int(spec.dense), (where, steps)
                 assert steps.get("mqa", 0) == int(spec.merges), (where, steps)
-                gathered = world > 1 and spec.dense and has_context
+                gathered = size > 1 and spec.dense and has_context
                 assert steps.get("kv_gather", 0) == int(gathered), (where, steps)
-                if world > 1:
+                if size > 1:
                     assert bool(result["combines"]) == spec.merges, (where, result["combines"])
 
 

@@ -43,8 +43,10 @@ A2A_CHECKS: dict[str, tuple[str, str | None]] = {
 }
 
 
-def has_check(name: str, version: Version) -> bool:
-    first, last = A2A_CHECKS[name]
+def has_check(name: str, version: Version, checks: dict[str, tuple[str, str | None]] | None = None) -> bool:
+    """Release ``version`` makes check ``name`` of ``checks`` (a table of first and last release;
+    :data:`A2A_CHECKS` by default)."""
+    first, last = (A2A_CHECKS if checks is None else checks)[name]
     return Version(first) <= version and (last is None or version <= Version(last))
 
 

@@ -17,8 +17,9 @@ function. This harness runs what the release runs for ``GlmMoeDsaForCausalLM``:
   ``_sparse_indexer_and_attn`` (indexer, query gather, ``forward_mqa``, combine, ``W_UV``).
 
 Replaced at their call boundary only: FlashMLA's sparse decode and its scheduler metadata, the
-index-conversion Triton kernels (``flashmla_standins``), the indexer op (it writes this step's
-top-k into ``topk_indices_buffer``, as the real op does), the direct A2A op (``kernel_contracts``:
+index-conversion Triton kernels (``flashmla_standins``), the indexer's logits and local top-k
+kernels (each rank scores the positions it owns; the release's own DCP top-k merge then runs, its
+pack, exchange and selector kernels from ``dcp_topk_standins``), the direct A2A op (``kernel_contracts``:
 the release's own argument checks), the symmetric-memory allocation and direct query gather
 (``dcp_direct_harness``), the NCCL a2a pack kernels and the ag_rs correction kernel (torch), and the
 dense-MHA prefill's kernels (``glm5_prefill_standins``: FlashAttention by the release's own CPU
@@ -60,7 +61,7 @@ from ranks import fatal_report, spawn_ranks
 ARCH = "GlmMoeDsaForCausalLM"
 HEADS = 8  # attention heads of the test model (4 per rank at TP 2)
 NOPE, ROPE, LORA, V = 64, 64, 512, 256  # GLM-5's kv_lora_rank, rope and v_head_dim; a small nope
-TOPK = 128  # index_topk: a multiple of the index-conversion kernel's tile
+TOPK = 512  # index_topk: the smallest the DCP top-k merge takes (512, 1024, 2048); a multiple of the conversion tile
 BLOCK = 64
 MTP = 5  # speculative tokens: MTP-5 verification steps are (1 + 5)-token decodes
 TRANSPORTS = ("ag_rs", "nccl_a2a", "direct_a2a")
@@ -86,7 +87,6 @@ class Case:
     pad_tokens: int = 0
     pad_reqs: int = 0
     offset: bool = False
-    topk: int = 128  # the model's index_topk (a multiple of the index-conversion kernel's tile)
 
     @property
     def prefill_max_seq_len(self) -> int:
@@ -98,7 +98,7 @@ class Case:
     def dense(self) -> bool:
         """0.29.0+ routes the step's prefills to dense MHA (``_use_dense_mha_prefill``: the longest
         prefill sequence at most ``index_topk``)."""
-        return 0 < self.prefill_max_seq_len <= self.topk
+        return 0 < self.prefill_max_seq_len <= TOPK
 
     @property
     def merges(self) -> bool:
@@ -110,18 +110,18 @@ class Case:
 # FlashMLA-sparse's batch split on Hopper (``FlashMLASparseMetadataBuilder``: 256 query tokens below 16
 # heads per rank, GLM-5's 8 at TP 8 included): a longer query is a prefill, a shorter one a (varlen) decode.
 DECODE_THRESHOLD = 256
-STEPS_TOPK = 512  # so that a prefill (over 256 query tokens) can still be short enough for dense MHA
 
 # A common score offset of OFFSET_Q * OFFSET_K * scale (about 543): exp() of such an LSE overflows
 # float32, as a merge that forgets to subtract the max would.
 OFFSET_Q, OFFSET_K = 64.0, 96.0
 
 CASES: dict[str, Case] = {
-    "decode": Case((1, 1, 1), (300, 170, 37)),
-    "mtp5": Case((1 + MTP, 1 + MTP), (260, 400)),
-    "mixed": Case((1, 1 + MTP, 40), (300, 200, 240)),
-    "forced_mqa_prefill": Case((48,), (400,)),
-    "empty_rows": Case((1, 1, 1, 1), (300, 300, 200, 90), ("even", "odd", "even", None)),
+    # a request past 2 * TOPK in each: at DCP 2 a rank's local top-k then leaves out positions it owns
+    "decode": Case((1, 1, 1), (1300, 170, 37)),
+    "mtp5": Case((1 + MTP, 1 + MTP), (260, 1400)),
+    "mixed": Case((1, 1 + MTP, 40), (300, 1250, 240)),
+    "forced_mqa_prefill": Case((48,), (1200,)),
+    "empty_rows": Case((1, 1, 1, 1), (1100, 1100, 1200, 90), ("even", "odd", "even", None)),
 }
 
 # Every other step GLM-5 takes under DCP (``test_glm5_steps.py``): the smallest decode, requests
@@ -129,17 +129,17 @@ CASES: dict[str, Case] = {
 # short prompts (with and without cached context, at and past its routing threshold) and mixed with
 # decodes.
 STEPS: dict[str, Case] = {
-    "one_token": Case((1,), (900,), topk=STEPS_TOPK),
-    "short_requests": Case((1, 1, 1), (1, 2, 3), topk=STEPS_TOPK),
-    "padded_rows": Case((1, 1, 1), (900, 600, 37), pad_tokens=5, topk=STEPS_TOPK),
-    "padded_mtp5_graph": Case((1 + MTP, 1 + MTP), (700, 800), pad_reqs=2, topk=STEPS_TOPK),
-    "large_lse_mtp5": Case((1, 1 + MTP), (900, 650), offset=True, topk=STEPS_TOPK),
-    "dense_prefill": Case((300,), (300,), topk=STEPS_TOPK),
-    "dense_prefill_context": Case((280,), (480,), topk=STEPS_TOPK),
-    "dense_at_topk": Case((300,), (STEPS_TOPK,), topk=STEPS_TOPK),
-    "mqa_past_topk": Case((300,), (STEPS_TOPK + 1,), topk=STEPS_TOPK),
-    "dense_mixed": Case((1 + MTP, 1 + MTP, 280), (900, 700, 450), topk=STEPS_TOPK),
-    "large_lse_dense_context": Case((280,), (480,), offset=True, topk=STEPS_TOPK),
+    "one_token": Case((1,), (900,)),
+    "short_requests": Case((1, 1, 1), (1, 2, 3)),
+    "padded_rows": Case((1, 1, 1), (900, 600, 37), pad_tokens=5),
+    "padded_mtp5_graph": Case((1 + MTP, 1 + MTP), (700, 800), pad_reqs=2),
+    "large_lse_mtp5": Case((1, 1 + MTP), (900, 650), offset=True),
+    "dense_prefill": Case((300,), (300,)),
+    "dense_prefill_context": Case((280,), (480,)),
+    "dense_at_topk": Case((300,), (TOPK,)),
+    "mqa_past_topk": Case((300,), (TOPK + 1,)),
+    "dense_mixed": Case((1 + MTP, 1 + MTP, 280), (900, 700, 450)),
+    "large_lse_dense_context": Case((280,), (480,), offset=True),
 }
 
 
@@ -222,10 +222,10 @@ def resolve() -> ModelPath:
 # --------------------------------------------------------------------------------------------
 # the config, the CPU environment, the module
 # --------------------------------------------------------------------------------------------
-def write_model_dir(root: Path, topk: int = TOPK) -> Path:
+def write_model_dir(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f"config.json.{os.getpid()}"
-    tmp.write_text(json.dumps({**GLM5_CONFIG, "index_topk": topk}))
+    tmp.write_text(json.dumps(GLM5_CONFIG))
     os.replace(tmp, root / "config.json")
     return root
 
@@ -460,8 +460,8 @@ def make_step(name: str) -> Step:
     for r, (qlen, slen) in enumerate(zip(case.query_lens, case.seq_lens, strict=True)):
         for pos in range(slen - qlen, slen):
             cand = [t for t in range(pos + 1) if only[r] is None or t % 2 == (only[r] == "odd")]
-            picked = rng.sample(cand, min(case.topk, len(cand)))
-            row = picked + [-1] * (case.topk - len(picked))
+            picked = rng.sample(cand, min(TOPK, len(cand)))
+            row = picked + [-1] * (TOPK - len(picked))
             rng.shuffle(row)
             rows.append(row)
             req_ids.append(r)
@@ -555,7 +555,8 @@ def run_step(path: ModelPath, module: Any, layer: Any, vllm_config: Any, name: s
     cache, table = rank_cache(step, rank, world)
     layer.kv_cache = cache
     metadata = build_metadata(vllm_config, layer.layer_name, name, table)
-    layer.impl.topk_indices_buffer[:num_tokens] = step.topk
+    layer.impl.topk_indices_buffer[:num_tokens] = -1  # forward's fused_norm_rope clears it; the indexer fills it
+    _STEP["now"] = (name, step)
     layer.impl.topk_indices_buffer[num_tokens:rows] = -1
     new_kv = torch.stack([step.kv[r][p] for r, p in zip(step.req_ids, step.positions, strict=True)])
     new_kv = torch.cat([new_kv, torch.randn(rows - num_tokens, LORA + ROPE, generator=gen)])
@@ -582,18 +583,121 @@ def run_step(path: ModelPath, module: Any, layer: Any, vllm_config: Any, name: s
 
 
 def install_indexer(path: ModelPath, steps: dict[str, Any]) -> None:
-    """0.29.0+: the indexer op ``_sparse_indexer_and_attn`` calls writes the step's top-k (global
-    positions) into ``topk_indices_buffer``; ``run_step`` wrote that already, so the stand-in only
-    records its calls and the DCP rank and size it was given (the report's ``indexer``)."""
+    """0.29.0+: the indexer op ``_sparse_indexer_and_attn`` calls, as it runs under DCP: each rank scores
+    the positions it owns (:func:`indexer_scores`: the same scores at every DCP size, no ties) and takes
+    its local top-k over them, as the logits and top-k kernels do; then the release's own
+    ``_merge_dcp_topk_global`` merges the ranks' top-k into the step's global top-k in
+    ``topk_indices_buffer``, with the arguments the release's op passes it (``dcp_topk_standins``: only
+    its compiled kernels stood in). Decode rows merge in one call, a prefill's rows in another, as the
+    op's decode and prefill branches do. The report's ``indexer`` records each call (DCP rank and size)
+    and each merge (rows, which exchange ran)."""
     if path.entry != "sparse_indexer_and_attn":
         return
-    module = sys.modules[path.attention.__module__]
+    import compat
+    import dcp_topk_standins as ts
+    from vllm.distributed.parallel_state import get_dcp_group
 
-    def sparse_attn_indexer(*args: Any, **kwargs: Any) -> None:
+    module = sys.modules[path.attention.__module__]
+    kernels: dict[str, int] = {}
+    if not ts.install(compat.vllm_version(), lambda: get_dcp_group().device_group, kernels):
+        raise compat.HarnessError(f"{ts.INDEXER} has no _merge_dcp_topk_global for the indexer stand-in to call")
+    indexer = importlib.import_module(ts.INDEXER)
+    signature = inspect.signature(indexer.sparse_attn_indexer)
+    merge = indexer._merge_dcp_topk_global
+    merge_takes = set(inspect.signature(merge).parameters)
+
+    def sparse_attn_indexer(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        a = signature.bind(*args, **kwargs)
+        a.apply_defaults()
+        a = a.arguments
         steps["indexer_calls"] = steps.get("indexer_calls", 0) + 1
-        steps["indexer_dcp"] = [kwargs.get("dcp_rank"), kwargs.get("dcp_world_size")]
+        steps["indexer_dcp"] = [a["dcp_rank"], a["dcp_world_size"]]
+        name, step = _STEP["now"]
+        rank, world, interleave = a["dcp_rank"], a["dcp_world_size"], a["cp_kv_cache_interleave_size"]
+        topk, buffer = a["topk_tokens"], a["topk_indices_buffer"]
+        logits_dtype = a.get("logits_dtype", torch.float32)
+        for rows in indexer_row_groups(step):
+            logits, local = local_topk(step, rows, rank, world, interleave, topk, logits_dtype)
+            out = buffer[rows, :topk]
+            out.copy_(local)
+            before = dict(kernels)
+            extra = {"logits_dtype": logits_dtype, "num_positions": a["max_model_len"],
+                     "direct_max_rows": a.get("dcp_direct_topk_max_rows", 0)}
+            with compat.exercising("sparse_attn_indexer._merge_dcp_topk_global (the indexer's DCP top-k merge)"):
+                merge(logits, out, topk, rank, world, interleave,
+                      **{k: v for k, v in extra.items() if k in merge_takes})
+            ran = {k: kernels.get(k, 0) - before.get(k, 0) for k in kernels}
+            steps.setdefault("merges", []).append({
+                "case": name, "rows": rows.stop - rows.start, "world": world,
+                "direct_max_rows": extra["direct_max_rows"],
+                "exchange": ("direct" if ran.get("topk_push") else "all_gather" if ran.get("topk_select_gathered")
+                             else "none"),
+                "kernels": {k: v for k, v in ran.items() if v}})
+        return buffer
 
     module.sparse_attn_indexer = sparse_attn_indexer
+
+
+_STEP: dict[str, tuple[str, Step]] = {}  # the step run_step is running, for the indexer stand-in
+
+
+def indexer_row_groups(step: Step) -> list[slice]:
+    """The rows each merge of the indexer op takes: the decode rows (the leading requests of at most
+    ``1 + MTP`` tokens, the indexer's decode threshold; the batch is ordered decodes first) in one, the
+    prefill rows (one chunk: the cases fit one) in another."""
+    sizes = [step.req_ids.count(r) for r in sorted(set(step.req_ids))]
+    decodes = 0
+    for size in sizes:
+        if size > 1 + MTP:
+            break
+        decodes += size
+    return [rows for rows in (slice(0, decodes), slice(decodes, len(step.req_ids))) if rows.start < rows.stop]
+
+
+def indexer_scores(step: Step, row: int, dtype: Any) -> Any:
+    """Row ``row``'s indexer scores over positions ``0..pos`` (float32 holding ``dtype`` values): the
+    positions of the row's top-k (``step.topk``) above every other, all distinct (so the global top-k of
+    every DCP size is ``step.topk``'s, ties out of the selection), from the row alone."""
+    import torch
+
+    pos = step.positions[row]
+    picked = [t for t in step.topk[row].tolist() if t >= 0]
+    others = sorted(set(range(pos + 1)) - set(picked))
+    gen = torch.Generator().manual_seed(7919 * row + pos)
+    order = [others[i] for i in torch.randperm(len(others), generator=gen).tolist()]
+    order += [picked[i] for i in torch.randperm(len(picked), generator=gen).tolist()]
+    scores = torch.empty(pos + 1, dtype=torch.float64)
+    scores[torch.tensor(order, dtype=torch.long)] = torch.arange(pos + 1, dtype=torch.float64)
+    # 2^(k/64): one step apart is a ratio of 1.011, wider than bf16's rounding, so no two round equal
+    return torch.exp2(scores / 64).to(dtype).float()
+
+
+def local_topk(step: Step, rows: slice, rank: int, world: int, interleave: int, topk: int, dtype: Any):
+    """The logits and top-k kernels' output on this rank for ``rows``: ``[R, L]`` float32 logits over its
+    local positions (``-inf`` past each row's own), and each row's top-k local positions (best first,
+    ``-1`` padded)."""
+    import compat
+    import torch
+
+    owned, scores = [], []
+    for row in range(rows.start, rows.stop):
+        s = indexer_scores(step, row, dtype)
+        t = torch.arange(s.numel())
+        mine = t[(t // interleave) % world == rank]
+        if torch.unique(s).numel() != s.numel():
+            raise compat.HarnessError(f"indexer scores of row {row} tie: the merge's order would decide")
+        owned.append(mine)
+        scores.append(s[mine])
+    width = max(1, max(m.numel() for m in owned))
+    logits = torch.full((len(owned), width), float("-inf"), dtype=torch.float32)
+    local = torch.full((len(owned), topk), -1, dtype=torch.int32)
+    for i, s in enumerate(scores):
+        logits[i, : s.numel()] = s  # local position l holds the l-th owned position's score
+        best = torch.argsort(s, descending=True)[:topk]
+        local[i, : best.numel()] = best.to(torch.int32)
+    return logits, local
 
 
 # --------------------------------------------------------------------------------------------
@@ -625,10 +729,9 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
             initialize_model_parallel,
         )
 
-        (topk,) = {case_of(name).topk for name in cases}  # one model config per run of the ranks
         rows = max(sum(case_of(n).query_lens) + case_of(n).pad_tokens + case_of(n).pad_reqs * (1 + MTP)
                    for n in cases)
-        vc = make_vllm_config(write_model_dir(Path(model_dir), topk), world, max(256, 1 << (rows - 1).bit_length()))
+        vc = make_vllm_config(write_model_dir(Path(model_dir)), world, max(256, 1 << (rows - 1).bit_length()))
         with set_current_vllm_config(vc):
             init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
                                          distributed_init_method=f"tcp://127.0.0.1:{port}")
@@ -652,7 +755,7 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
                 if world > 1:
                     set_transport(vc, transport)
                 os.environ["VLLM_DCP_PROJECT_BEFORE_MERGE"] = "1" if project else "0"
-                topk_buffer = torch.full((vc.scheduler_config.max_num_batched_tokens, topk), -1, dtype=torch.int32)
+                topk_buffer = torch.full((vc.scheduler_config.max_num_batched_tokens, TOPK), -1, dtype=torch.int32)
                 module = build_attention(path, vc, f"model.layers.{i}.self_attn", topk_buffer)
                 layer = mla_layer(path, module)
                 load_weights(layer)

@@ -132,3 +132,25 @@ def test_the_switch_projects_on_glm5s_path(dcp2, transport: str, case: str) -> N
                                       f"{reps[rank]['path']['attention_class']} runs")
     if transport == "direct_a2a":  # the direct kernel merged every step (its checks passed)
         assert all(r["direct_a2a_calls"] == 1 for r in _case(reps, transport, True, case))
+
+
+def test_each_dcp2_step_merges_the_ranks_topk_as_the_release_does(dcp1, dcp2) -> None:
+    """The indexer's DCP top-k merge is the release's own (``_merge_dcp_topk_global``) on every rank, each
+    step: one pack and one exchange per merge (a decode and a prefill merge where the step has both),
+    the exchange the release's call site picks (the direct one for at most ``direct_max_rows`` rows:
+    GLM-5's ``_sparse_indexer_and_attn`` passes none on 0.34.0, so the all-gather); DCP 1 merges nothing."""
+    _, reps = dcp2
+    if reps[0]["path"]["entry"] != "sparse_indexer_and_attn":
+        pytest.skip("GLM-5 runs MLAAttention.forward_impl here (0.28.0): its indexer is not in the section")
+    for rank, rep in enumerate(reps):
+        merges = rep["indexer"]["merges"]
+        for case in g.CASES:
+            groups = g.indexer_row_groups(g.make_step(case))
+            mine = [m for m in merges if m["case"] == case]
+            assert [m["rows"] for m in mine] == [r.stop - r.start for r in groups] * len(RUNS), (rank, case, mine)
+            for m in mine:
+                direct = 0 < m["rows"] <= m["direct_max_rows"]
+                assert m["exchange"] == ("direct" if direct else "all_gather"), (rank, case, m)
+                assert m["kernels"].get("topk_pack") == 1, (rank, case, m)
+    _, (rep1,) = dcp1
+    assert {m["exchange"] for m in rep1["indexer"]["merges"]} == {"none"}

@@ -156,5 +156,5 @@ def test_the_routing_threshold_is_index_topk() -> None:
         attention_config = _Attention()
 
     at, past = g.case_of("dense_at_topk"), g.case_of("mqa_past_topk")
-    assert route(_Config(), at.prefill_max_seq_len, at.topk) and at.dense
-    assert not route(_Config(), past.prefill_max_seq_len, past.topk) and not past.dense
+    assert route(_Config(), at.prefill_max_seq_len, g.TOPK) and at.dense
+    assert not route(_Config(), past.prefill_max_seq_len, g.TOPK) and not past.dense

@@ -555,7 +555,9 @@ def run_step(path: ModelPath, module: Any, layer: Any, vllm_config: Any, name: s
     cache, table = rank_cache(step, rank, world)
     layer.kv_cache = cache
     metadata = build_metadata(vllm_config, layer.layer_name, name, table)
-    layer.impl.topk_indices_buffer[:num_tokens] = -1  # forward's fused_norm_rope clears it; the indexer fills it
+    # 0.29.0+: forward's fused_norm_rope clears the buffer and the indexer (install_indexer) fills it; 0.28.0's
+    # section (forward_impl) starts after the indexer: the buffer holds the step's global top-k
+    layer.impl.topk_indices_buffer[:num_tokens] = -1 if path.entry == "sparse_indexer_and_attn" else step.topk
     _STEP["now"] = (name, step)
     layer.impl.topk_indices_buffer[num_tokens:rows] = -1
     new_kv = torch.stack([step.kv[r][p] for r, p in zip(step.req_ids, step.positions, strict=True)])

@@ -6,7 +6,9 @@ step of each case (decode, an MTP-5 verification step, a mixed batch, a forced-M
 rows a rank owns no selected token for) over each transport (ag_rs, NCCL a2a, the direct A2A with
 its kernel's own argument checks), with ``VLLM_DCP_PROJECT_BEFORE_MERGE`` off and on:
 
-- every DCP 2 step equals DCP 1 (which equals attention computed in float64 from the same data);
+- every DCP 2 step equals DCP 1 (which equals attention computed in float64 from the same data), the
+  step's top-k merged from each rank's local top-k by the release's own indexer merge
+  (``_merge_dcp_topk_global``, its kernels from ``dcp_topk_standins``);
 - with the switch on, the projection is what runs on that path: the combine carries ``v_head_dim``
   values, or the fused projected combine runs; off, the latent output is merged.
 

@@ -116,24 +116,26 @@ def test_off_model_path_shown_for_the_pin_and_its_base(tmp_path: Path) -> None:
     assert "  kern.patch: csrc/k.cu\n    off the model's path: kernels only\n" in table
 
 
-def test_committed_0_34_0_project_before_merge_is_on_glm5_path() -> None:
-    """patches/0.34.0/rebase.json says the projection patch was carried onto GLM-5's path, by which of its
-    tests, which ``make status`` shows; the patch reaches DeepseekV32Attention's merge and is off by default
-    there (no engine run of a 0.34.0 build at DCP > 1)."""
+def test_committed_0_34_0_projection_is_carried_in_pieces() -> None:
+    """patches/0.34.0/rebase.json keeps what the rebase did with the 0.28.0 projection (carried onto GLM-5's
+    path); the series carries it since in pieces written after the rebase, which ``make status`` says, the
+    first of them on GLM-5's DeepseekV32Attention and none reading an environment variable."""
     import json
 
+    from overlay.build.series import Series
     from overlay.maintain.proven import proven
-    from overlay.maintain.status import off_path_notes
 
     doc = json.loads((REPO / "patches" / "0.34.0" / "rebase.json").read_text())
     entry = next(e for e in doc["patches"] if e["name"] == "dcp-project-before-merge.patch")
     assert "off_model_path" not in entry and entry["outcome"] == "conflict-resolved" and entry["carried"]
-    own, _ = off_path_notes(REPO / "patches", "0.34.0")
-    assert "dcp-project-before-merge.patch" not in own
+    series = Series.load(REPO / "patches" / "0.34.0")
+    pieces = [p for p in series.patches if "v-up-proj" in p.name]
+    assert len(pieces) >= 3 and "dcp-project-before-merge.patch" not in [p.name for p in series.patches]
     releases, _ = proven(REPO / "patches", REPO / "docs" / "records" / "engine")
     late = {p.name: p for r in releases if r.release == "0.34.0" for p in r.patches}
-    assert late["dcp-project-before-merge.patch"].on_path.startswith("yes, by its GLM-5 path tests")
-    patch = (REPO / "patches" / "0.34.0" / "dcp-project-before-merge.patch").read_text()
-    assert "+++ b/vllm/models/deepseek_v32/attention.py" in patch
-    assert "+                self.dcp_manager.project_combine(" in patch
-    assert '+        int(os.getenv("VLLM_DCP_PROJECT_BEFORE_MERGE", "0"))' in patch
+    assert all(late[p.name].rebased == "not in rebase.json: added after the rebase from 0.28.0" for p in pieces)
+    first = (REPO / "patches" / "0.34.0" / pieces[0].name).read_text()
+    assert "+++ b/vllm/models/deepseek_v32/attention.py" in first
+    assert "+                self.dcp_manager.v_up_proj_combine(" in first
+    assert not any("VLLM_DCP_PROJECT_BEFORE_MERGE" in (REPO / "patches" / "0.34.0" / p.name).read_text()
+                   for p in series.patches)

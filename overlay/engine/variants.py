@@ -74,6 +74,13 @@ NO_VARIANT: dict[str, str] = {
     "flashmla-sparse-dcp.patch": "the capability every DCP run needs: without it nothing runs, which is stock",
     "dcp-project-before-merge.patch": "the optimization: exact by construction, no bug to bring back",
     "dcp-project-before-merge-fused.patch": "the optimization's opt-in kernels, off by default: no bug to bring back",
+    "dcp-sparse-mla-v-up-proj-combine.patch": "the optimization on GLM-5's sparse path (NCCL a2a): exact by "
+                                              "construction, no bug to bring back (without it, memory unused)",
+    "dcp-mla-combine-v-up-proj-helper.patch": "a refactor: one merge-and-project for both MLA paths, no bug to "
+                                              "bring back",
+    "dcp-v-up-proj-before-merge-config.patch": "the optimization's switch: exact either way, no bug to bring back",
+    "dcp-v-up-proj-combine-ag-rs-direct.patch": "the optimization on ag_rs and the direct A2A, opt-in: exact by "
+                                                "construction, no bug to bring back",
 }
 
 

@@ -299,12 +299,12 @@ def test_each_case_declares_what_the_patches_change() -> None:
     assert {"flashmla-sparse-dcp.patch", "dcp-project-before-merge.patch"} <= acts["dcp-agrs-proj0-graph"]
     assert [n for n, a in acts.items() if "flashmla-sparse-dcp-spec-cudagraphs.patch" in a] == [
         "dcp-a2a-direct-proj1-graph-mtp-il16"]
-    # 0.34.0: the projection (off by default there) only where a DCP > 1 case turns it on
+    # 0.34.0: the one merge-and-project helper in every DCP > 1 case, nothing at DCP 1
     late = {c.name: set(c.acts) for c in cases(1, factskit.facts("0.34.0"))}
     assert not any(late.values())
-    two = {c.name: set(c.acts) for c in cases(2, factskit.facts("0.34.0"))}
-    assert [n for n, a in two.items() if "dcp-project-before-merge.patch" in a and n.startswith("dcp-defaults")] == [
-        "dcp-defaults-proj1-graph-mtp"]
+    two = cases(2, factskit.facts("0.34.0"))
+    assert [c.name for c in two if "dcp-mla-combine-v-up-proj-helper.patch" in c.acts] == [
+        c.name for c in two if c.dcp > 1]
     assert all(not c.acts for c in cases(2, factskit.facts("0.31.0", like="0.33.0")))  # no engine.toml: none
     # the default release's table when no facts are given
     default = default_version(REPO / "patches")

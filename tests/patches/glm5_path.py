@@ -705,19 +705,48 @@ def local_topk(step: Step, rows: slice, rank: int, world: int, interleave: int, 
 # --------------------------------------------------------------------------------------------
 # ranks
 # --------------------------------------------------------------------------------------------
-def runs_for(world: int) -> list[tuple[str, bool]]:
-    """(transport, projection switch) of each build: at DCP 1 one build (neither matters)."""
+PROJECTION = ("off", "auto", "on")
+"""The values of the W_UV projection before the DCP merge a run builds with (:func:`set_projection`)."""
+PROJECTION_FIELD = "dcp_v_up_proj_before_merge"
+"""``ParallelConfig``'s field for it (0.34.0's series); 0.28.0's series reads ``VLLM_DCP_PROJECT_BEFORE_MERGE``."""
+
+
+def runs_for(world: int) -> list[tuple[str, str]]:
+    """(transport, projection value) of each build: at DCP 1 one build (neither matters)."""
     if world == 1:
-        return [("none", False)]
-    return [(t, p) for t in TRANSPORTS for p in (False, True)]
+        return [("none", "off")]
+    return [(t, p) for t in TRANSPORTS for p in PROJECTION]
 
 
-def output_file(out_dir: Path | str, world: int, transport: str, project: bool, case: str, rank: int) -> Path:
-    return Path(out_dir, f"dcp{world}-{transport}-{'on' if project else 'off'}-{case}-rank{rank}.pt")
+def has_projection_switch() -> bool:
+    """The tree under test has a switch for the projection (the config field or 0.28.0's env var)."""
+    import compat
+    from vllm.config import ParallelConfig
+
+    return PROJECTION_FIELD in ParallelConfig.__dataclass_fields__ or hasattr(
+        compat.module("mla_attention").MLAAttention, "use_dcp_project_before_merge")
+
+
+def set_projection(vllm_config: Any, value: str) -> None:
+    """The W_UV projection before the DCP merge of the layers built next: ``value`` (off / auto / on) in
+    ``ParallelConfig.dcp_v_up_proj_before_merge`` where the release has the field, else in 0.28.0's
+    ``VLLM_DCP_PROJECT_BEFORE_MERGE`` (off 0, on 1, auto unset: the release's default)."""
+    if value not in PROJECTION:
+        raise ValueError(f"projection value {value!r}: expected one of {', '.join(PROJECTION)}")
+    parallel = vllm_config.parallel_config
+    if PROJECTION_FIELD in type(parallel).__dataclass_fields__:
+        setattr(parallel, PROJECTION_FIELD, value)
+    os.environ.pop("VLLM_DCP_PROJECT_BEFORE_MERGE", None)
+    if value != "auto":
+        os.environ["VLLM_DCP_PROJECT_BEFORE_MERGE"] = "1" if value == "on" else "0"
+
+
+def output_file(out_dir: Path | str, world: int, transport: str, project: str, case: str, rank: int) -> Path:
+    return Path(out_dir, f"dcp{world}-{transport}-{project}-{case}-rank{rank}.pt")
 
 
 def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_path: list[str],
-           cases: list[str]) -> None:
+           cases: list[str], runs: list[tuple[str, str]] | None = None) -> None:
     sys.path[:0] = [p for p in sys_path if p not in sys.path]
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     report: dict[str, Any] = {"rank": rank, "world": world, "runs": []}
@@ -743,20 +772,19 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
             report["path"] = path.describe()
             report["release"] = str(compat.vllm_version())
             # the projection patch is in the tree (its switch exists), whether or not this path takes it
-            report["has_projection"] = hasattr(compat.module("mla_attention").MLAAttention,
-                                               "use_dcp_project_before_merge")
+            report["has_projection"] = has_projection_switch()
             calls: dict[str, int] = {}
             if world > 1:
                 install_transports(get_dcp_group(), calls)
             importlib.import_module("glm5_prefill_standins").install(get_dcp_group() if world > 1 else None)
             seen: dict[str, Any] = {}
             install_indexer(path, seen)
-            for i, (transport, project) in enumerate(runs_for(world)):
+            for i, (transport, project) in enumerate(runs or runs_for(world)):
                 run: dict[str, Any] = {"transport": transport, "project": project, "cases": {}}
                 report["runs"].append(run)
                 if world > 1:
                     set_transport(vc, transport)
-                os.environ["VLLM_DCP_PROJECT_BEFORE_MERGE"] = "1" if project else "0"
+                set_projection(vc, project)
                 topk_buffer = torch.full((vc.scheduler_config.max_num_batched_tokens, TOPK), -1, dtype=torch.int32)
                 module = build_attention(path, vc, f"model.layers.{i}.self_attn", topk_buffer)
                 layer = mla_layer(path, module)
@@ -765,6 +793,8 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
                 steps = spy_steps(layer)
                 run["manager_output_head_dim"] = getattr(layer.dcp_manager, "output_head_dim", None)
                 run["project_flag"] = bool(getattr(layer, "dcp_project_before_merge", False))
+                w_uv_dcp = getattr(layer, "W_UV_dcp", None)
+                run["W_UV_dcp"] = None if w_uv_dcp is None else list(w_uv_dcp.shape)
                 for name in cases:
                     dims.clear()
                     steps.clear()
@@ -811,6 +841,14 @@ def spy_combines(layer: Any) -> list[dict[str, Any]]:
             return _inner(partial, *args, **kwargs)
 
         setattr(manager, name, spy)
+    helper = getattr(layer, "_dcp_combine_v_up_proj", None)  # the layer's merge-and-project, where it has one
+    if helper is not None:
+        def helper_spy(partial, *args: Any, **kwargs: Any):
+            seen.append({"op": "layer._dcp_combine_v_up_proj", "head_dim": int(partial.shape[-1]),
+                         "bounds": kwargs.get("seq_lens") is not None})
+            return helper(partial, *args, **kwargs)
+
+        layer._dcp_combine_v_up_proj = helper_spy
     return seen
 
 
@@ -837,8 +875,9 @@ def spy_steps(layer: Any) -> dict[str, int]:
     return seen
 
 
-def run_ranks(tmp: Path, world: int, cases: list[str] | None = None, timeout: float = 600) -> list[dict[str, Any]]:
+def run_ranks(tmp: Path, world: int, cases: list[str] | None = None, timeout: float = 600,
+              runs: list[tuple[str, str]] | None = None) -> list[dict[str, Any]]:
     """:func:`worker` on ``world`` gloo ranks; each rank's report (outputs under ``tmp``)."""
     names = list(cases or CASES)
-    return spawn_ranks(worker, lambda r, port: (r, world, port, str(tmp / "model"), str(tmp), list(sys.path), names),
-                       tmp, world=world, timeout=timeout)
+    return spawn_ranks(worker, lambda r, port: (r, world, port, str(tmp / "model"), str(tmp), list(sys.path), names,
+                                                runs), tmp, world=world, timeout=timeout)

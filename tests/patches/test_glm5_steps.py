@@ -3,7 +3,7 @@
 ``test_dcp_project_before_merge__glm5_path.py`` runs the decode, MTP-5, mixed and forced-MQA steps the
 projection changes; this file runs the rest of what a GLM-5 server hands its attention
 (``glm5_path.STEPS``), on the build under test as a whole (the release and its whole series), over every
-transport (ag_rs, NCCL a2a, the direct A2A) with the projection switch off and on:
+transport (ag_rs, NCCL a2a, the direct A2A) with every value of the projection switch (off, auto, on):
 
 - a single request's one-token decode, and requests shorter than the DCP group (ranks that own no KV);
 - CUDA-graph padding both ways: rows past the step's tokens outside the metadata (piecewise graphs) and a
@@ -59,7 +59,7 @@ def dcp4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str,
     return _ranks(tmp_path_factory, 4)
 
 
-def _results(reports: list[dict[str, Any]], transport: str, project: bool, case: str) -> list[dict[str, Any]]:
+def _results(reports: list[dict[str, Any]], transport: str, project: str, case: str) -> list[dict[str, Any]]:
     out = []
     for rep in reports:
         (run,) = [r for r in rep["runs"] if r["transport"] == transport and r["project"] == project]
@@ -83,7 +83,7 @@ def _close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert err <= REL_TOL * top, f"{what}: max error {err:.3g} against a reference of max {top:.3g}"
 
 
-def _runs(world: int) -> list[tuple[str, bool]]:
+def _runs(world: int) -> list[tuple[str, str]]:
     return g.runs_for(world)
 
 
@@ -92,7 +92,7 @@ def test_dcp1_step_is_attention(dcp1, case: str) -> None:
     """The check of the check: one rank over the whole cache computes attention (float64, same data)."""
     tmp, (rep,) = dcp1
     _raise(rep["runs"][0]["cases"][case], 0)
-    out = torch.load(g.output_file(tmp, 1, "none", False, case, 0))
+    out = torch.load(g.output_file(tmp, 1, "none", "off", case, 0))
     _close(out, g.reference(case), f"DCP 1 {case}")
 
 
@@ -102,12 +102,12 @@ def test_dcp_step_equals_dcp1(dcp1, request: pytest.FixtureRequest, world: int, 
     """Every transport and switch value at DCP ``world``: each rank's heads of the real rows equal DCP 1's."""
     tmp1, _ = dcp1
     tmp, reps = request.getfixturevalue(f"dcp{world}")
-    whole = torch.load(g.output_file(tmp1, 1, "none", False, case, 0))
+    whole = torch.load(g.output_file(tmp1, 1, "none", "off", case, 0))
     width = whole.shape[1] // world
     failures = []
     for transport, project in _runs(world):
         for rank, result in enumerate(_results(reps, transport, project, case)):
-            what = f"DCP {world} {transport} projection {'on' if project else 'off'} rank {rank} {case}"
+            what = f"DCP {world} {transport} projection {project} rank {rank} {case}"
             try:
                 _raise(result, rank)
                 out = torch.load(g.output_file(tmp, world, transport, project, case, rank))
@@ -158,3 +158,26 @@ def test_the_routing_threshold_is_index_topk() -> None:
     at, past = g.case_of("dense_at_topk"), g.case_of("mqa_past_topk")
     assert route(_Config(), at.prefill_max_seq_len, g.TOPK) and at.dense
     assert not route(_Config(), past.prefill_max_seq_len, g.TOPK) and not past.dense
+
+
+def test_each_dcp2_step_merges_the_ranks_topk_as_the_release_does(dcp1, dcp2) -> None:
+    """The indexer's DCP top-k merge is the release's own (``_merge_dcp_topk_global``) on every rank, each
+    step: one pack and one exchange per merge (a decode and a prefill merge where the step has both),
+    the exchange the release's call site picks (the direct one for at most ``direct_max_rows`` rows:
+    GLM-5's ``_sparse_indexer_and_attn`` passes none on 0.34.0, so the all-gather); DCP 1 merges nothing."""
+    _, reps = dcp2
+    if reps[0]["path"]["entry"] != "sparse_indexer_and_attn":
+        pytest.skip("GLM-5 runs MLAAttention.forward_impl here (0.28.0): its indexer is not in the section")
+    for rank, rep in enumerate(reps):
+        merges = rep["indexer"]["merges"]
+        for case in NAMES:
+            groups = g.indexer_row_groups(g.make_step(case))
+            mine = [m for m in merges if m["case"] == case]
+            assert [m["rows"] for m in mine] == [r.stop - r.start for r in groups] * len(g.runs_for(2)), (
+                rank, case, mine)
+            for m in mine:
+                direct = 0 < m["rows"] <= m["direct_max_rows"]
+                assert m["exchange"] == ("direct" if direct else "all_gather"), (rank, case, m)
+                assert m["kernels"].get("topk_pack") == 1, (rank, case, m)
+    _, (rep1,) = dcp1
+    assert {m["exchange"] for m in rep1["indexer"]["merges"]} == {"none"}

@@ -37,10 +37,12 @@ def test_each_record_points_at_what_is_real(release: str) -> None:
 
 
 def test_the_default_release_judges_the_open_reports_on_glm5s_path() -> None:
-    """Issue 50's reports, each with a verdict; the two findings of issue 51 carried by that work."""
+    """The open reports on GLM-5's DCP path, each with a verdict; the W_UV_dcp memory and the warm-up findings
+    fixed by patches of the series."""
     by_name = {r.report: r for r in ur.load(REPO_PATCHES, DEFAULT)}
     assert {"vllm#54305", "vllm#50781", "vllm#53465", "vllm#54300"} <= set(by_name)
-    assert by_name["w-uv-dcp-memory"].carried_by and by_name["jit-warmup-head-dim"].carried_by
+    for finding in ("w-uv-dcp-memory", "jit-warmup-head-dim"):
+        assert by_name[finding].verdict == "fixed-by" and by_name[finding].fix, by_name[finding]
     for r in by_name.values():
         assert r.engine_cases, f"{r.report}: no engine case would show it at DCP 2"
 

@@ -11,6 +11,7 @@ and speculative-decoding counters.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -29,6 +30,25 @@ def _logprob_rows(rows: Any) -> list[list[list[float]]]:
         items = sorted(row.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30, kv[0]))
         out.append([[int(tok), float(lp.logprob)] for tok, lp in items])
     return out
+
+
+# The projection's switch (W_UV before the DCP merge): 0.28.0's series reads an environment variable, 0.34.0's
+# a ParallelConfig field with its engine argument (auto / on / off). The cases are written with the variable;
+# where the build's EngineArgs has the field, the variable's value is passed as the field (the variable
+# itself would be ignored there, and the case would run the default).
+PROJECTION_ENV = "VLLM_DCP_PROJECT_BEFORE_MERGE"
+PROJECTION_FIELD = "dcp_v_up_proj_before_merge"
+
+
+def projection_kwargs(engine_args: type, environ: dict[str, str]) -> dict[str, str]:
+    """The engine argument the case's projection switch is on this build: ``{}`` where the build reads the
+    variable itself (or the case sets none); a value other than 0 or 1 is refused in one line."""
+    value = environ.get(PROJECTION_ENV)
+    if value is None or PROJECTION_FIELD not in {f.name for f in dataclasses.fields(engine_args)}:
+        return {}
+    if value not in ("0", "1"):
+        raise ValueError(f"{PROJECTION_ENV}={value!r}: an engine case sets 0 or 1")
+    return {PROJECTION_FIELD: "on" if value == "1" else "off"}
 
 
 def _spec_metrics(llm: Any) -> dict[str, Any]:
@@ -56,6 +76,8 @@ def _resolved(llm: Any) -> dict[str, Any]:
     parallel = config.parallel_config
     for key in ("dcp_comm_backend", "dcp_q_replicate"):
         out[key] = getattr(parallel, key, None)
+    if hasattr(parallel, PROJECTION_FIELD):
+        out[PROJECTION_FIELD] = getattr(parallel, PROJECTION_FIELD)
     try:
         out["use_v2_model_runner"] = bool(config.use_v2_model_runner)
     except AttributeError:
@@ -67,6 +89,7 @@ def _resolved(llm: Any) -> dict[str, Any]:
 
 def run(case: dict[str, Any], model: str, out: Path, seed: int) -> None:
     from vllm import LLM, SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
     from vllm.inputs import TokensPrompt
 
     from overlay.engine.workload import DECODE_STEPS, TOP_LOGPROBS, Case, prompts
@@ -75,7 +98,7 @@ def run(case: dict[str, Any], model: str, out: Path, seed: int) -> None:
     ids = prompts(seed, c.prompt_lens)
     order = list(range(len(ids)))[::-1] if c.reverse else list(range(len(ids)))
     t0 = time.monotonic()
-    llm = LLM(**c.engine_kwargs(model))
+    llm = LLM(**c.engine_kwargs(model), **projection_kwargs(EngineArgs, dict(os.environ)))
     t1 = time.monotonic()
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS, ignore_eos=True,
                             logprobs=TOP_LOGPROBS, prompt_logprobs=1)

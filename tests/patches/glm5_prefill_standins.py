@@ -76,10 +76,37 @@ def cp_gather_and_upconvert_fp8_kv_cache(src_cache: torch.Tensor, dst: torch.Ten
             dst[begin + i] = fk.dequantize_fp8_ds_mla(row)[0].to(torch.bfloat16)
 
 
+class PrefillRefused:
+    """The dense-MHA prefill backend of a release without a CPU prefill backend of its own (0.28.0): built,
+    cloned and given metadata as vLLM does; running it is a harness error (no case of such a release's
+    harness takes the dense prefill)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+
+    def clone(self) -> PrefillRefused:  # each metadata builder takes its own copy
+        return self
+
+    def prepare_metadata(self, prefill_metadata: Any) -> None:
+        pass
+
+    def supports_quant_output(self, quant_key: Any) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        import compat
+
+        raise compat.HarnessError(f"the dense-MHA prefill backend was used ({name}) on a release without a CPU "
+                                  "prefill backend to stand in for it")
+
+
 def flash_attn_prefill_standin() -> type:
     """FlashAttention's MLA prefill backend (``FLASH_ATTN``, what Hopper selects) computed by the release's
-    own CPU prefill backend."""
-    from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
+    own CPU prefill backend (:class:`PrefillRefused` where the release has none)."""
+    try:
+        from vllm.v1.attention.backends.mla.prefill.cpu_sdpa import CPUSDPAMLAPrefillBackend
+    except ImportError:
+        return PrefillRefused
 
     class FlashAttnPrefillStandIn(CPUSDPAMLAPrefillBackend):
         @staticmethod
@@ -111,13 +138,16 @@ class CudaDispatch:
 
 def install(rank_group: Any | None) -> None:
     """The stand-ins above, for good in this rank (``rank_group``: the DCP group, None at DCP 1)."""
+    import importlib
+
     import torch.distributed as dist
     from vllm import _custom_ops as ops
-    from vllm.v1.attention.ops import merge_attn_states as mas
 
     ops.cp_gather_and_upconvert_fp8_kv_cache = cp_gather_and_upconvert_fp8_kv_cache
-    ops.merge_attn_states = mas._merge_attn_states_torch  # the compiled op's arithmetic, the release's torch
-    mas.current_platform = CudaDispatch(mas.current_platform)
+    mas = importlib.import_module("vllm.v1.attention.ops.merge_attn_states")
+    if hasattr(mas, "_merge_attn_states_torch"):  # the compiled op's arithmetic, the release's own torch
+        ops.merge_attn_states = mas._merge_attn_states_torch
+        mas.current_platform = CudaDispatch(mas.current_platform)
     if rank_group is None:
         return
 

@@ -1,9 +1,11 @@
 """Every step GLM-5 takes under DCP, on the code it runs (``glm5_path``): DCP 2 and DCP 4 against DCP 1.
 
-``test_dcp_project_before_merge__glm5_path.py`` runs the decode, MTP-5, mixed and forced-MQA steps the
-projection changes; this file runs the rest of what a GLM-5 server hands its attention
+The projection's tests (0.34.0: ``test_dcp_*_v_up_proj_*.py``; 0.28.0:
+``test_dcp_project_before_merge__glm5_path.py``) run the decode, MTP-5, mixed and forced-MQA steps it changes
+(``glm5_path.CASES``); this file runs the rest of what a GLM-5 server hands its attention
 (``glm5_path.STEPS``), on the build under test as a whole (the release and its whole series), over every
-transport (ag_rs, NCCL a2a, the direct A2A) with every value of the projection switch (off, auto, on):
+transport (ag_rs, NCCL a2a, the direct A2A) with the projection switch off and on (``auto`` is one of
+the two on each transport):
 
 - a single request's one-token decode, and requests shorter than the DCP group (ranks that own no KV);
 - CUDA-graph padding both ways: rows past the step's tokens outside the metadata (piecewise graphs) and a
@@ -39,9 +41,14 @@ NAMES = list(g.STEPS)
 WORLDS = (2, pytest.param(4, marks=pytest.mark.long))
 
 
+# The switch's two settings per transport: ``auto`` is one of them on each (``on`` over NCCL a2a, ``off`` over
+# ag_rs and the direct A2A), which the projection pieces' own tests hold it to.
+RUNS = [(t, v) for t in g.TRANSPORTS for v in ("off", "on")]
+
+
 def _ranks(factory: pytest.TempPathFactory, world: int) -> tuple[Path, list[dict[str, Any]]]:
     tmp = factory.mktemp(f"glm5-steps-dcp{world}")
-    return tmp, g.run_ranks(tmp, world, NAMES, timeout=900)
+    return tmp, g.run_ranks(tmp, world, NAMES, timeout=900, runs=RUNS if world > 1 else None)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +91,7 @@ def _close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 
 
 def _runs(world: int) -> list[tuple[str, str]]:
-    return g.runs_for(world)
+    return RUNS if world > 1 else g.runs_for(world)
 
 
 @pytest.mark.parametrize("case", NAMES)
@@ -126,7 +133,7 @@ def test_each_step_takes_its_path(dcp1, request: pytest.FixtureRequest, world: i
     spec = g.case_of(case)
     has_context = any(s > q for q, s in zip(spec.query_lens, spec.seq_lens, strict=True) if q > g.DECODE_THRESHOLD)
     for size, (_, reps) in ((1, dcp1), (world, request.getfixturevalue(f"dcp{world}"))):
-        for transport, project in g.runs_for(size):
+        for transport, project in _runs(size):
             for rank, result in enumerate(_results(reps, transport, project, case)):
                 _raise(result, rank)
                 steps, where = result["steps"], f"DCP {size} {transport} {project} rank {rank}"
@@ -173,7 +180,7 @@ def test_each_dcp2_step_merges_the_ranks_topk_as_the_release_does(dcp1, dcp2) ->
         for case in NAMES:
             groups = g.indexer_row_groups(g.make_step(case))
             mine = [m for m in merges if m["case"] == case]
-            assert [m["rows"] for m in mine] == [r.stop - r.start for r in groups] * len(g.runs_for(2)), (
+            assert [m["rows"] for m in mine] == [r.stop - r.start for r in groups] * len(RUNS), (
                 rank, case, mine)
             for m in mine:
                 direct = 0 < m["rows"] <= m["direct_max_rows"]

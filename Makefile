@@ -87,7 +87,7 @@ test: $(BUILD_STAMP) ## the CPU test suite but the long tests, on TEST_JOBS work
 	$(OVERLAY) upstream-tests --vllm $(call q,VLLM) --out $(if $(UPSTREAM_OUT),$(call q,UPSTREAM_OUT),upstream-tests)
 
 .PHONY: test-long
-test-long: $(BUILD_STAMP) ## the tests that run for minutes (make targets in fresh clones, marked long); .ci/run runs them after test
+test-long: $(BUILD_STAMP) ## the tests that run for minutes (make targets in fresh clones, the GLM-5 steps at DCP 4, the other carried releases' prefix proofs; marked long); .ci/run runs them after test
 	$(call q,PY) -m pytest -m "long and not gpu"
 
 .PHONY: upstream-tests

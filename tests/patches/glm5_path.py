@@ -881,3 +881,27 @@ def run_ranks(tmp: Path, world: int, cases: list[str] | None = None, timeout: fl
     names = list(cases or CASES)
     return spawn_ranks(worker, lambda r, port: (r, world, port, str(tmp / "model"), str(tmp), list(sys.path), names,
                                                 runs), tmp, world=world, timeout=timeout)
+
+
+# --------------------------------------------------------------------------------------------
+# reading the reports (the tests' side)
+# --------------------------------------------------------------------------------------------
+def case_results(reports: list[dict[str, Any]], transport: str, project: str, case: str) -> list[dict[str, Any]]:
+    """Each rank's result of ``case`` in the run of (``transport``, ``project``)."""
+    out = []
+    for rep in reports:
+        (run,) = [r for r in rep["runs"] if r["transport"] == transport and r["project"] == project]
+        out.append(run["cases"][case])
+    return out
+
+
+def raise_for(result: dict[str, Any], rank: int) -> None:
+    """A failed case's error again, as the failure it was (harness or behaviour)."""
+    import compat
+
+    if result["ok"]:
+        return
+    message = f"rank {rank}: {result['error']}\n" + "".join(result.get("where", []))
+    if result.get("error_kind") == "harness":
+        raise compat.HarnessError(message)
+    raise compat.BehaviourFailure(message)

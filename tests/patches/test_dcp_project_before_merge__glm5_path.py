@@ -49,24 +49,6 @@ def dcp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str,
     return _ranks(tmp_path_factory.mktemp("glm5-dcp2"), 2)
 
 
-def _case(reports: list[dict[str, Any]], transport: str, project: str, case: str) -> list[dict[str, Any]]:
-    """Each rank's result of ``case`` in the run of (``transport``, ``project``)."""
-    out = []
-    for rep in reports:
-        (run,) = [r for r in rep["runs"] if r["transport"] == transport and r["project"] == project]
-        out.append(run["cases"][case])
-    return out
-
-
-def _raise(result: dict[str, Any], rank: int) -> None:
-    if result["ok"]:
-        return
-    message = f"rank {rank}: {result['error']}\n" + "".join(result.get("where", []))
-    if result.get("error_kind") == "harness":
-        raise compat.HarnessError(message)
-    raise compat.BehaviourFailure(message)
-
-
 def _close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     err = float((out.double() - ref.double()).abs().max())
     top = float(ref.double().abs().max())
@@ -88,7 +70,7 @@ def test_the_registry_resolves_glm5_to_a_described_attention(dcp1, dcp2) -> None
 def test_dcp1_is_attention(dcp1, case: str) -> None:
     """The check of the check: one rank over the whole cache computes attention (float64, same data)."""
     tmp, (rep,) = dcp1
-    _raise(rep["runs"][0]["cases"][case], 0)
+    g.raise_for(rep["runs"][0]["cases"][case], 0)
     out = torch.load(g.output_file(tmp, 1, "none", "off", case, 0))
     _close(out, g.reference(case), f"DCP 1 {case}")
 
@@ -100,8 +82,8 @@ def test_dcp2_step_equals_dcp1(dcp1, dcp2, transport: str, project: str, case: s
     tmp1, _ = dcp1
     whole = torch.load(g.output_file(tmp1, 1, "none", "off", case, 0))
     width = whole.shape[1] // 2
-    for rank, result in enumerate(_case(reps, transport, project, case)):
-        _raise(result, rank)
+    for rank, result in enumerate(g.case_results(reps, transport, project, case)):
+        g.raise_for(result, rank)
         out = torch.load(g.output_file(tmp2, 2, transport, project, case, rank))
         _close(out, whole[:, rank * width:(rank + 1) * width], f"rank {rank} {transport} {case}")
 
@@ -120,11 +102,11 @@ def test_the_switch_projects_on_glm5s_path(dcp2, transport: str, case: str) -> N
     order). A release where the projection is in the tree but off GLM-5's path fails here with
     ``compat.OffModelPath`` (``make rebase``: off-model-path; the matrix: off the model's path)."""
     _, reps = dcp2
-    for rank, (off, on) in enumerate(zip(_case(reps, transport, "off", case), _case(reps, transport, "on", case),
-                                         strict=True)):
-        _raise(off, rank)
+    offs, ons = g.case_results(reps, transport, "off", case), g.case_results(reps, transport, "on", case)
+    for rank, (off, on) in enumerate(zip(offs, ons, strict=True)):
+        g.raise_for(off, rank)
         assert off["combines"] and all(c["op"] == "combine" and c["head_dim"] == g.LORA for c in off["combines"]), off
-        _raise(on, rank)
+        g.raise_for(on, rank)
         if not _projected(on["combines"]):
             message = (f"rank {rank}: with VLLM_DCP_PROJECT_BEFORE_MERGE=1 GLM-5's merge still carried kv_lora_rank "
                        f"({g.LORA}) values: {on['combines']}")
@@ -133,4 +115,4 @@ def test_the_switch_projects_on_glm5s_path(dcp2, transport: str, case: str) -> N
             raise compat.OffModelPath(f"{message}; the projection is in the tree but not on the path "
                                       f"{reps[rank]['path']['attention_class']} runs")
     if transport == "direct_a2a":  # the direct kernel merged every step (its checks passed)
-        assert all(r["direct_a2a_calls"] == 1 for r in _case(reps, transport, "on", case))
+        assert all(r["direct_a2a_calls"] == 1 for r in g.case_results(reps, transport, "on", case))

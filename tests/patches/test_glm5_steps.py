@@ -66,23 +66,6 @@ def dcp4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str,
     return _ranks(tmp_path_factory, 4)
 
 
-def _results(reports: list[dict[str, Any]], transport: str, project: str, case: str) -> list[dict[str, Any]]:
-    out = []
-    for rep in reports:
-        (run,) = [r for r in rep["runs"] if r["transport"] == transport and r["project"] == project]
-        out.append(run["cases"][case])
-    return out
-
-
-def _raise(result: dict[str, Any], rank: int) -> None:
-    if result["ok"]:
-        return
-    message = f"rank {rank}: {result['error']}\n" + "".join(result.get("where", []))
-    if result.get("error_kind") == "harness":
-        raise compat.HarnessError(message)
-    raise compat.BehaviourFailure(message)
-
-
 def _close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert torch.isfinite(out).all(), f"{what}: non-finite output in the real rows"
     err = float((out.double() - ref.double()).abs().max())
@@ -98,7 +81,7 @@ def _runs(world: int) -> list[tuple[str, str]]:
 def test_dcp1_step_is_attention(dcp1, case: str) -> None:
     """The check of the check: one rank over the whole cache computes attention (float64, same data)."""
     tmp, (rep,) = dcp1
-    _raise(rep["runs"][0]["cases"][case], 0)
+    g.raise_for(rep["runs"][0]["cases"][case], 0)
     out = torch.load(g.output_file(tmp, 1, "none", "off", case, 0))
     _close(out, g.reference(case), f"DCP 1 {case}")
 
@@ -113,10 +96,10 @@ def test_dcp_step_equals_dcp1(dcp1, request: pytest.FixtureRequest, world: int, 
     width = whole.shape[1] // world
     failures = []
     for transport, project in _runs(world):
-        for rank, result in enumerate(_results(reps, transport, project, case)):
+        for rank, result in enumerate(g.case_results(reps, transport, project, case)):
             what = f"DCP {world} {transport} projection {project} rank {rank} {case}"
             try:
-                _raise(result, rank)
+                g.raise_for(result, rank)
                 out = torch.load(g.output_file(tmp, world, transport, project, case, rank))
                 _close(out, whole[:, rank * width:(rank + 1) * width], what)
             except (AssertionError, compat.BehaviourFailure) as exc:
@@ -134,8 +117,8 @@ def test_each_step_takes_its_path(dcp1, request: pytest.FixtureRequest, world: i
     has_context = any(s > q for q, s in zip(spec.query_lens, spec.seq_lens, strict=True) if q > g.DECODE_THRESHOLD)
     for size, (_, reps) in ((1, dcp1), (world, request.getfixturevalue(f"dcp{world}"))):
         for transport, project in _runs(size):
-            for rank, result in enumerate(_results(reps, transport, project, case)):
-                _raise(result, rank)
+            for rank, result in enumerate(g.case_results(reps, transport, project, case)):
+                g.raise_for(result, rank)
                 steps, where = result["steps"], f"DCP {size} {transport} {project} rank {rank}"
                 assert steps.get("dense_mha", 0) == int(spec.dense), (where, steps)
                 assert steps.get("mqa", 0) == int(spec.merges), (where, steps)

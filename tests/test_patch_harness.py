@@ -4,6 +4,7 @@ multi-rank test reports, as the harness's or the behaviour's, even when the othe
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -115,3 +116,25 @@ def test_a_rebase_test_run_says_which_ranks_were_run_again(tmp_path: Path) -> No
     said = "test_ranks: rank(s) 0, 1 killed at their 3 s timeout, run again with 6 s: finished"
     assert (run.status, run.retried) == ("passed", (said,)), run
     assert describe(run).endswith(f"[{said}]")
+
+
+def _describe(rank: int, out: str) -> None:
+    print(f"rank {rank} says hello")
+    Path(out, f"rank{rank}.json").write_text(json.dumps({
+        "preloaded": sorted(m for m in ("torch", "vllm.config", "vllm.distributed.parallel_state") if m in sys.modules),
+        "env": os.environ.get("OVERLAY_TEST_RANK_ENV"), "cwd": os.getcwd()}))
+
+
+def test_a_rank_starts_with_vllm_imported_and_the_tests_environment_at_its_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    """Ranks come from a fork server that imported torch and vLLM once, started before this test's setenv
+    (the first spawn of the process starts it): each still sees the test's environment, cwd and prints."""
+    (tmp_path / "first").mkdir()
+    spawn_ranks(_describe, lambda r, port: (r, str(tmp_path / "first")), tmp_path / "first", world=1, timeout=120)
+    monkeypatch.setenv("OVERLAY_TEST_RANK_ENV", "set after the server started")
+    reports = spawn_ranks(_describe, lambda r, port: (r, str(tmp_path)), tmp_path, world=2, timeout=120)
+    assert [r["preloaded"] for r in reports] == [["torch", "vllm.config", "vllm.distributed.parallel_state"]] * 2
+    assert [r["env"] for r in reports] == ["set after the server started"] * 2
+    assert [r["cwd"] for r in reports] == [os.getcwd()] * 2
+    err = capfd.readouterr().err
+    assert "rank 0 says hello" in err and "rank 1 says hello" in err

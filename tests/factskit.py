@@ -108,8 +108,10 @@ def _dcp_files(dcp: str) -> dict[str, str]:
 
 
 def files(release: str = "0.33.0", *, model: str, runner: str, dcp: str, ops: str,
-          topk_direct: bool) -> dict[str, str]:
-    """A synthetic tree of ``release`` in the given shape (see :data:`SHAPES`)."""
+          topk_direct: bool, projection: str | None = None) -> dict[str, str]:
+    """A synthetic tree of ``release`` in the given shape (see :data:`SHAPES`); ``projection``: the switch our
+    series adds for the projection before the DCP merge ("argument": 0.34.0's ParallelConfig field, "env":
+    0.28.0's variable; the bare releases have none)."""
     out = {"vllm/_version.py": f"__version__ = version = '{release}'\n",
            "vllm/envs.py": 'environment_variables = {\n    "VLLM_USE_DIRECT_DCP_A2A": lambda: maybe_convert_bool(\n'
                            '        os.getenv("VLLM_USE_DIRECT_DCP_A2A")\n    ),\n'
@@ -119,6 +121,12 @@ def files(release: str = "0.33.0", *, model: str, runner: str, dcp: str, ops: st
                            + "}\n",
            f"vllm/v1/attention/ops/{ops}.py": "def direct(group, dtype):\n    return envs.VLLM_USE_DIRECT_DCP_A2A\n",
            **_model_files(model), **_runner_files(runner), **_dcp_files(dcp)}
+    if projection == "argument":
+        out["vllm/config/parallel.py"] += '    dcp_v_up_proj_before_merge: Literal["auto", "on", "off"] = "auto"\n'
+    elif projection == "env":
+        out["vllm/envs.py"] = out["vllm/envs.py"].replace("environment_variables = {\n", (
+            'environment_variables = {\n    "VLLM_DCP_PROJECT_BEFORE_MERGE": lambda: bool(\n'
+            '        int(os.getenv("VLLM_DCP_PROJECT_BEFORE_MERGE", "1"))\n    ),\n'))
     if topk_direct:
         out["vllm/model_executor/kernels/attention/dsa/dcp_topk_direct.py"] = (
             "def get_direct_dcp_topk_workspace():\n    pass\n")

@@ -5,7 +5,8 @@ GLM-5's model class: its line in the model registry and the class the named modu
 Model Runner V1 is still there, and how ``VllmConfig.use_v2_model_runner`` decides (an architecture list,
 or V2 for every model). The DCP defaults GLM-5 gets: ``ParallelConfig``'s fields, ``set_dcp_defaults``'
 own defaults and GLM-5's config hook's call of it. Where the DCP ops live, and which direct paths
-``VLLM_USE_DIRECT_DCP_A2A`` switches (its default from ``envs.py``). A fact the tree does not show
+``VLLM_USE_DIRECT_DCP_A2A`` switches (its default from ``envs.py``), and how the build spells the switch
+of the projection before the DCP merge (an engine argument, a variable, or none). A fact the tree does not show
 raises :class:`Missing`, naming the file and what was looked for.
 """
 
@@ -32,6 +33,8 @@ DCP_OPS = ("vllm/v1/attention/ops/dcp.py", "vllm/v1/attention/ops/dcp_utils.py")
 INDEXER = "vllm/model_executor/layers/sparse_attn_indexer.py"
 TOPK_DIRECT = "vllm/model_executor/kernels/attention/dsa/dcp_topk_direct.py"
 DIRECT_A2A_ENV = "VLLM_USE_DIRECT_DCP_A2A"
+PROJECTION_FIELD = "dcp_v_up_proj_before_merge"  # our 0.34.0 series' ParallelConfig field (an engine argument)
+PROJECTION_ENV = "VLLM_DCP_PROJECT_BEFORE_MERGE"  # our 0.28.0 series' variable
 _OTHER_PLATFORMS = ("is_rocm", "is_xpu", "is_cpu", "is_tpu")
 _HOPS = 4  # imports followed from the registry's module to the class
 
@@ -310,3 +313,16 @@ def manager_projects(tree: Tree) -> bool:
     return init is not None and any(
         isinstance(n, ast.Attribute) and n.attr == "v_up_proj_combine" and isinstance(n.ctx, ast.Store)
         and isinstance(n.value, ast.Name) and n.value.id == "self" for n in ast.walk(init))
+
+
+def projection_switch(tree: Tree) -> str | None:
+    """How the build in ``tree`` is told whether to project through ``W_UV`` before the DCP merge:
+    ``"argument"`` (``ParallelConfig.dcp_v_up_proj_before_merge``, the engine argument), ``"env"``
+    (``envs.py`` reads ``VLLM_DCP_PROJECT_BEFORE_MERGE``), or None (no switch: the release's own policy)."""
+    if PROJECTION_FIELD in parallel_fields(tree):
+        return "argument"
+    try:
+        env_default(tree, PROJECTION_ENV)
+    except Missing:
+        return None
+    return "env"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from overlay.errors import OverlayError
-from overlay.releases import derive
+from overlay.releases import derive, projection
 from overlay.releases.source import Tree, open_tree
 from overlay.releases.table import ATTENTION
 
@@ -52,6 +52,9 @@ class ReleaseFacts:
     dcp_ops: str  # the module of the DCP ops (combine, direct workspaces)
     direct_a2a_default: bool | None  # VLLM_USE_DIRECT_DCP_A2A's default (None: on where symmetric memory serves)
     direct_a2a_switches: tuple[str, ...]  # the modules whose direct path VLLM_USE_DIRECT_DCP_A2A switches
+    # how the build is told to project through W_UV before the DCP merge (overlay.releases.projection):
+    # "argument" | "env" | None (no switch); None also in records written before the fact existed
+    projection_switch: str | None = None
 
     @property
     def runs_v1_by_choice(self) -> bool:
@@ -73,6 +76,7 @@ class ReleaseFacts:
                                      f"({'GLM-5 config chooses' if self.dcp_defaults_by_model else 'fixed'})"),
             ("DCP ops", self.dcp_ops),
             ("VLLM_USE_DIRECT_DCP_A2A", f"default {direct}; switches {', '.join(self.direct_a2a_switches)}"),
+            ("projection before the DCP merge", projection.describe(self.projection_switch)),
         ]
 
     def summary(self) -> str:
@@ -119,10 +123,11 @@ def release_facts(tree: Tree | Path) -> ReleaseFacts:
         "the DCP ops": lambda: derive.dcp_ops(tree),
         "the direct A2A switch's default": lambda: derive.env_default(tree, derive.DIRECT_A2A_ENV),
         "what the direct A2A switch turns off": lambda: derive.direct_a2a_switches(tree, derive.dcp_ops(tree)),
+        "the projection's switch": lambda: derive.projection_switch(tree),
     })
     return ReleaseFacts(got["the release"], got["GLM-5's path"], *got["the default model runner"],
                         *got["GLM-5's DCP defaults"], got["the DCP ops"], got["the direct A2A switch's default"],
-                        got["what the direct A2A switch turns off"])
+                        got["what the direct A2A switch turns off"], got["the projection's switch"])
 
 
 def _gather(tree: Tree, facts: dict[str, Callable[[], Any]]) -> dict[str, Any]:

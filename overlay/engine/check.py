@@ -40,7 +40,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -52,6 +52,7 @@ from overlay.engine.verdict import judge, read_results, record_name, report
 from overlay.engine.workload import Case, cases
 from overlay.outpaths import check_dir
 from overlay.releases.facts import ReleaseFacts, ReleaseFactsError, release_facts
+from overlay.releases.projection import ProjectionError, folder_switch
 from overlay.releases.source import importable_tree
 
 RUN_CASE = "overlay.engine.run_case"  # the module each job runs (python -m)
@@ -72,6 +73,26 @@ class Job:
         if self.variant:
             rec |= {"variant": self.variant, "expect": self.expect}
         return rec | kw
+
+
+def on_tree(case: Case, tree: Path | None) -> Case:
+    """``case`` as it runs on a seed-bug variant's ``tree`` (laid over the installed build): where that tree has
+    no switch for the projection before the DCP merge (``stock``, a series cut before the patch adding it), the
+    case leaves the projection to the tree, whose release merges its own way as it did when cases set the
+    variable: a variant is judged on its seed bug, not on the projection. Said in the run's output; the record
+    holds the case as run. Elsewhere the case keeps its projection (``run_case`` fails it in one line on a build
+    that cannot take it)."""
+    if tree is None or not case.projection:
+        return case
+    try:
+        switch, build = folder_switch(tree)
+    except ProjectionError:
+        return case  # run_case says why, in one line
+    if switch is not None:
+        return case
+    print(f"[engine-check] {case.name} on {tree}: {build} has no projection switch; the case runs without "
+          f"asking it {case.projection} (the release's own merge)", flush=True)
+    return replace(case, projection="")
 
 
 def child_env(case: Case, tree: Path | None, slot: int = 0, cache: Path | None = None,
@@ -274,7 +295,7 @@ def variant_jobs(variants: Path, tp: int, out: Path, facts: ReleaseFacts | None 
                 raise EngineCheckError(f"{variants / 'variants.json'}: {variant}: no case {shown['case']!r} "
                                        f"for --tp {tp}")
             tree = lay_variant(variants / f"{variant}.tar.gz", out / "trees" / variant)
-            jobs.append(Job(by_name[shown["case"]], f"{variant}--{shown['case']}", tree=tree,
+            jobs.append(Job(on_tree(by_name[shown["case"]], tree), f"{variant}--{shown['case']}", tree=tree,
                             expect=shown["expect"], variant=variant))
     return jobs
 
@@ -426,7 +447,8 @@ def run_check(ns: CheckOptions) -> int:
             raise EngineCheckError(f"unknown case(s) for --tp {ns.tp}: {', '.join(unknown)}")
         todo = [c for c in todo if c.name in wanted]
     # --tree applies to the checked cases: references and spread runs stay on the installed series
-    jobs = [Job(c, c.name, tree=ns.tree if c.role == "check" else None) for c in todo]
+    jobs = [Job(on_tree(c, ns.tree) if c.role == "check" else c, c.name, tree=ns.tree if c.role == "check" else None)
+            for c in todo]
     if ns.variants:
         # after the references, the production shape and the first spread run: the variants
         jobs[4:4] = variant_jobs(ns.variants, ns.tp, ns.out, facts)

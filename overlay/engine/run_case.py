@@ -6,18 +6,29 @@ start-up and spawns its workers from it), which enforces the timeout. The output
 per request, the prompt logprobs (the logprob of every prompt token given the ones before it),
 the greedy tokens with their top-5 logprobs, and the engine's start-up and generation times
 and speculative-decoding counters.
+
+The case's projection before the DCP merge (``Case.projection``) is spelled for the build this process imports
+(the folder ``importlib.util.find_spec("vllm")`` finds: the installed tree, or a variant's laid first on
+``PYTHONPATH``) by that build's switch, a release fact read from its files: the engine argument where it has
+``ParallelConfig.dcp_v_up_proj_before_merge``, else ``VLLM_DCP_PROJECT_BEFORE_MERGE`` set before vLLM is
+imported. A case asking it of a build without a switch exits 2 with one line naming the case, no engine
+started. The output records what was passed (``projection``) and what the config resolved (``resolved``).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from overlay.engine.workload import DECODE_STEPS, TOP_LOGPROBS, Case, prompts
+from overlay.releases.derive import PROJECTION_FIELD
+from overlay.releases.projection import ProjectionError, engine_settings, folder_switch
+from overlay.releases.source import importable_tree
 
 
 def _logprob_rows(rows: Any) -> list[list[list[float]]]:
@@ -32,23 +43,21 @@ def _logprob_rows(rows: Any) -> list[list[list[float]]]:
     return out
 
 
-# The projection's switch (W_UV before the DCP merge): 0.28.0's series reads an environment variable, 0.34.0's
-# a ParallelConfig field with its engine argument (auto / on / off). The cases are written with the variable;
-# where the build's EngineArgs has the field, the variable's value is passed as the field (the variable
-# itself would be ignored there, and the case would run the default).
-PROJECTION_ENV = "VLLM_DCP_PROJECT_BEFORE_MERGE"
-PROJECTION_FIELD = "dcp_v_up_proj_before_merge"
-
-
-def projection_kwargs(engine_args: type, environ: dict[str, str]) -> dict[str, str]:
-    """The engine argument the case's projection switch is on this build: ``{}`` where the build reads the
-    variable itself (or the case sets none); a value other than 0 or 1 is refused in one line."""
-    value = environ.get(PROJECTION_ENV)
-    if value is None or PROJECTION_FIELD not in {f.name for f in dataclasses.fields(engine_args)}:
-        return {}
-    if value not in ("0", "1"):
-        raise ValueError(f"{PROJECTION_ENV}={value!r}: an engine case sets 0 or 1")
-    return {PROJECTION_FIELD: "on" if value == "1" else "off"}
+def projection_settings(case: Case, folder: Path | None) -> tuple[dict[str, str], dict[str, str]]:
+    """(``EngineArgs`` keyword arguments, environment) that give ``case`` its projection before the DCP merge on
+    the build whose ``vllm/`` lives in ``folder`` (the one this process imports), spelled by that build's own
+    switch (:func:`overlay.releases.projection.engine_settings`: 0.34.0's series the engine argument, 0.28.0's
+    the variable); nothing for a case that leaves it to the build. A case that asks ``on`` / ``off`` of a build
+    that cannot take it fails here, in one line naming the case (:class:`ProjectionError`)."""
+    if not case.projection:
+        return {}, {}
+    try:
+        if folder is None:
+            raise ProjectionError("no vllm importable")
+        switch, build = folder_switch(folder)
+        return engine_settings(switch, case.projection, build)
+    except ProjectionError as exc:
+        raise ProjectionError(f"case {case.name}: projection {case.projection}: {exc}") from None
 
 
 def _spec_metrics(llm: Any) -> dict[str, Any]:
@@ -88,17 +97,18 @@ def _resolved(llm: Any) -> dict[str, Any]:
 
 
 def run(case: dict[str, Any], model: str, out: Path, seed: int) -> None:
+    c = Case.from_dict(case)
+    # spelled before vLLM is imported (it reads its variables then, and its workers inherit them)
+    kwargs, env = projection_settings(c, importable_tree())
+    os.environ.update(env)
+
     from vllm import LLM, SamplingParams
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.inputs import TokensPrompt
 
-    from overlay.engine.workload import DECODE_STEPS, TOP_LOGPROBS, Case, prompts
-
-    c = Case.from_dict(case)
     ids = prompts(seed, c.prompt_lens)
     order = list(range(len(ids)))[::-1] if c.reverse else list(range(len(ids)))
     t0 = time.monotonic()
-    llm = LLM(**c.engine_kwargs(model), **projection_kwargs(EngineArgs, dict(os.environ)))
+    llm = LLM(**c.engine_kwargs(model), **kwargs)
     t1 = time.monotonic()
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS, ignore_eos=True,
                             logprobs=TOP_LOGPROBS, prompt_logprobs=1)
@@ -120,6 +130,7 @@ def run(case: dict[str, Any], model: str, out: Path, seed: int) -> None:
         }
     doc = {"case": case, "model": model, "startup_s": round(t1 - t0, 2), "generate_s": round(t2 - t1, 2),
            "requests": requests, "spec_decode": _spec_metrics(llm) if c.mtp else {}, "resolved": _resolved(llm),
+           **({"projection": {"asked": c.projection, "args": kwargs, "env": env}} if c.projection else {}),
            "vllm": __import__("vllm").__version__}
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc))
@@ -133,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=0)
     ns = ap.parse_args(argv)
-    run(json.loads(ns.case.read_text()), ns.model, ns.out, ns.seed)
+    try:
+        run(json.loads(ns.case.read_text()), ns.model, ns.out, ns.seed)
+    except ProjectionError as exc:  # before any engine started: the case's one line
+        print(f"run_case: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote {ns.out}", file=sys.stderr)
     return 0
 

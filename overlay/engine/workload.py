@@ -19,6 +19,10 @@ query replication to it) and with the query all-gather named explicitly, each ju
 reference and on what the engine resolved (``Case.resolves``); a release that defaults to Model Runner
 V2 and still has V1 (0.33.0) runs its DCP 1 references under both (:func:`runner_cases`).
 
+A case asks the projection through ``W_UV`` before the DCP merge ``on`` or ``off`` (``Case.projection``, or
+leaves it to the build), never by a variable: ``run_case`` spells it the way the build under test reads it
+(:mod:`overlay.releases.projection`).
+
 Each case also names the patches that must act in it (``Case.acts``, from the release's own
 ``patches/<release>/engine.toml``): under ``engine-check --coverage`` a named patch none of whose added
 statements ran fails the case (:func:`overlay.releases.engine_cases.declared_acts`).
@@ -30,7 +34,7 @@ import random
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from overlay.releases.engine_cases import V1_RUNNER_ENV, declared_acts
+from overlay.releases.engine_cases import V1_RUNNER_ENV, declared_acts, record_projection
 
 if TYPE_CHECKING:
     from overlay.releases.facts import ReleaseFacts
@@ -66,11 +70,11 @@ MAX_CUDAGRAPH_CAPTURE_SIZE = 128
 # A build on Model Runner V2 that still has V1 runs the DCP 1 references again under V1
 # (V1_RUNNER_ENV), where spec-decode-prompt-logprobs-graph-pool still applies.
 # The explicit settings of our two-GPU regress profiles (overlay/regress/profiles/): their
-# server arguments name the comm backend, never query replication; their env names the rest.
+# server arguments name the comm backend, never query replication; their env names the rest, the
+# projection before the DCP merge as "on" / "off" (each build spells it its own way: Case.projection).
 PROFILE_SETTINGS: dict[str, dict[str, Any]] = {
-    "tiny-glm5-tp2-dcp2-mtp5": {"backend": "a2a", "env": {"VLLM_USE_DIRECT_DCP_A2A": "1",
-                                                          "VLLM_DCP_PROJECT_BEFORE_MERGE": "1"}},
-    "tiny-glm5-tp2-dcp2-agrs-mtp5": {"backend": "ag_rs", "env": {"VLLM_DCP_PROJECT_BEFORE_MERGE": "1"}},
+    "tiny-glm5-tp2-dcp2-mtp5": {"backend": "a2a", "env": {"VLLM_USE_DIRECT_DCP_A2A": "1"}, "projection": "on"},
+    "tiny-glm5-tp2-dcp2-agrs-mtp5": {"backend": "ag_rs", "env": {}, "projection": "on"},
 }
 # A fixed KV cache per GPU instead of vLLM's free-memory profiling: engines of the check run side
 # by side on the same GPUs (``engine.check --parallel``), and a profile would count the others'
@@ -105,6 +109,10 @@ class Case:
     eager: bool = False
     mtp: bool = False
     env: dict[str, str] = field(default_factory=dict)
+    # the projection through W_UV before the DCP merge: "on" / "off", "" leaves it to the build. Release-neutral:
+    # run_case spells it as the build under test reads it (overlay.releases.projection: 0.34.0's series the engine
+    # argument, 0.28.0's the variable) and fails the case in one line on a build that cannot take it
+    projection: str = ""
     reverse: bool = False  # submit the prompts in reverse order (another batch composition)
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     note: str = ""
@@ -166,7 +174,8 @@ class Case:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "role": self.role, "tp": self.tp, "dcp": self.dcp, "backend": self.backend,
-                "eager": self.eager, "mtp": self.mtp, "env": dict(self.env), "reverse": self.reverse,
+                "eager": self.eager, "mtp": self.mtp, "env": dict(self.env),
+                **({"projection": self.projection} if self.projection else {}), "reverse": self.reverse,
                 "max_num_batched_tokens": self.max_num_batched_tokens, "note": self.note,
                 **({"compare_to": self.compare_to} if self.compare_to else {}),
                 **({"interleave": self.interleave} if self.interleave > 1 else {}),
@@ -179,14 +188,18 @@ class Case:
 
     @classmethod
     def from_dict(cls, doc: dict[str, Any]) -> Case:
-        """The case :meth:`to_dict` wrote (the case file ``run_case`` reads)."""
-        return cls(**{k: tuple(v) if k in ("prompt_lens", "log_lines") else v for k, v in doc.items()})
+        """The case :meth:`to_dict` wrote (the case file ``run_case`` reads); one written before cases had
+        ``projection`` carries it as ``env`` ``VLLM_DCP_PROJECT_BEFORE_MERGE`` 1 / 0, read as ``on`` / ``off``
+        (:func:`overlay.releases.engine_cases.record_projection`)."""
+        projection, env = record_projection(doc)
+        return cls(**{k: tuple(v) if k in ("prompt_lens", "log_lines") else v for k, v in doc.items()
+                      if k not in ("env", "projection")}, env=env, projection=projection)
 
 
 def _dcp(name: str, *, backend: str = "a2a", direct: bool = True, project: bool = True, eager: bool = False,
          mtp: bool = False, fused: bool = False, tp: int = 2, dcp: int = 2, interleave: int = 1,
          long: bool = False) -> Case:
-    env = {"VLLM_DCP_PROJECT_BEFORE_MERGE": "1" if project else "0"}
+    env: dict[str, str] = {}
     if backend == "a2a":
         env["VLLM_USE_DIRECT_DCP_A2A"] = "1" if direct else "0"
     if fused:  # dcp-project-before-merge-fused's opt-in Triton kernels
@@ -195,7 +208,8 @@ def _dcp(name: str, *, backend: str = "a2a", direct: bool = True, project: bool 
     # (spec decoding piecewise) with interleave > 1 (flashmla-sparse-dcp-spec-cudagraphs)
     graphs = "" if eager or not mtp else ("FULL" if interleave == 1 else "PIECEWISE")
     ref = ("ref-dcp1-mtp-long" if long else "ref-dcp1-mtp") if mtp else ""
-    return Case(name, tp=tp, dcp=dcp, backend=backend, eager=eager, mtp=mtp, env=env, compare_to=ref,
+    return Case(name, tp=tp, dcp=dcp, backend=backend, eager=eager, mtp=mtp, env=env,
+                projection="on" if project else "off", compare_to=ref,
                 interleave=interleave, graphs=graphs, prompt_lens=LONG_PROMPT_LENS if long else PROMPT_LENS)
 
 
@@ -273,9 +287,11 @@ def sweep_cases(facts: ReleaseFacts | None, tp: int = 2) -> list[Case]:
                         note=f"the sweep under vLLM {release}'s GLM-5 defaults (no DCP option set)", **d))
     out += [
         Case("dcp-a2a-direct-proj1-graph-mtp-sweep", backend=a2a["backend"], env=dict(a2a["env"]),
+             projection=a2a["projection"],
              log_lines=direct_log, resolves=resolves(a2a["backend"]) if by_model else {},
              note="the sweep with profile tiny-glm5-tp2-dcp2-mtp5's settings", **d),
         Case("dcp-agrs-proj1-graph-mtp-sweep", backend=agrs["backend"], env=dict(agrs["env"]),
+             projection=agrs["projection"],
              resolves=resolves(agrs["backend"]) if by_model else {},
              note="the sweep with profile tiny-glm5-tp2-dcp2-agrs-mtp5's settings", **d),
     ]
@@ -329,24 +345,27 @@ def release_cases(facts: ReleaseFacts | None, tp: int = 2) -> list[Case]:
     release, d = facts.release, {"tp": tp, "dcp": tp}
 
     def own(name: str, *, mtp: bool = True, backend: str = "", env: dict[str, str] | None = None,
-            q_replicate: bool | None = None, note: str) -> Case:
+            projection: str = "", q_replicate: bool | None = None, note: str) -> Case:
         resolves = {"dcp_comm_backend": backend or facts.dcp_comm_backend,
                     "dcp_q_replicate": facts.dcp_q_replicate if q_replicate is None else q_replicate}
-        return Case(name, backend=backend, mtp=mtp, env=dict(env or {}), q_replicate=q_replicate, resolves=resolves,
+        return Case(name, backend=backend, mtp=mtp, env=dict(env or {}), projection=projection,
+                    q_replicate=q_replicate, resolves=resolves,
                     release=release, compare_to="ref-dcp1-mtp" if mtp else "", graphs="FULL" if mtp else "",
                     note=note, **d)
 
     a2a, agrs = PROFILE_SETTINGS["tiny-glm5-tp2-dcp2-mtp5"], PROFILE_SETTINGS["tiny-glm5-tp2-dcp2-agrs-mtp5"]
     return [
         own("dcp-defaults-graph-mtp", note=f"vLLM {release}'s GLM-5 defaults (no DCP option set), MTP-5"),
-        own("dcp-a2a-direct-proj1-qgather-graph-mtp", backend=a2a["backend"], env=a2a["env"], q_replicate=False,
+        own("dcp-a2a-direct-proj1-qgather-graph-mtp", backend=a2a["backend"], env=a2a["env"],
+            projection=a2a["projection"], q_replicate=False,
             note="profile tiny-glm5-tp2-dcp2-mtp5's settings with the query all-gather (0.28.0's decode path)"),
         own("dcp-defaults-graph", mtp=False, note=f"vLLM {release}'s GLM-5 defaults, no MTP"),
-        own("dcp-defaults-proj0-graph-mtp", env={"VLLM_DCP_PROJECT_BEFORE_MERGE": "0"},
+        own("dcp-defaults-proj0-graph-mtp", projection="off",
             note="the defaults, project-before-merge off: the release's own merge under query replication"),
-        own("dcp-agrs-proj1-qgather-graph-mtp", backend=agrs["backend"], env=agrs["env"], q_replicate=False,
+        own("dcp-agrs-proj1-qgather-graph-mtp", backend=agrs["backend"], env=agrs["env"],
+            projection=agrs["projection"], q_replicate=False,
             note="profile tiny-glm5-tp2-dcp2-agrs-mtp5's settings with the query all-gather (0.28.0's default)"),
-        own("dcp-defaults-proj1-graph-mtp", env={"VLLM_DCP_PROJECT_BEFORE_MERGE": "1"},
+        own("dcp-defaults-proj1-graph-mtp", projection="on",
             note="the defaults, project-before-merge on: the projection on GLM-5's own attention"),
     ]
 

@@ -10,7 +10,7 @@ file declares no acts and keeps the default expectations.
 The file::
 
     [acts]  # patch -> the conditions a case must meet, all of them, for the patch to have to act in it
-    "dcp-project-before-merge.patch" = ["dcp>1", "env:VLLM_DCP_PROJECT_BEFORE_MERGE=1"]
+    "dcp-project-before-merge.patch" = ["dcp>1", "projection:on"]
 
     [[expect]]  # one job a variant must show on this build (several per variant allowed)
     variant = "stock"  # or a patch file name
@@ -19,11 +19,15 @@ The file::
     case = "ref-dcp1-mtp-v1"  # or "" where no case can show it here
 
 Conditions: ``dcp>1``, ``mtp``, ``piecewise-mtp`` (MTP in graphs under DCP with interleave > 1),
-``v1-runner`` (the case runs Model Runner V1), ``env:NAME=VALUE``. Standard library only: the engine
-check reads it on the device machine.
+``v1-runner`` (the case runs Model Runner V1), ``projection:on`` / ``projection:off`` (the case asks the
+projection through ``W_UV`` before the DCP merge on / off, however its build spells it; a case that leaves it to
+the build asks neither), ``env:NAME=VALUE`` (any variable but the projection's, which no case sets). Standard
+library only: the engine check reads it on the device machine.
 
 A case here is either the engine check's ``Case`` or its record (the dict ``Case.to_dict`` writes, where a
-field at its default is left out): :func:`holds` and :func:`declared_acts` read both.
+field at its default is left out): :func:`holds` and :func:`declared_acts` read both, and a record written before
+cases had ``projection`` (the projection as ``env`` ``VLLM_DCP_PROJECT_BEFORE_MERGE`` 1 / 0) as if it had it
+(:func:`record_projection`).
 """
 
 from __future__ import annotations
@@ -37,10 +41,13 @@ from typing import Any
 from overlay.build.pins import REPO_PATCHES, default_version
 from overlay.errors import OverlayError
 from overlay.jsonfile import kind_problem
+from overlay.releases.derive import PROJECTION_ENV
+from overlay.releases.projection import ProjectionError, value_of_env
 
 TABLE = "engine.toml"
 PATCHES = REPO_PATCHES
-CONDITIONS = ("dcp>1", "mtp", "piecewise-mtp", "v1-runner")
+CONDITIONS = ("dcp>1", "mtp", "piecewise-mtp", "v1-runner", "projection:on", "projection:off")
+PROJECTIONS = ("on", "off")  # what a case may ask of the projection ("" leaves it to the build)
 
 Expectation = tuple[str, str, str | None]  # (expect, symptom, case)
 V1_RUNNER_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}  # a case that runs Model Runner V1 (where a release has both)
@@ -49,7 +56,8 @@ V1_RUNNER_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}  # a case that runs Model Runn
 CASE_FIELDS: dict[str, type | tuple[type, ...]] = {
     "name": str, "role": str, "tp": int, "dcp": int, "backend": str, "eager": bool, "mtp": bool, "env": dict,
     "reverse": bool, "max_num_batched_tokens": int, "note": str, "compare_to": str, "interleave": int,
-    "graphs": str, "prompt_lens": list, "q_replicate": bool, "resolves": dict, "release": str, "log_lines": list}
+    "graphs": str, "prompt_lens": list, "q_replicate": bool, "resolves": dict, "release": str, "log_lines": list,
+    "projection": str}
 
 
 def case_problem(doc: dict[str, Any]) -> str | None:
@@ -65,15 +73,39 @@ def case_problem(doc: dict[str, Any]) -> str | None:
         for i, item in enumerate(doc.get(key) or ()):
             if problem := kind_problem(item, kind):
                 return f"{key}[{i}]: {problem}"
+    try:
+        record_projection(doc)
+    except ProjectionError as exc:
+        return str(exc)
     return None
+
+
+def record_projection(doc: Mapping[str, Any]) -> tuple[str, dict[str, str]]:
+    """A case record's projection (``on``, ``off`` or ``""``: the build's own) and its ``env`` without the
+    projection's variable: a record written before cases had ``projection`` carries it as ``env``
+    ``VLLM_DCP_PROJECT_BEFORE_MERGE`` 1 / 0. :class:`ProjectionError` in one line naming the case for a value
+    that is neither, or a record whose two say different things."""
+    where = f"case {doc.get('name')!r}"
+    env = dict(doc.get("env") or {})
+    legacy = value_of_env(env.pop(PROJECTION_ENV, None), where)
+    projection = doc.get("projection") or ""
+    if projection not in ("", *PROJECTIONS):
+        raise ProjectionError(f"{where}: projection {projection!r}: expected on, off or none (the build's own)")
+    if legacy is not None and projection and legacy != projection:
+        raise ProjectionError(f"{where}: projection {projection!r} but {PROJECTION_ENV}={doc['env'][PROJECTION_ENV]!r}")
+    return projection or legacy or "", env
 
 
 _DEFAULTS: dict[str, Any] = {"dcp": 1, "mtp": False, "eager": False, "interleave": 1}
 
 
 def _field(case: Any, name: str) -> Any:
-    """A case's field, from a ``Case`` or its record (where a field at its default is left out)."""
+    """A case's field, from a ``Case`` or its record (where a field at its default is left out; an older
+    record's projection read from its env, :func:`record_projection`)."""
     if isinstance(case, Mapping):
+        if name in ("projection", "env"):
+            projection, env = record_projection(case)
+            return projection if name == "projection" else env
         value = case.get(name)
         return ({} if name == "env" else _DEFAULTS[name]) if value is None else value
     return getattr(case, name)
@@ -123,7 +155,7 @@ class ReleaseTable:
             bad = [c for c in conds if not isinstance(c, str) or not _known(c)]
             if bad:
                 problems.append(f"acts {patch!r}: unknown condition(s) {bad!r} (known: {', '.join(CONDITIONS)}, "
-                                "env:NAME=VALUE)")
+                                f"env:NAME=VALUE but {PROJECTION_ENV})")
                 continue
             acts[patch] = tuple(conds)
         expect: dict[str, tuple[Expectation, ...]] = {}
@@ -152,7 +184,8 @@ def _known(condition: str) -> bool:
     if condition in CONDITIONS:
         return True
     name, sep, _ = condition.removeprefix("env:").partition("=")
-    return condition.startswith("env:") and bool(sep) and bool(name)
+    # the projection is no case's variable (each build spells it its own way): projection:on|off
+    return condition.startswith("env:") and bool(sep) and bool(name) and name != PROJECTION_ENV
 
 
 def load(release: str, patches_root: Path = PATCHES) -> ReleaseTable:
@@ -178,6 +211,8 @@ def holds(case: Any, conditions: tuple[str, ...]) -> bool:
             return piecewise_mtp(case)
         if condition == "v1-runner":
             return v1_runner(case)
+        if condition.startswith("projection:"):
+            return _field(case, "projection") == condition.removeprefix("projection:")
         name, _, value = condition.removeprefix("env:").partition("=")
         return _field(case, "env").get(name) == value
 

@@ -11,8 +11,12 @@ engine check's cases, bench-engine's two servers, a regress profile's server) sa
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from overlay.errors import OverlayError
+from overlay.releases import derive
 from overlay.releases.derive import PROJECTION_ENV, PROJECTION_FIELD
+from overlay.releases.source import open_tree
 
 VALUES = ("on", "off", "auto")
 ARGUMENT = "--" + PROJECTION_FIELD.replace("_", "-")
@@ -67,3 +71,20 @@ def value_of_env(raw: str | None, where: str) -> str | None:
     if raw not in ("0", "1"):
         raise ProjectionError(f"{where}: {PROJECTION_ENV}={raw!r}: expected 0 (off) or 1 (on)")
     return "on" if raw == "1" else "off"
+
+
+def folder_switch(folder: Path) -> tuple[str | None, str]:
+    """The switch of the build whose ``vllm/`` lives in ``folder`` (an installed, staged or laid-out tree: what
+    ``importlib.util.find_spec("vllm")`` finds, a bench's ``--b-tree``) and how a message names that build
+    (``vllm 0.34.0 at FOLDER``), read from its files (:func:`derive.projection_switch`), nothing imported. One
+    line for a folder whose tree cannot say."""
+    tree = open_tree(folder)
+    try:
+        build = f"vllm {derive.release(tree)} at {folder}"
+    except derive.Missing:
+        build = f"the vllm at {folder}"
+    try:
+        return derive.projection_switch(tree), build
+    except derive.Missing as exc:
+        raise ProjectionError(f"{build}: cannot tell how it switches the projection before the DCP merge "
+                              f"({exc})") from None

@@ -131,15 +131,14 @@ def test_cases_put_references_then_the_production_shape_first() -> None:
     kw = prod.engine_kwargs("/m")
     assert kw["decode_context_parallel_size"] == 2 and kw["dcp_comm_backend"] == "a2a"
     assert kw["kv_cache_dtype"] == "fp8_ds_mla" and kw["speculative_config"]["num_speculative_tokens"] == 5
-    assert prod.env == {"VLLM_DCP_PROJECT_BEFORE_MERGE": "1", "VLLM_USE_DIRECT_DCP_A2A": "1"}
+    assert (prod.env, prod.projection) == ({"VLLM_USE_DIRECT_DCP_A2A": "1"}, "on")
     assert all(c.dcp == 1 for c in cases(1))
     # every transport, both projection settings, graphs and eager, MTP and the fused opt-in are covered
-    combos = {(c.backend, c.env.get("VLLM_USE_DIRECT_DCP_A2A"), c.env.get("VLLM_DCP_PROJECT_BEFORE_MERGE"), c.eager)
-              for c in cases(2) if c.dcp > 1}
+    combos = {(c.backend, c.env.get("VLLM_USE_DIRECT_DCP_A2A"), c.projection, c.eager) for c in cases(2) if c.dcp > 1}
     for backend, direct in (("a2a", "1"), ("a2a", "0"), ("ag_rs", None)):
-        for project in ("1", "0"):
+        for project in ("on", "off"):
             assert (backend, direct, project, False) in combos
-        assert (backend, direct, "1", True) in combos
+        assert (backend, direct, "on", True) in combos
     assert any(c.env.get("VLLM_DCP_PROJECT_FUSED") == "1" for c in cases(2))  # the fused opt-in
     assert not any("VLLM_DCP_DIRECT_WORKSPACE_SIZING" in c.env for c in cases(2))  # the knob is gone
 

@@ -22,6 +22,7 @@ import pytest
 
 from overlay.engine import check, verdict
 from overlay.engine.workload import PROFILE_SETTINGS, cases, release_cases, runner_cases
+from overlay.releases.projection import value_of_env
 from tests import factskit
 
 FACTS = factskit.facts("0.33.0")
@@ -77,8 +78,9 @@ def test_what_each_case_hands_the_engine() -> None:
     assert (qgather["dcp_comm_backend"], qgather["dcp_q_replicate"]) == ("a2a", False)
     profile = by["dcp-a2a-direct-proj1-graph-mtp"].engine_kwargs("/m")
     assert profile["dcp_comm_backend"] == "a2a" and "dcp_q_replicate" not in profile
-    assert by["dcp-defaults-proj0-graph-mtp"].env == {"VLLM_DCP_PROJECT_BEFORE_MERGE": "0"}
-    assert by["dcp-defaults-proj1-graph-mtp"].env == {"VLLM_DCP_PROJECT_BEFORE_MERGE": "1"}
+    assert (by["dcp-defaults-proj0-graph-mtp"].env, by["dcp-defaults-proj0-graph-mtp"].projection) == ({}, "off")
+    assert (by["dcp-defaults-proj1-graph-mtp"].env, by["dcp-defaults-proj1-graph-mtp"].projection) == ({}, "on")
+    assert by["dcp-defaults-graph-mtp"].projection == ""  # the release's own
 
 
 def test_every_dcp_case_of_the_build_is_judged_on_what_it_resolved_and_against_dcp1() -> None:
@@ -117,6 +119,7 @@ def test_the_profile_settings_are_the_profiles() -> None:
         assert not any("q-replicate" in a or "q_replicate" in a for a in args), name
         env = {k: str(v) for k, v in (server.get("env") or {}).items()}
         assert {k: env.get(k) for k in settings["env"]} == settings["env"], name
+        assert value_of_env(env.get("VLLM_DCP_PROJECT_BEFORE_MERGE"), name) == settings["projection"], name
         assert "VLLM_DCP_Q_REPLICATE" not in env, name
 
 

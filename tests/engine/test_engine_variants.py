@@ -122,6 +122,15 @@ def test_a_release_table_names_what_is_wrong(tmp_path: Path) -> None:
     with pytest.raises(ReleaseTableError) as exc:
         load("9.9.9", tmp_path)
     assert str(exc.value) == (f"{tmp_path / '9.9.9' / 'engine.toml'}: acts 'a.patch': unknown condition(s) ['dcp>2'] "
-                              "(known: dcp>1, mtp, piecewise-mtp, v1-runner, env:NAME=VALUE); expect[0]: variant and "
+                              "(known: dcp>1, mtp, piecewise-mtp, v1-runner, projection:on, projection:off, "
+                              "env:NAME=VALUE but VLLM_DCP_PROJECT_BEFORE_MERGE); expect[0]: variant and "
                               "symptom must be given, expect one of pass, mismatch, crash:<text>")
     assert load("9.9.8", tmp_path).acts == {}  # a release without the file: no acts, default expectations
+    # the projection is a case's own condition, never its variable (no case sets it: each build spells it)
+    (tmp_path / "9.9.9" / "engine.toml").write_text(
+        '[acts]\n"a.patch" = ["dcp>1", "env:VLLM_DCP_PROJECT_BEFORE_MERGE=1"]\n"b.patch" = ["projection:off"]\n')
+    with pytest.raises(ReleaseTableError, match=r"acts 'a\.patch': unknown condition\(s\) "
+                                                r"\['env:VLLM_DCP_PROJECT_BEFORE_MERGE=1'\]"):
+        load("9.9.9", tmp_path)
+    (tmp_path / "9.9.9" / "engine.toml").write_text('[acts]\n"b.patch" = ["dcp>1", "projection:off"]\n')
+    assert load("9.9.9", tmp_path).acts == {"b.patch": ("dcp>1", "projection:off")}

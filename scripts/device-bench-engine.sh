@@ -4,7 +4,7 @@
 #   bash scripts/device-run.sh .device/engine -- bash scripts/device-bench-engine.sh [BENCH ARGS ...]
 #
 # Runs `python3 -m overlay bench-engine --out /tmp/bench-engine BENCH ARGS` (`vllm serve` of the
-# tiny GLM-5 checkpoint, VLLM_DCP_PROJECT_BEFORE_MERGE=1 and =0 and A's twin, on the machine's two GPUs), then copies
+# tiny GLM-5 checkpoint, projection before the DCP merge on and off and A's twin, on the machine's two GPUs), then copies
 # into $OUT: engine.json (settings, every run, medians, ratios), engine.md (the table), engine.png when
 # matplotlib drew it, and server-logs.tar.gz (server-A.log, server-B.log, server-C.log). A call may run 600 s: without
 # --budget in BENCH ARGS the bench gets `--budget ${BENCH_ENGINE_BUDGET:-480}` (no cell is started that

@@ -104,8 +104,9 @@ def _cells(text: str) -> str:
 def _configure_bench_engine(sub: argparse._SubParsersAction) -> None:
     from overlay.engine.env import DEFAULT_VLLM, TRANSPORTS  # standard library only: the device needs no venv
 
-    text = ("GPUs: vllm serve of the tiny GLM-5 (TP2 x DCP2), VLLM_DCP_PROJECT_BEFORE_MERGE 1 vs 0 plus a twin "
-            "of 1 (the null), judged per cell with an interval and verdict (engine.json, .md, .png)")
+    text = ("GPUs: vllm serve of the tiny GLM-5 (TP2 x DCP2), projection before the DCP merge on vs off (each "
+            "server told its build's way: --dcp-v-up-proj-before-merge or VLLM_DCP_PROJECT_BEFORE_MERGE) plus a "
+            "twin of on (the null), judged per cell with an interval and verdict (engine.json, .md, .png)")
     ap = sub.add_parser("bench-engine", help=text, description=text)
     ap.add_argument("--out", type=Path, default=Path("bench-engine"))
     ap.add_argument("--plot", type=Path, help="only redraw engine.md and engine.png from this engine.json (or .gz)")
@@ -123,10 +124,10 @@ def _configure_bench_engine(sub: argparse._SubParsersAction) -> None:
                     help="more ABBA pairs until each server's measured runs of the cell took this long (10)")
     ap.add_argument("--max-repeats", type=at_least(1), default=30, help="runs per server and cell, at most (30)")
     ap.add_argument("--null", action="store_true",
-                    help="A/A: both servers VLLM_DCP_PROJECT_BEFORE_MERGE=1; the ratios are then the method's "
+                    help="A/A: every server projection on; the ratios are then the method's "
                          "noise (run it where the A/B is to be read)")
     ap.add_argument("--no-twin", action="store_true",
-                    help="two servers only: no twin C of A (flag on too), so no null of the same run")
+                    help="two servers only: no twin C of A (projection on too), so no null of the same run")
     ap.add_argument("--seed", type=at_least(0), default=0)
     ap.add_argument("--mixed-batch", type=at_least(1), default=32)
     ap.add_argument("--mixed-context", type=_context, default=4096)
@@ -148,17 +149,20 @@ def _configure_bench_engine(sub: argparse._SubParsersAction) -> None:
     ap.add_argument("--server-args", help="more vllm serve arguments, for both servers")
     ap.add_argument("--b-tree", type=Path,
                     help="B runs this vLLM tree (first on its PYTHONPATH; e.g. engine-variants' mtp-as-prefills "
-                         "laid out by engine-check's lay_variant) instead of VLLM_DCP_PROJECT_BEFORE_MERGE=0; the "
-                         "flag is 1 on every server")
+                         "laid out by engine-check's lay_variant) instead of projection off; the projection is "
+                         "on on every server, spelled for the build each serves")
     ap.add_argument("--b-label", help="how reports name B's tree or site (default: its path)")
     ap.add_argument("--b-site", type=Path,
                     help="B runs another release's staged site (scripts/device-run.sh's OVERLAY_DEVICE_SITE of "
                          "another staging): it and its .pth paths replace the inherited PYTHONPATH on B alone; "
-                         "the flag is 1 on every server (release A/B on one machine)")
+                         "the projection is on on every server, spelled for the build each serves (release A/B "
+                         "on one machine)")
     ap.add_argument("--vllm", default=os.environ.get("OVERLAY_VLLM", DEFAULT_VLLM),
                     help=f"the vLLM command line ({DEFAULT_VLLM!r}; env OVERLAY_VLLM)")
     ap.add_argument("--server-cmd", help="a whole server command instead of vllm serve (tests): "
-                                         "{port} {model} {name} {side} {args} are filled in")
+                                         "{port} {model} {name} {side} {args} are filled in ({args}: the "
+                                         "server's vLLM arguments, its projection among them where its build "
+                                         "takes it as an argument)")
     ap.add_argument("--ports", type=_ports, default=(8100, 8101, 8102),
                     help="HTTP ports of A,B[,C] (8100,8101,8102)")
     ap.add_argument("--ready-timeout", type=positive("seconds"), default=900.0)

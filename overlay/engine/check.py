@@ -22,7 +22,8 @@ patch's added statements ran; a patch a case declares (``Case.acts``) that ran n
 ``--variants DIR`` (``engine.variants``' output) adds, after the production shape, one job per
 seed-bug variant: that variant's case on the variant's tree, expected to fail the way its bug
 report says. ``--tree DIR`` / ``--variant TAR`` with ``--expect crash:REGEX`` or ``--expect
-mismatch`` instead run every checked case on one such tree.
+mismatch`` instead run every checked case on one such tree. A variant's tree without a switch for the projection
+before the DCP merge (``stock``) runs its case without asking it (:func:`on_tree`), on the release's own merge.
 
 Writes ``DIR/results.json`` and ``DIR/REPORT.md`` after every case (a run cut short keeps what
 it measured), and each case's log as ``DIR/<case>.log``. Exit 0: every case as expected;

@@ -15,7 +15,11 @@ from typing import Any
 import pytest
 
 from overlay.bench import engine
-from overlay.bench.engine import Cell, Request
+from overlay.bench.engine import Cell, Request, servers
+from overlay.releases.derive import PROJECTION_ENV
+from overlay.releases.projection import folder_switch
+from overlay.releases.source import importable_tree
+from tests import factskit
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
@@ -267,13 +271,12 @@ def test_kv_cache_and_server_args(tmp_path: Path) -> None:
         assert part in joined, part
     assert "--speculative-config" not in joined
     env_a, env_b = st.env("A", tmp_path / "out"), st.env("B", tmp_path / "out")
-    assert env_a["VLLM_DCP_PROJECT_BEFORE_MERGE"] == "1" and env_b["VLLM_DCP_PROJECT_BEFORE_MERGE"] == "0"
     assert env_a["VLLM_USE_DIRECT_DCP_A2A"] == "1"
     for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"):
         assert env_a[key] == env_b[key]
     assert env_a["VLLM_PORT"] != env_b["VLLM_PORT"] and env_a["VLLM_CACHE_ROOT"] != env_b["VLLM_CACHE_ROOT"]
-    same = {k for k in env_a if env_a[k] == env_b.get(k)}
-    assert set(env_a) - same == {"VLLM_DCP_PROJECT_BEFORE_MERGE", "VLLM_PORT", "VLLM_CACHE_ROOT"}
+    # the build this process imports: its own switch, read from its tree (test_each_build_gets_its_own_spelling)
+    assert st.switches == dict.fromkeys(st.sides(), folder_switch(importable_tree())[0])
     agrs = engine.Settings(model="/m", transport="ag_rs", prefix_caching=False, max_model_len=100,
                            max_position_embeddings=65536)
     joined = " ".join(engine.command(None, "vllm", agrs, 1, "B"))
@@ -281,26 +284,100 @@ def test_kv_cache_and_server_args(tmp_path: Path) -> None:
     assert "--hf-overrides" not in joined and "VLLM_USE_DIRECT_DCP_A2A" not in agrs.env("A", tmp_path)
 
 
-def test_b_tree_compares_two_trees_with_the_flag_on(tmp_path: Path) -> None:
+def _build(root: Path, switch: str | None, release: str = "0.34.0") -> Path:
+    """A folder holding a synthetic vLLM tree whose projection switch is ``switch`` (importable: an __init__)."""
+    like = {"0.28.0": "0.28.0"}.get(release, "0.34.0")
+    folder = factskit.tree(release, like, projection=switch).write(root)
+    (folder / "vllm" / "__init__.py").write_text(f"__version__ = {release!r}\n")
+    return folder
+
+
+def _sides(st: engine.Settings, out: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """side -> (its vllm serve arguments, its environment)."""
+    return {side: (engine.command(None, engine.DEFAULT_VLLM, st, 8100, side), st.env(side, out))
+            for side in st.sides()}
+
+
+@pytest.mark.parametrize("switch", ["argument", "env"])
+def test_each_build_gets_its_own_spelling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, switch: str) -> None:
+    """A = projection on, B = off, the twin C = on, each spelled the way the served build reads it: where the
+    build has the engine argument the servers differ by that argument and not by the variable (none of them
+    has it, not even inherited), where it reads the variable by the variable and by no argument."""
+    monkeypatch.setenv(PROJECTION_ENV, "1")  # in the bench's own environment: no server inherits it
+    st = engine.Settings(model="/m", switches=dict.fromkeys("ABC", switch), builds=dict.fromkeys("ABC", "b"))
+    sides = _sides(st, tmp_path / "out")
+    (args_a, env_a), (args_b, env_b), (args_c, env_c) = sides["A"], sides["B"], sides["C"]
+    differ = {k for k in {*env_a, *env_b} if env_a.get(k) != env_b.get(k)}
+    if switch == "argument":
+        assert args_a[-2:] == ["--dcp-v-up-proj-before-merge", "on"] and args_a[:-2] == args_b[:-2]
+        assert args_b[-2:] == ["--dcp-v-up-proj-before-merge", "off"] and args_c == args_a
+        assert differ == {"VLLM_PORT", "VLLM_CACHE_ROOT"} and not any(PROJECTION_ENV in e for e in (env_a, env_c))
+    else:
+        assert args_a == args_b == args_c and "--dcp-v-up-proj-before-merge" not in args_a
+        assert (env_a[PROJECTION_ENV], env_b[PROJECTION_ENV], env_c[PROJECTION_ENV]) == ("1", "0", "1")
+        assert differ == {PROJECTION_ENV, "VLLM_PORT", "VLLM_CACHE_ROOT"}
+    template = engine.command("serve {args}", "", st, 1, "B")  # --server-cmd's {args} carry it too
+    assert (template[-2:] == ["--dcp-v-up-proj-before-merge", "off"]) == (switch == "argument")
+    assert engine.comparison(asdict(st), short=True) == "projection on vs off"
+    assert engine.comparison(asdict(st)) == "projection before the DCP merge A=on vs B=off (" + (
+        "--dcp-v-up-proj-before-merge)" if switch == "argument" else "VLLM_DCP_PROJECT_BEFORE_MERGE)")
+
+
+def test_b_gets_the_spelling_of_the_build_it_serves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A and the twin serve the vLLM the bench imports, B the --b-site / --b-tree folder: each server is told its
+    build's way (here A by the argument, B, another release, by the variable), and a server whose build cannot take
+    its value is refused in one line before anything starts."""
+    own, staged, bare = (_build(tmp_path / n, s, r) for n, s, r in (
+        ("own", "argument", "0.34.0"), ("staged", "env", "0.28.0"), ("bare", None, "0.34.0")))
+    monkeypatch.setattr(servers, "importable_tree", lambda: own)
+    st = engine.Settings(model="/m", b_site=str(staged), b_label="0.28.0")
+    sides = _sides(st, tmp_path / "out")
+    assert st.switches == {"A": "argument", "B": "env", "C": "argument"}
+    assert st.builds["B"] == f"vllm 0.28.0 at {staged}" and st.builds["A"] == f"vllm 0.34.0 at {own}"
+    for side in "AC":
+        assert sides[side][0][-2:] == ["--dcp-v-up-proj-before-merge", "on"] and PROJECTION_ENV not in sides[side][1]
+    assert "--dcp-v-up-proj-before-merge" not in sides["B"][0] and sides["B"][1][PROJECTION_ENV] == "1"
+    assert servers.projection_plan(["A", "B"], False) == ({"A": "argument", "B": "argument"},
+                                                          dict.fromkeys("AB", f"vllm 0.34.0 at {own}"))
+    with pytest.raises(engine.BenchUsageError) as exc:
+        servers.projection_plan(["A", "B", "C"], True, str(bare))
+    assert str(exc.value) == (f"bench-engine: server B (projection on): vllm 0.34.0 at {bare} has no switch for the "
+                              "projection before the DCP merge (neither --dcp-v-up-proj-before-merge nor "
+                              "VLLM_DCP_PROJECT_BEFORE_MERGE): it cannot be turned on")
+    monkeypatch.setattr(servers, "importable_tree", lambda: bare)
+    with pytest.raises(engine.BenchUsageError, match=r"^bench-engine: server A \(projection on\): vllm 0\.34\.0 "
+                                                     r"at .* cannot be turned on \("
+                                                     r"projection on vs off where it cannot be switched would "
+                                                     r"measure nothing\)$"):
+        servers.projection_plan(["A", "B"], False)
+    monkeypatch.setattr(servers, "importable_tree", lambda: None)
+    with pytest.raises(engine.BenchUsageError, match=r"^bench-engine: no vllm importable"):
+        servers.projection_plan(["A", "B"], False)
+
+
+def test_b_tree_compares_two_trees_with_the_projection_on(tmp_path: Path) -> None:
     """--b-tree: B runs another vLLM tree (first on its PYTHONPATH); A and the twin do not; the
-    projection flag is on everywhere, so the trees are the only difference."""
-    tree = tmp_path / "mtp-as-prefills"
+    projection is on everywhere, so the trees are the only difference."""
+    tree = _build(tmp_path / "mtp-as-prefills", "argument")
     st = engine.Settings(model="/m", b_tree=str(tree), b_label="MTP as prefills (PIECEWISE)")
-    envs = {side: st.env(side, tmp_path / "out") for side in st.sides()}
-    assert {e["VLLM_DCP_PROJECT_BEFORE_MERGE"] for e in envs.values()} == {"1"}
+    sides = _sides(st, tmp_path / "out")
+    assert {tuple(args[-2:]) for args, _ in sides.values()} == {("--dcp-v-up-proj-before-merge", "on")}
+    envs = {side: env for side, (_, env) in sides.items()}
     assert envs["B"]["PYTHONPATH"].split(os.pathsep)[0] == str(tree)
     assert all(str(tree) not in envs[side]["PYTHONPATH"] for side in ("A", "C"))
     assert engine.comparison(asdict(st)) == ("A = the series vs B = MTP as prefills (PIECEWISE) "
-                                            "(VLLM_DCP_PROJECT_BEFORE_MERGE=1 on both)")
-    assert engine.comparison(asdict(engine.Settings(model="/m"))) == "VLLM_DCP_PROJECT_BEFORE_MERGE A=1 vs B=0"
+                                            "(projection on on both)")
     assert engine.comparison({"null": True, "b_tree": "x"}, short=True) == "A/A null run"
-    null = engine.Settings(model="/m", b_tree=str(tree), null=True)
-    assert str(tree) not in null.env("B", tmp_path)["PYTHONPATH"]
+    assert engine.comparison({}) == "projection before the DCP merge A=on vs B=off"  # a run before the switches
+    null = engine.Settings(model="/m", b_tree=str(tmp_path / "absent"), null=True)
+    assert str(tmp_path / "absent") not in null.env("B", tmp_path)["PYTHONPATH"]
+    assert {tuple(args[-2:]) for args, _ in _sides(null, tmp_path / "out").values()} == {
+        ("--dcp-v-up-proj-before-merge", "on")}
 
 
 def test_b_site_gives_b_another_release_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--b-site: B imports another staged release (its site and the folders its .pth files name) in place
-    of the inherited PYTHONPATH, nothing of A's; A and the twin keep theirs; the flag is on everywhere."""
+    of the inherited PYTHONPATH, nothing of A's; A and the twin keep theirs; the projection is on everywhere."""
     site_a, site_b = tmp_path / "site034", tmp_path / "site028"
     for site in (site_a, site_b):
         (site / "vllm").mkdir(parents=True)
@@ -312,7 +389,8 @@ def test_b_site_gives_b_another_release_alone(tmp_path: Path, monkeypatch: pytes
         (site / "cutlass.pth").write_text("# a comment\ncutlass_dsl/python\nmissing/dir\nimport sys, os, pkg_dsl; "
                                           "sys.path.insert(0, os.path.join(pkg_dsl.__path__[0], 'dsl_packages'))\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site_a), str(site_a / "cutlass_dsl" / "python")]))
-    st = engine.Settings(model="/m", tp=1, dcp=1, b_site=str(site_b), b_label="0.28.0")
+    st = engine.Settings(model="/m", tp=1, dcp=1, b_site=str(site_b), b_label="0.28.0",
+                         switches=dict.fromkeys("ABC", "env"), builds=dict.fromkeys("ABC", "b"))
     envs = {side: st.env(side, tmp_path / "out") for side in st.sides()}
     assert {e["VLLM_DCP_PROJECT_BEFORE_MERGE"] for e in envs.values()} == {"1"}
     b_paths = envs["B"]["PYTHONPATH"].split(os.pathsep)
@@ -323,7 +401,7 @@ def test_b_site_gives_b_another_release_alone(tmp_path: Path, monkeypatch: pytes
         assert envs[side]["PYTHONPATH"].endswith(os.environ["PYTHONPATH"])
         assert str(site_b) not in envs[side]["PYTHONPATH"]
     assert engine.comparison(asdict(st), short=True) == "the series vs 0.28.0"
-    null = engine.Settings(model="/m", b_site=str(site_b), null=True)
+    null = engine.Settings(model="/m", b_site=str(site_b), null=True, switches=dict.fromkeys("ABC", "env"))
     assert str(site_b) not in null.env("B", tmp_path)["PYTHONPATH"]
 
 
@@ -338,12 +416,13 @@ def model_dir(tmp_path: Path) -> Path:
     return d
 
 
-def bench(tmp_path: Path, model: Path, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def bench(tmp_path: Path, model: Path, *extra: str, timeout: float = 120,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     a, b, c = free_ports(3)
     cmd = [sys.executable, "-m", "overlay", "bench-engine", "--out", str(tmp_path / "out"), "--model", str(model),
-           "--server-cmd", f"{sys.executable} {SIDE} --port {{port}} --model-name {{name}} --side {{side}}",
+           "--server-cmd", f"{sys.executable} {SIDE} --port {{port}} --model-name {{name}} --side {{side}} -- {{args}}",
            "--ports", f"{a},{b},{c}", "--ready-timeout", "30", "--request-timeout", "30", *extra]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 SMALL = ("--batches", "1,2", "--contexts", "64,128", "--decode-tokens", "8", "--mixed-batch", "2",
@@ -391,6 +470,11 @@ def test_whole_run_against_standins(tmp_path: Path, model_dir: Path, monkeypatch
         assert f"| {name} |" in md
     assert "2-30 runs per server (rounds ABC, BCA, CAB, CBA, BAC, ACB with A's twin C; rounds added" in md
     assert all((out / f"server-{side}.log").exists() for side in "ABC")
+    # the build this process imports has the engine argument (0.34.0's series): each server was told by it
+    told = {side: "on" if side != "B" else "off" for side in "ABC"}
+    assert all(f"standin_side: projection {told[side]} by argument" in (out / f"server-{side}.log").read_text()
+               for side in "ABC")
+    assert "--dcp-v-up-proj-before-merge off" in result["commands"]["B"]
     assert "[bench-engine] cell 1x64 (1/5)" in proc.stdout
     judged, _ = fed(tmp_path, {"A": 5.0, "B": 50.0, "C": 5.0})
     for name in names:
@@ -421,6 +505,44 @@ def test_whole_run_against_standins(tmp_path: Path, model_dir: Path, monkeypatch
                          "--out", str(redraw)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert rc.returncode == 0, rc.stderr
     assert (redraw / "engine.md").read_text() == md and (redraw / "engine.png").exists()
+
+
+def _importing(tree: Path) -> dict[str, str]:
+    """The environment of a bench process that imports the vLLM in ``tree``."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def test_a_build_that_reads_the_variable_is_told_by_it(tmp_path: Path, model_dir: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole run where the vLLM the bench imports reads VLLM_DCP_PROJECT_BEFORE_MERGE (0.28.0's series): the
+    stand-ins stand for that build (they refuse the argument and need the variable), A and C get 1, B 0."""
+    tree = _build(tmp_path / "vllm-0.28.0", "env", "0.28.0")
+    monkeypatch.setenv("BENCH_STANDIN_SWITCH", "env")
+    proc = bench(tmp_path, model_dir, "--cells", "1x64", "--decode-tokens", "8", "--repeats", "1",
+                 "--cell-seconds", "0", env=_importing(tree))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "out"
+    for side, value in (("A", "on"), ("B", "off"), ("C", "on")):
+        assert f"standin_side: projection {value} by env" in (out / f"server-{side}.log").read_text(), side
+        assert f"server {side}: projection {value} (VLLM_DCP_PROJECT_BEFORE_MERGE=" in proc.stdout
+    result = json.loads((out / "engine.json").read_text())
+    assert result["settings"]["switches"] == dict.fromkeys("ABC", "env")
+    assert not any("--dcp-v-up-proj-before-merge" in c for c in result["commands"].values())
+    assert "projection before the DCP merge A=on vs B=off (VLLM_DCP_PROJECT_BEFORE_MERGE)" in (
+        out / "engine.md").read_text()
+
+
+def test_a_build_without_a_switch_is_refused_before_any_server(tmp_path: Path, model_dir: Path) -> None:
+    """On vs off where the build cannot switch would measure nothing: one line, exit 2, no server started."""
+    tree = _build(tmp_path / "bare", None)
+    proc = bench(tmp_path, model_dir, "--cells", "1x64", env=_importing(tree))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"error: bench-engine: server A (projection on): vllm 0.34.0 at {tree} has no switch for the projection "
+        "before the DCP merge (neither "
+        "--dcp-v-up-proj-before-merge nor VLLM_DCP_PROJECT_BEFORE_MERGE): it cannot be turned on (projection on vs "
+        "off where it cannot be switched would measure nothing)"]
+    assert not list((tmp_path / "out").glob("server-*.log"))
 
 
 def one_cell(tmp_path: Path, model_dir: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str],
@@ -506,8 +628,8 @@ def test_twin_of_another_speed_is_caught(tmp_path: Path, model_dir: Path, monkey
 
 def test_null_run_gives_both_servers_the_optimization(tmp_path: Path, model_dir: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    # The stand-in picks its arguments by the flag: B's (flag 0) die at the first prompt, so a run in which
-    # either server got flag 0 fails; with --null both are A and the run passes. Told by the flag, not by
+    # The stand-in picks its arguments by the projection it was told: B's (off) die at the first prompt, so a run
+    # in which either server got it off fails; with --null both are A and the run passes. Told by that, not by
     # a speed ratio (0.6 to 1.6 on a busy machine was a race with the scheduler).
     monkeypatch.setenv("BENCH_STANDIN_A", "--ttft-ms 1 --tpot-ms 1")
     monkeypatch.setenv("BENCH_STANDIN_B", "--ttft-ms 1 --tpot-ms 1 --mode dies --capacity 1")
@@ -528,7 +650,7 @@ def test_dead_server_stops_with_one_line(tmp_path: Path, model_dir: Path, monkey
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("bench-engine:")]
     assert len(errors) == 1, proc.stderr
     line = errors[0]
-    assert "server B (VLLM_DCP_PROJECT_BEFORE_MERGE=0) exited with status 1" in line
+    assert "server B (projection off) exited with status 1" in line
     assert "server-B.log" in line and "token count exceeds symmetric buffer capacity" in line
     result = json.loads((tmp_path / "out" / "engine.json").read_text())
     assert list(result["cells"]) == ["1x64", "2x64"] and result["partial"] is True
@@ -615,7 +737,7 @@ def test_a_server_dying_mid_cell_keeps_the_cells_runs(tmp_path: Path, model_dir:
                  "--cell-seconds", "0", "--no-twin")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     [line] = [ln for ln in proc.stderr.splitlines() if ln.startswith("bench-engine:")]
-    assert "server B (VLLM_DCP_PROJECT_BEFORE_MERGE=0) was killed by signal 9" in line
+    assert "server B (projection off) was killed by signal 9" in line
     assert line.endswith("server-B.log: (no error in its output)") and "POST" not in line, line
     result = json.loads((tmp_path / "out" / "engine.json").read_text())
     assert list(result["cells"]) == ["1x64"] and result["partial"] is True

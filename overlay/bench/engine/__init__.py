@@ -1,8 +1,13 @@
-"""``make bench-engine``: engine-level A/B of ``VLLM_DCP_PROJECT_BEFORE_MERGE`` on real ``vllm serve`` servers.
+"""``make bench-engine``: engine-level A/B of the projection before the DCP merge on real ``vllm serve`` servers.
 
 Two servers of the generated tiny GLM-5 checkpoint (``overlay.engine.checkpoint``) run at once on the
-same GPUs, identical but for one variable: A with ``VLLM_DCP_PROJECT_BEFORE_MERGE=1`` (our
-dcp-project-before-merge), B with ``=0`` (vLLM 0.28.0's merge-then-project order). Both serve at
+same GPUs, identical but for one setting: A with the projection through ``W_UV`` before the DCP merge on (our
+dcp-project-before-merge), B with it off (vLLM's merge-then-project order). Each server is told the way the
+build it serves reads it (``overlay.releases.projection``; the switch a release fact read from the build's own
+tree, the vLLM this process imports, or B's ``--b-tree`` / ``--b-site``): ``--dcp-v-up-proj-before-merge on|off``
+among its arguments where the build has that engine argument (0.34.0's series), else
+``VLLM_DCP_PROJECT_BEFORE_MERGE`` 1 / 0 in its environment (0.28.0's); a build with neither is refused in one
+line before any server starts (on vs off there would measure nothing). Both serve at
 TP ``--tp`` x DCP ``--dcp`` over ``--transport`` (``direct``: ``--dcp-comm-backend a2a`` with
 ``VLLM_USE_DIRECT_DCP_A2A=1``; ``a2a``: the same on NCCL; ``ag_rs``), ``fp8_ds_mla`` KV cache,
 CUDA graphs (``max_cudagraph_capture_size`` ``--max-cudagraph-capture-size``), prefix caching, no
@@ -47,7 +52,7 @@ client or the server's output path bundled tokens and its gaps are not step time
 client's clock, each run reads vLLM's own inter-token latency histogram
 (``vllm:inter_token_latency_seconds``, ``/metrics`` before and after the run): the server's mean ITL.
 
-The twin (default; ``--no-twin`` leaves it out): a third server C, identical to A (the flag on too),
+The twin (default; ``--no-twin`` leaves it out): a third server C, identical to A (the projection on too),
 measured in the same rounds. A against C on the judged metric is the null of the same run, at no extra
 start-up: where the twins differ by more than the target allows (interval without 1, ratio beyond 0.98
 or 1 / 0.98) the cell's verdict is ``not readable``.
@@ -66,7 +71,7 @@ drift of the machine cancels) and a verdict against the issue's 0.98: ``faster``
 ``meets target`` (at or above 0.98), ``below target`` or ``inconclusive`` (it spans 0.98); a point ratio
 below 0.98 is flagged as well. A server can stay slower than its identical twin for a whole cell (one
 H200, TP 1, 2026-12-01: 1x16384 A/A 1.37, interval 1.11-1.40), which no interval over one pair of
-servers can see: hence the twin. ``--null`` runs B with the flag on too (A/A/A): every ratio is then
+servers can see: hence the twin. ``--null`` runs B with the projection on too (A/A/A): every ratio is then
 noise. ``--reanalyze engine.json`` recomputes an earlier run's summaries and cells from its raw
 chunk arrivals with these definitions.
 

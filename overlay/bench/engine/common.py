@@ -46,14 +46,17 @@ DEFINITIONS: dict[str, str] = {
                        "ABBA pairs) of the judged ratio",
     "verdict": f"faster: interval above 1; meets target: interval at or above {TARGET}; below target: "
                f"interval below {TARGET}; inconclusive: it spans {TARGET}; not readable: the twins differ",
-    "twin_ratio": "the judged metric, twin C (identical to A: flag on) against A, ratio of medians (> 1: A faster)",
+    "twin_ratio": "the judged metric, twin C (identical to A: projection on) against A, ratio of medians "
+                  "(> 1: A faster)",
     "twin_interval": "its bootstrap interval over the rounds (run k of A with run k of C)",
     "twins_differ": f"twin_interval leaves out 1 and twin_ratio lies outside [{TARGET}, 1 / {TARGET}]",
 }
 SERVED_NAME = "tiny-glm5"
-SIDES = {"A": "1", "B": "0"}  # VLLM_DCP_PROJECT_BEFORE_MERGE per server
-TWIN = "C"  # a third server, A's twin (flag on too): A against C is the run's own null
-FLAGS = {**SIDES, TWIN: "1"}
+# The projection through W_UV before the DCP merge per server, as a value: each server gets the spelling of the
+# build it serves (overlay.releases.projection: an engine argument or a variable), bench.engine.servers
+SIDES = {"A": "on", "B": "off"}
+TWIN = "C"  # a third server, A's twin (projection on too): A against C is the run's own null
+FLAGS = {**SIDES, TWIN: "on"}
 # The measured runs' order, a round per pair (two servers) or triple (with the twin): with three, the
 # six orders in turn, so each server is as often first, second and last, and after each of the others.
 ORDERS = {2: (("A", "B"), ("B", "A")),

@@ -46,7 +46,7 @@ def table(result: dict[str, Any]) -> str:
              f"Interval: {CONFIDENCE:.0%} bootstrap over the ABBA pairs. Verdict against {TARGET}: faster "
              f"(interval above 1), meets target (at or above {TARGET}), below target, or inconclusive (the "
              f"interval spans {TARGET}). Pairs: run k of B against run k of A, lowest and highest. Twin: "
-             "A against C, a third server identical to A (the flag on too), on the judged metric: the null "
+             "A against C, a third server identical to A (the projection on too), on the judged metric: the null "
              f"of the same run; where its interval leaves out 1 and it lies beyond {TARGET} or 1 / {TARGET}, "
              "identical servers differed more than the target allows and the cell is not readable.",
              "",

@@ -17,7 +17,9 @@ from overlay.bench.engine.common import (
     DEFINITIONS,
     FLAGS,
     MODEL_LEN_MARGIN,
+    SIDES,
     TARGET,
+    TWIN,
     BenchError,
     BenchUsageError,
     fmt,
@@ -31,6 +33,7 @@ from overlay.bench.engine.servers import (
     kv_cache_bytes,
     largest_tokens,
     launch,
+    projection_plan,
     stop_all,
     wait_ready,
 )
@@ -190,6 +193,12 @@ def plan(opts: RunOptions) -> tuple[list[Cell], Settings]:
                             mixed_context=opts.mixed_context, mixed=not opts.no_mixed)
     except ValueError as exc:
         raise BenchUsageError(str(exc)) from None
+    # how each server's build takes the projection, before a checkpoint is made or a server started: a build
+    # that cannot take its server's value is refused here
+    b_given = opts.b_tree or opts.b_site
+    b_folder = str(b_given.resolve()) if b_given and not opts.null else ""
+    sides = [*SIDES, *([] if opts.no_twin else [TWIN])]
+    switches, builds = projection_plan(sides, opts.null or bool(b_given), b_folder)
     model = Path(os.path.expanduser(opts.model)) if opts.model else None
     if model is None:
         from overlay.engine.checkpoint import TinyGlm5Spec, checkpoint_id, default_cache
@@ -219,7 +228,7 @@ def plan(opts: RunOptions) -> tuple[list[Cell], Settings]:
         mixed_interval=opts.mixed_interval, layers=layers, deep_gemm_standin=not opts.no_deep_gemm_standin,
         extra_args=shlex.split(opts.server_args or ""),
         b_tree=str(opts.b_tree.resolve()) if opts.b_tree else "", b_label=opts.b_label or "",
-        b_site=str(opts.b_site.resolve()) if opts.b_site else "")
+        b_site=str(opts.b_site.resolve()) if opts.b_site else "", switches=switches, builds=builds)
     st.kv_cache_memory_bytes = opts.kv_cache_memory_bytes or kv_cache_bytes(
         -(-largest_tokens(cells, opts.decode_tokens) // opts.dcp), max(layers, 1))
     return cells, st
@@ -244,9 +253,13 @@ def _start_servers(opts: RunOptions, st: Settings, out: Path, servers: dict[str,
     a failure), their commands into ``result``."""
     ports = dict(zip(FLAGS, [*opts.ports, max(opts.ports) + 1][:3], strict=True))
     for side in st.sides():
+        args, env = st.spelling(side)
+        told = shlex.join(args) or " ".join(f"{k}={v}" for k, v in env.items())
+        progress(f"server {side}: projection {st.projection(side)} ({told}; {st.builds[side]})")
         cmd = command(opts.server_cmd, opts.vllm, st, ports[side], side)
         result.setdefault("commands", {})[side] = shlex.join(cmd)
-        servers[side] = launch(side, cmd, st.env(side, out), out / f"server-{side}.log", ports[side])
+        servers[side] = launch(side, cmd, st.env(side, out), out / f"server-{side}.log", ports[side],
+                               st.projection(side))
 
 
 def _measure(cells: list[Cell], servers: dict[str, Server], st: Settings, opts: RunOptions,

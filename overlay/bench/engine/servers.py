@@ -1,4 +1,13 @@
-"""bench-engine's servers: settings, the vllm serve command and environment, start, readiness, death."""
+"""bench-engine's servers: settings, the vllm serve command and environment, start, readiness, death.
+
+Each server runs the projection before the DCP merge at its side's value (``common.FLAGS``: A on, B off, the
+twin C on; on everywhere in a null run or a comparison of two trees or sites), spelled the way the build it
+serves reads it (:mod:`overlay.releases.projection`): A and C serve the vLLM this process imports (the folder
+``importlib.util.find_spec("vllm")`` finds), B the ``--b-tree`` or ``--b-site`` folder where one is given. A
+build with the engine argument gets ``--dcp-v-up-proj-before-merge on|off`` among its server's arguments, one
+that reads ``VLLM_DCP_PROJECT_BEFORE_MERGE`` the variable in its environment; a build with neither is refused
+before any server starts (:func:`projection_plan`).
+"""
 
 from __future__ import annotations
 
@@ -23,10 +32,46 @@ from overlay.bench.engine.common import (
     SIDES,
     TWIN,
     BenchError,
+    BenchUsageError,
     progress,
 )
 from overlay.engine.env import PORT_BASE, PORT_STRIDE, REPO, SAFE_ENV, STANDIN, error_cause, error_line
 from overlay.regress.server import Server, start_server
+from overlay.releases.derive import PROJECTION_ENV
+from overlay.releases.projection import ARGUMENT, ProjectionError, folder_switch, server_settings
+from overlay.releases.source import importable_tree
+
+
+def projection_of(side: str, same: bool) -> str:
+    """The projection server ``side`` runs: its own value (``FLAGS``), or A's on every server where the run
+    compares something else (``same``: a null run, two trees, two sites)."""
+    return FLAGS["A"] if same else FLAGS[side]
+
+
+def projection_plan(sides: list[str], same: bool, b_folder: str = "") -> tuple[dict[str, str | None], dict[str, str]]:
+    """(side -> the projection switch of the build it serves, side -> how messages name that build): A and the
+    twin the vLLM this process imports, B the folder ``b_folder`` (``--b-tree``, ``--b-site``) where given.
+    Read from the trees' files, nothing imported or started; a server whose build cannot take the value it runs
+    with (:func:`projection_of`) is refused in one line (:class:`BenchUsageError`)."""
+    own = importable_tree()
+    try:
+        if own is None:
+            raise ProjectionError("no vllm importable: the build of server A cannot be read")
+        a = folder_switch(own)
+        b = folder_switch(Path(b_folder)) if b_folder else a
+    except ProjectionError as exc:
+        raise BenchUsageError(f"bench-engine: {exc}") from None
+    switches: dict[str, str | None] = {}
+    builds: dict[str, str] = {}
+    for side in sides:
+        switches[side], builds[side] = b if side == "B" else a
+        value = projection_of(side, same)
+        try:
+            server_settings(switches[side], value, builds[side])
+        except ProjectionError as exc:
+            why = "" if same else " (projection on vs off where it cannot be switched would measure nothing)"
+            raise BenchUsageError(f"bench-engine: server {side} (projection {value}): {exc}{why}") from None
+    return switches, builds
 
 
 @dataclass
@@ -49,8 +94,8 @@ class Settings:
     repeats: int = 5  # measured runs per server and cell, at least
     cell_seconds: float = 10.0  # more ABBA pairs until each server's measured runs took this long ...
     max_repeats: int = 30  # ... up to this many runs per server
-    null: bool = False  # A/A: both servers VLLM_DCP_PROJECT_BEFORE_MERGE=1, the ratios are the method's noise
-    twin: bool = True  # a third server C with A's flag: A against C is the null of the same run
+    null: bool = False  # A/A: every server projection on, the ratios are the method's noise
+    twin: bool = True  # a third server C with A's projection: A against C is the null of the same run
     seed: int = 0
     mixed_batch: int = 32
     mixed_context: int = 4096
@@ -58,16 +103,40 @@ class Settings:
     layers: int = 0
     deep_gemm_standin: bool = True
     extra_args: list[str] = field(default_factory=list)
-    # B runs this vLLM tree (first on its PYTHONPATH) instead of the flag off: A/B of two trees,
-    # VLLM_DCP_PROJECT_BEFORE_MERGE=1 on every server (e.g. engine.variants' mtp-as-prefills)
+    # B runs this vLLM tree (first on its PYTHONPATH) instead of the projection off: A/B of two trees,
+    # projection on on every server (e.g. engine.variants' mtp-as-prefills)
     b_tree: str = ""
     b_label: str = ""
     # B runs another staged site (scripts/device-run.sh's OVERLAY_DEVICE_SITE of another release's staging):
     # that folder and the paths of its .pth files replace the inherited PYTHONPATH on B alone, so B imports
-    # that release's vLLM and its packages, nothing of A's; VLLM_DCP_PROJECT_BEFORE_MERGE=1 on every server
+    # that release's vLLM and its packages, nothing of A's; projection on on every server
     b_site: str = ""
+    # per side, how the build it serves switches the projection ("argument", "env") and that build's name
+    # (projection_plan; filled on first use where a run's plan did not)
+    switches: dict[str, str | None] = field(default_factory=dict)
+    builds: dict[str, str] = field(default_factory=dict)
 
-    def server_args(self) -> list[str]:
+    @property
+    def compares_projection(self) -> bool:
+        """A and B differ by the projection (not a null run, not two trees or sites)."""
+        return not (self.null or self.b_tree or self.b_site)
+
+    def projection(self, side: str) -> str:
+        """The projection server ``side`` runs (``on`` / ``off``)."""
+        return projection_of(side, not self.compares_projection)
+
+    def spelling(self, side: str) -> tuple[list[str], dict[str, str]]:
+        """(server arguments, environment) that give server ``side`` its projection, its build's way."""
+        if side not in self.switches:
+            self.switches, self.builds = projection_plan(self.sides(), not self.compares_projection,
+                                                         "" if self.null else self.b_tree or self.b_site)
+        try:
+            return server_settings(self.switches[side], self.projection(side), self.builds.get(side, "its build"))
+        except ProjectionError as exc:
+            raise BenchUsageError(f"bench-engine: server {side}: {exc}") from None
+
+    def server_args(self, side: str | None = None) -> list[str]:
+        """The vLLM arguments of server ``side`` (None: those every server shares, without the projection)."""
         args = ["--tensor-parallel-size", str(self.tp), "--decode-context-parallel-size", str(self.dcp),
                 "--dcp-comm-backend", "ag_rs" if self.transport == "ag_rs" else "a2a",
                 "--kv-cache-dtype", "fp8_ds_mla", "--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes),
@@ -81,19 +150,21 @@ class Settings:
         if self.max_position_embeddings and self.max_model_len > self.max_position_embeddings:
             # the checkpoint's RoPE table ends at max_position_embeddings; a longer one covers the cells
             args += ["--hf-overrides", json.dumps({"max_position_embeddings": self.max_model_len})]
-        return args + list(self.extra_args)
+        return args + (self.spelling(side)[0] if side else []) + list(self.extra_args)
 
     def sides(self) -> list[str]:
         """The servers of the run: A and B, and A's twin C with ``twin``."""
         return [*SIDES, *([TWIN] if self.twin else [])]
 
     def env(self, side: str, out: Path) -> dict[str, str]:
-        """The environment of server ``side`` (A, B or the twin C): only VLLM_DCP_PROJECT_BEFORE_MERGE
-        differs, besides its own port range and compile cache."""
+        """The environment of server ``side`` (A, B or the twin C): besides its own port range and compile
+        cache, only the projection's variable differs, where its build reads that (else the argument,
+        :meth:`server_args`, and no server inherits the variable)."""
         env = dict(os.environ)
         env.update(SAFE_ENV)
         env["VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS"] = "0"
-        env["VLLM_DCP_PROJECT_BEFORE_MERGE"] = FLAGS["A"] if self.null or self.b_tree or self.b_site else FLAGS[side]
+        env.pop(PROJECTION_ENV, None)
+        env.update(self.spelling(side)[1])
         if self.transport in ("direct", "a2a"):
             env["VLLM_USE_DIRECT_DCP_A2A"] = "1" if self.transport == "direct" else "0"
         paths = ([str(STANDIN)] if self.deep_gemm_standin else []) + [str(REPO)]
@@ -127,15 +198,19 @@ def site_paths(site_dir: Path) -> list[str]:
 
 
 def comparison(settings: dict[str, Any], short: bool = False) -> str:
-    """What A and B differ in, for titles: the projection flag, another vLLM tree or staged site, or nothing
-    (null)."""
+    """What A and B differ in, for titles: the projection before the DCP merge (on vs off; how the builds were
+    told, where the settings say), another vLLM tree or staged site, or nothing (null)."""
     if settings.get("null"):
-        return "A/A null run" if short else ("A/A null run, both VLLM_DCP_PROJECT_BEFORE_MERGE=1: the ratios are "
-                                             "the method's noise")
+        return "A/A null run" if short else ("A/A null run, projection on on every server: the ratios are the "
+                                             "method's noise")
     if settings.get("b_tree") or settings.get("b_site"):
         b = settings.get("b_label") or settings.get("b_tree") or settings["b_site"]
-        return f"the series vs {b}" if short else f"A = the series vs B = {b} (VLLM_DCP_PROJECT_BEFORE_MERGE=1 on both)"
-    return "VLLM_DCP_PROJECT_BEFORE_MERGE 1 vs 0" if short else "VLLM_DCP_PROJECT_BEFORE_MERGE A=1 vs B=0"
+        return f"the series vs {b}" if short else f"A = the series vs B = {b} (projection on on both)"
+    if short:
+        return "projection on vs off"
+    told = sorted({{"argument": ARGUMENT, "env": PROJECTION_ENV}.get(s) or "?"
+                   for side, s in (settings.get("switches") or {}).items() if side in SIDES})
+    return "projection before the DCP merge A=on vs B=off" + (f" ({' and '.join(told)})" if told else "")
 
 
 def kv_cache_bytes(tokens_per_gpu: int, layers: int) -> int:
@@ -155,13 +230,14 @@ def command(template: str | None, vllm: str, settings: Settings, port: int, side
     ({port}, {model}, {name}, {side}, {args}: the vLLM arguments, shell-quoted)."""
     if template:
         filled = template.format(port=port, model=shlex.quote(settings.model), name=SERVED_NAME, side=side,
-                                 args=shlex.join(settings.server_args()))
+                                 args=shlex.join(settings.server_args(side)))
         return shlex.split(filled)
     return [*shlex.split(vllm), "serve", settings.model, "--host", "127.0.0.1", "--port", str(port),
-            "--served-model-name", SERVED_NAME, *settings.server_args()]
+            "--served-model-name", SERVED_NAME, *settings.server_args(side)]
 
 
-def launch(side: str, cmd: list[str], env: dict[str, str], log_path: Path, port: int) -> BenchServer:
+def launch(side: str, cmd: list[str], env: dict[str, str], log_path: Path, port: int,
+           projection: str = "") -> BenchServer:
     """Start one server in its own process group (``Server.stop`` signals the group)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
@@ -171,15 +247,17 @@ def launch(side: str, cmd: list[str], env: dict[str, str], log_path: Path, port:
             proc = start_server(cmd, env, log, "127.0.0.1", port)  # bound to the run, recorded until stopped
         except FileNotFoundError:
             raise BenchError(f"server {side}: {cmd[0]!r} not found (--vllm / --server-cmd)") from None
-    return BenchServer(side, f"http://127.0.0.1:{port}", proc, log_path)
+    return BenchServer(side, f"http://127.0.0.1:{port}", proc, log_path, projection)
 
 
 class BenchServer(Server):
-    """A launched server that knows which side (A or B) it is."""
+    """A launched server that knows which side (A, B or C) it is and the projection it runs."""
 
-    def __init__(self, side: str, base_url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+    def __init__(self, side: str, base_url: str, proc: subprocess.Popen[bytes], log_path: Path,
+                 projection: str = "") -> None:
         super().__init__(base_url, SERVED_NAME, proc, log_path)
         self.side = side
+        self.projection = projection
 
 
 def side_of(server: Server) -> str:
@@ -202,7 +280,8 @@ def death_of(server: Server) -> str | None:
     log = server.log_path.read_text(encoding="utf-8", errors="replace") if server.log_path else ""
     # killed by a signal with no exception logged: the log's last line would be a served request
     why = (error_cause(log) or "(no error in its output)") if rc is not None and rc < 0 else error_line(log)
-    return f"server {side} (VLLM_DCP_PROJECT_BEFORE_MERGE={FLAGS.get(side, '?')}) {how}; {server.log_path}: {why}"
+    projection = getattr(server, "projection", "") or FLAGS.get(side, "?")
+    return f"server {side} (projection {projection}) {how}; {server.log_path}: {why}"
 
 
 def stop_all(servers: list[Server], grace_s: float = 15.0) -> None:

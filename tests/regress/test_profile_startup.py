@@ -15,6 +15,12 @@ reads the draft model's ``mask_hidden`` buffer for ``parallel_drafting``
 (``vllm/v1/spec_decode/llm_base_proposer.py``), which only EAGLE-3 / PARD-style drafters define;
 ``DeepSeekMTP`` has none ("'DeepSeekMTP' object has no attribute 'mask_hidden'", two H200s,
 2026-11-30). That is checked on the draft model class the registry resolves.
+
+The environment is checked too: every ``VLLM_*`` variable a profile's ``server.env`` sets must be one the
+installed release reads (``vllm.envs.environment_variables``). vLLM only logs "Unknown vLLM environment
+variable detected" for one it does not know and starts without it, so a profile setting 0.28.0's
+``VLLM_DCP_PROJECT_BEFORE_MERGE`` on 0.34.0 would silently not run what it says (``make regress`` stops such a
+launched server at run time: ``overlay/regress/runner.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import pytest
 
 from overlay.engine.checkpoint import TinyGlm5Spec, write_config_only
 from overlay.regress.profiles import load_profile, shipped_profiles
+from tests.releasekit import installed_release
 
 # Flags whose objects need the real tokenizer's special tokens (checked by the CLI only).
 TOKENIZER_BOUND = {"--enable-auto-tool-choice": 0, "--tool-call-parser": 1, "--reasoning-parser": 1}
@@ -111,7 +118,33 @@ def test_shipped_profile_starts_as_far_as_a_cpu_allows(name: str, model_dir: Pat
     if profile.server.speculative_config:
         assert config.speculative_config is not None
         assert config.speculative_config.num_speculative_tokens == profile.server.speculative_tokens
+    projection = profile.server.arg_value("--dcp-v-up-proj-before-merge")
+    if projection is not None:  # the engine argument of our 0.34.0 series: it must reach ParallelConfig
+        assert config.parallel_config.dcp_v_up_proj_before_merge == projection
     assert drafter_problem(config) is None
+
+
+def unread_variables(env: dict[str, str]) -> list[str]:
+    """The ``VLLM_*`` names of ``env`` that the installed vLLM does not read (it would log each as unknown)."""
+    from vllm import envs
+
+    return sorted(name for name in env if name.startswith("VLLM_") and name not in envs.environment_variables)
+
+
+@pytest.mark.parametrize("name", shipped_profiles())
+def test_shipped_profile_env_is_read_by_the_installed_vllm(name: str) -> None:
+    profile = load_profile(name)
+    unread = unread_variables(profile.server.env)
+    assert not unread, "; ".join(
+        f"{profile.path}: server.env.{var}: the installed vLLM {installed_release()} does not read it (not in "
+        "vllm.envs.environment_variables; it logs 'Unknown vLLM environment variable detected' and starts "
+        "without it)" for var in unread)
+
+
+def test_an_unread_variable_is_found() -> None:
+    """The check above can fail: a name no release reads is found, one the release reads is not."""
+    assert unread_variables({"VLLM_NO_SUCH_SWITCH": "1", "VLLM_USE_DIRECT_DCP_A2A": "1", "NCCL_NVLS_ENABLE": "0"}) == [
+        "VLLM_NO_SUCH_SWITCH"]
 
 
 def test_parallel_drafting_with_mtp_is_refused(model_dir: Path) -> None:

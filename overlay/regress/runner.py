@@ -83,6 +83,7 @@ def run(profile: Profile, out_dir: Path, base_url: str | None = None,
             report.base_url = server.base_url
             refused = None if server.launched else profile.server.attach_timeout_s
             took = server.wait_ready(profile.server.ready_timeout_s, say, refused_timeout_s=refused)
+            server.check_env_read(profile.server.env, profile.path)  # launched: its log says what it ignored
             say(f"server: ready after {took:.1f} s, serving {server.model}")
             report.steps.append(StepResult("server", "pass", f"ready after {took:.1f} s",
                                            time.monotonic() - t0, {"ready_s": round(took, 1)}))

@@ -11,6 +11,11 @@ vLLM stops its engine on SIGTERM) and records it in ``$TMPDIR/vllm-overlay-<uid>
 until it is stopped. Before a launch, a server a killed run left on the port (its run gone, its process
 group still there) is stopped, and said so; anything else listening there is refused as a harness
 failure, never taken for the server just launched.
+
+A launched server must also run what its profile says: vLLM starts without a ``VLLM_*`` variable it does not
+read and only logs "Unknown vLLM environment variable detected: NAME" (0.34.0 so ignores 0.28.0's
+``VLLM_DCP_PROJECT_BEFORE_MERGE``). Once it is ready, :meth:`Server.check_env_read` reads its log for such a
+line about a variable the profile's ``server.env`` sets, and refuses the run as a harness failure naming it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -36,6 +42,11 @@ from overlay.interrupt import bound_to_parent
 from overlay.regress.client import Client, normalize_base_url
 from overlay.regress.errors import RegressError, ServerDied
 from overlay.regress.profiles import ServerSpec
+from overlay.releases.projection import ARGUMENT as PROJECTION_ARGUMENT
+from overlay.releases.projection import PROJECTION_ENV
+
+UNKNOWN_ENV = re.compile(r"Unknown vLLM environment variable detected: ([A-Za-z0-9_]+)")
+"""What vLLM (0.28.0 and 0.34.0: ``validate_environ``) logs for a ``VLLM_*`` variable it does not read."""
 
 
 class Server:
@@ -78,6 +89,33 @@ class Server:
             return ""
         text = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
         return "\n".join(text[-lines:])
+
+    def unread_env(self, env: dict[str, str]) -> list[str]:
+        """The names of ``env`` that the launched server's log says its vLLM does not read, in ``env``'s order
+        (none for an attached server: its log is not ours)."""
+        if self.log_path is None or not self.log_path.exists():
+            return []
+        unknown: set[str] = set()
+        with self.log_path.open(encoding="utf-8", errors="replace") as log:
+            for line in log:
+                if "Unknown vLLM environment variable" in line:
+                    unknown.update(UNKNOWN_ENV.findall(line))
+        return [name for name in env if name in unknown]
+
+    def check_env_read(self, env: dict[str, str], where: str) -> None:
+        """Raise RegressError (one line naming ``where``'s ``server.env.NAME``) when the launched server's log
+        says its vLLM does not read a variable the profile sets: the server would not run what the profile says."""
+        unread = self.unread_env(env)
+        if not unread:
+            return
+        fields = ", ".join(f"server.env.{name}" for name in unread)
+        hint = (f"; our 0.34.0 series takes the projection as {PROJECTION_ARGUMENT} auto|on|off in server.args"
+                if PROJECTION_ENV in unread else "")
+        log = self.log_path.name if self.log_path is not None else "the server log"
+        it = "it" if len(unread) == 1 else "them"
+        raise RegressError(f"{where}: {fields}: the vLLM this profile started does not read {it} ({log}: "
+                           f"\"Unknown vLLM environment variable detected: {unread[0]}\"), so the server does not run "
+                           f"what the profile says; set {it} the way that build reads {it}, or remove {it}{hint}")
 
     def wait_ready(self, timeout_s: float, progress: Callable[[str], None], poll_s: float = 2.0,
                    refused_timeout_s: float | None = None) -> float:

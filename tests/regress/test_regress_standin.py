@@ -165,6 +165,71 @@ def test_launch_mode_server_exiting_at_startup_is_a_regression(tmp_path: Path) -
                                   "ready; server log ends: RuntimeError: DCP is not supported by FLASHMLA_SPARSE")
 
 
+# What vLLM's validate_environ does at start-up (0.28.0 and 0.34.0): a VLLM_* variable it does not read is
+# logged, not refused, and the server starts without it. The fake reads VLLM_USE_DIRECT_DCP_A2A only.
+_IGNORING_VLLM = f"""
+import os, sys
+args = sys.argv[1:]
+assert args[0] == "serve", args
+for name in sorted(os.environ):
+    if name.startswith("VLLM_") and name != "VLLM_USE_DIRECT_DCP_A2A":
+        print(f"WARNING 12-07 10:00:00 [interface.py:1500] Unknown vLLM environment variable detected: {{name}}",
+              flush=True)
+os.execv(sys.executable, [sys.executable, {str(STANDIN)!r}, "--port", args[args.index("--port") + 1],
+         "--model-name", args[1], "--gsm8k", {str(FIXTURE_GSM8K)!r}])
+"""
+
+
+def test_launch_mode_server_ignoring_a_profile_variable_is_a_harness_failure(tmp_path: Path) -> None:
+    """A profile setting a variable the started vLLM does not read (0.28.0's VLLM_DCP_PROJECT_BEFORE_MERGE on
+    0.34.0) does not run what it says: once ready, the run stops with a harness verdict naming the field. A
+    variable of the run's own environment that the profile does not set is not the profile's fault."""
+    port = free_port()
+    profile = make_profile(tmp_path, **{"server.vllm_bin": str(_fake_vllm(tmp_path, _IGNORING_VLLM)),
+                                        "server.port": port,
+                                        "server.env": {"VLLM_USE_DIRECT_DCP_A2A": "1",
+                                                       "VLLM_DCP_PROJECT_BEFORE_MERGE": "1"}})
+    run = run_cli(profile, tmp_path / "out", "--ready-timeout", "30", env={"VLLM_OUTER_SETTING": "1"})
+    assert run.code == 2, run.stderr
+    [finding] = run.findings()
+    assert finding["kind"] == "harness"
+    where, message = finding["message"].split(": ", 1)  # the report names the file, its folder redacted
+    assert where.endswith("/profile.yaml") and f"{profile}: server.env.VLLM_DCP_PROJECT_BEFORE_MERGE: " in run.stderr
+    assert message == (
+        "server.env.VLLM_DCP_PROJECT_BEFORE_MERGE: the vLLM this profile started does not read it "
+        "(server.log: \"Unknown vLLM environment variable detected: VLLM_DCP_PROJECT_BEFORE_MERGE\"), so the "
+        "server does not run what the profile says; set it the way that build reads it, or remove it; our 0.34.0 "
+        "series takes the projection as --dcp-v-up-proj-before-merge auto|on|off in server.args")
+    assert "Unknown vLLM environment variable detected: VLLM_OUTER_SETTING" in (run.out / "server.log").read_text()
+    assert (run.out / "verdict").read_text().strip() == "harness"
+    assert {s["name"]: s["status"] for s in run.report["steps"]} == {
+        "server": "error", "long_context": "skipped", "gsm8k": "skipped", "latency": "skipped", "acceptance": "skipped"}
+    import socket
+    with socket.socket() as s:  # stopped all the same
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_a_variable_the_log_names_counts_only_where_the_profile_sets_it(tmp_path: Path) -> None:
+    from overlay.regress.errors import RegressError
+    from overlay.regress.server import Server
+
+    log = tmp_path / "server.log"
+    log.write_text("INFO starting\n\x1b[33mWARNING\x1b[0m 12-07 [interface.py:1500] Unknown vLLM environment "
+                   "variable detected: VLLM_B\nWARNING Unknown vLLM environment variable detected: VLLM_OUTER\n")
+    server = Server("http://127.0.0.1:9", "m", log_path=log)
+    assert server.unread_env({"VLLM_A": "1", "VLLM_B": "0", "NCCL_X": "1"}) == ["VLLM_B"]
+    server.check_env_read({"VLLM_A": "1"}, "p.yaml")  # the log names no variable the profile sets
+    try:
+        server.check_env_read({"VLLM_OUTER": "1", "VLLM_B": "0"}, "p.yaml")
+    except RegressError as exc:
+        assert str(exc).startswith("p.yaml: server.env.VLLM_OUTER, server.env.VLLM_B: the vLLM this profile "
+                                   "started does not read them (server.log: ")
+        assert "\n" not in str(exc) and "--dcp-v-up-proj-before-merge" not in str(exc)
+    else:
+        raise AssertionError("no error for two variables the log calls unknown")
+    assert Server("http://127.0.0.1:9", "m").unread_env({"VLLM_B": "0"}) == []  # attached: no log of ours
+
+
 def test_make_regress_passes_profile_base_url_and_out(tmp_path: Path) -> None:
     # Dry run only: the real target would first refresh the shared venv when pyproject changed.
     out = subprocess.run(["make", "--no-print-directory", "-n", "regress", "PROFILE=p.yaml",

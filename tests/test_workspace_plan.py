@@ -7,6 +7,12 @@ reads) and the byte formulas against the real ``DirectDCPA2AWorkspace`` /
 intercepted to record what they ask for. The DCP-gathered ``W_UV`` of
 ``dcp-project-before-merge.patch`` is checked against the figures its brief states (GLM-5 at TP8 x
 DCP8: 14 MiB per layer, 1092 MiB over 78 layers).
+
+A profile's projection is read in either build's spelling: 0.34.0's series' ``--dcp-v-up-proj-before-merge
+auto|on|off`` (``auto`` resolved for the profile's transport as that series resolves it), 0.28.0's
+``VLLM_DCP_PROJECT_BEFORE_MERGE``; the profiles are written here, so these tests hold on every release's
+environment (``tests/test_patches_against_base.py`` runs this file on 0.28.0's); the one tie to a tree, the
+defaults ``auto`` is resolved with, is checked where the installed build has the argument.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -149,7 +156,7 @@ def test_projection_sizes_the_a2a_output_and_gathers_w_uv():
     assert 2 * _a2a_output_bytes(on) == _a2a_output_bytes(off)
     assert off.w_uv_dcp_layer_bytes == off.w_uv_dcp_bytes == 0
     assert off.total_bytes == off.q_gather_bytes + off.a2a_bytes
-    assert "W_UV_dcp: none (projection off, VLLM_DCP_PROJECT_BEFORE_MERGE=0" in format_plan(off)
+    assert "W_UV_dcp: none (projection off: the merge exchanges kv_lora_rank 512, no W_UV gathered)" in format_plan(off)
     assert plan(ServingConfig(v_head_dim=128)).a2a_bytes == a2a_workspace_bytes(on.tokens, 8, 8, 128)
 
 
@@ -215,35 +222,162 @@ def test_profile_is_read_and_flags_override():
     assert not build_config(name, project_before_merge=False).projects_before_merge
 
 
-def _profile_with_env(tmp_path, value: str) -> str:
+PROJECTION = "--dcp-v-up-proj-before-merge"
+TINY = "tiny-glm5-tp2-dcp2-mtp5"  # TP2 x DCP2 over the direct a2a, the projection on by the argument
+
+
+def _profile_with(tmp_path: Path, args: dict[str, str | None] | None = None, env: dict[str, str | None] | None = None,
+                  *, equals: bool = False, name: str = TINY) -> str:
+    """A copy of a shipped profile whose ``server.args`` flags and ``server.env`` variables are set as given
+    (None: removed); ``equals`` writes each flag as ``--flag=value``."""
+    import yaml
+
     from overlay.regress.profiles import load_profile
 
-    name = "tiny-glm5-tp2-dcp2-mtp5"
-    assert load_profile(name).server.env["VLLM_DCP_PROJECT_BEFORE_MERGE"] == "1"
-    text = (Path(__file__).parents[1] / "overlay/regress/profiles" / f"{name}.yaml").read_text(encoding="utf-8")
-    path = tmp_path / f"{name}-{value or 'empty'}.yaml"
-    path.write_text(text.replace('VLLM_DCP_PROJECT_BEFORE_MERGE: "1"', f'VLLM_DCP_PROJECT_BEFORE_MERGE: "{value}"'),
-                    encoding="utf-8")
+    doc = yaml.safe_load((Path(__file__).parents[1] / load_profile(name).path).read_text(encoding="utf-8"))
+    server = doc["server"]
+    for flag, value in (args or {}).items():
+        argv = [str(a) for a in server["args"]]
+        if flag in argv:
+            del argv[argv.index(flag):argv.index(flag) + 2]
+        if value is not None:
+            argv += [f"{flag}={value}"] if equals else [flag, value]
+        server["args"] = argv
+    for var, value in (env or {}).items():
+        server["env"].pop(var, None)
+        if value is not None:
+            server["env"][var] = value
+    path = tmp_path / f"{name}-{len(list(tmp_path.iterdir()))}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
     return str(path)
 
 
-def test_profile_env_turns_the_projection_off(tmp_path):
-    assert build_config("tiny-glm5-tp2-dcp2-mtp5").projects_before_merge
-    off = build_config(_profile_with_env(tmp_path, "0"))
-    assert off.project_before_merge is False and off.dcp == 2
+def test_the_tiny_profiles_project_by_the_argument(capsys) -> None:
+    """The two-GPU profiles say on in 0.34.0's spelling; the plan names it."""
+    from overlay.regress.profiles import load_profile
+
+    for name in (TINY, "tiny-glm5-tp2-dcp2-agrs-mtp5"):
+        server = load_profile(name).server
+        assert server.arg_value(PROJECTION) == "on" and "VLLM_DCP_PROJECT_BEFORE_MERGE" not in server.env, name
+        config = build_config(name)
+        assert config.projects_before_merge and config.projection_source == f"server.args {PROJECTION} on", name
+    assert cli.main(["workspace-plan", "--profile", TINY, "--num-heads", "16", "--num-layers", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"projection before the DCP merge: on (server.args {PROJECTION} on): the A2A output holds v_head_dim" in out
+    assert "W_UV_dcp: 2.0 MiB per layer x 3 layers" in out
+
+
+@pytest.mark.parametrize(("backend", "direct", "on", "why"), [
+    ("a2a", "1", False, "--dcp-comm-backend a2a over the direct A2A (VLLM_USE_DIRECT_DCP_A2A=1)"),
+    ("a2a", None, False, "--dcp-comm-backend a2a over the direct A2A (VLLM_USE_DIRECT_DCP_A2A unset: direct on one "
+                         "node)"),
+    ("a2a", "0", True, "--dcp-comm-backend a2a over NCCL (VLLM_USE_DIRECT_DCP_A2A=0): auto projects there"),
+    ("ag_rs", "0", False, "--dcp-comm-backend ag_rs: auto projects over the NCCL a2a only"),
+    ("ag_rs", None, False, "--dcp-comm-backend ag_rs: auto projects over the NCCL a2a only"),
+    (None, "0", True, "a2a, GLM-5's default on 0.34.0 over NCCL (VLLM_USE_DIRECT_DCP_A2A=0)"),
+    (None, None, False, "a2a, GLM-5's default on 0.34.0 over the direct A2A"),
+], ids=["a2a-direct", "a2a-direct-unset", "a2a-nccl", "ag_rs-direct0", "ag_rs", "default-nccl", "default-direct"])
+def test_auto_is_resolved_for_the_transport(tmp_path, backend, direct, on, why) -> None:
+    """auto (0.34.0's series, upstream's policy): projected over the NCCL All-to-All only, so the A2A output and
+    W_UV_dcp follow the profile's comm backend and direct switch."""
+    for equals in (False, True):
+        path = _profile_with(tmp_path, {PROJECTION: "auto", "--dcp-comm-backend": backend},
+                             {"VLLM_USE_DIRECT_DCP_A2A": direct}, equals=equals)
+        config = build_config(path)
+        assert config.project_before_merge is on
+        assert config.projection_source.startswith(f"server.args {PROJECTION} auto, {why}")
+        result = plan(config)
+        assert (result.config.a2a_head_dim, result.w_uv_dcp_bytes > 0) == ((256, True) if on else (512, False))
+        assert f"projection before the DCP merge: {'on' if on else 'off'} (server.args {PROJECTION} auto, " in (
+            format_plan(result))
+
+
+@pytest.mark.parametrize("backend", ["a2a", "ag_rs", None])
+def test_on_and_off_mean_every_transport(tmp_path, backend) -> None:
+    for value, on in (("on", True), ("off", False)):
+        config = build_config(_profile_with(tmp_path, {PROJECTION: value, "--dcp-comm-backend": backend}))
+        assert (config.project_before_merge, config.projection_source) == (on, f"server.args {PROJECTION} {value}")
+
+
+def test_0_28_0s_variable_is_still_read(tmp_path) -> None:
+    for raw, on in (("0", False), ("1", True)):
+        path = _profile_with(tmp_path, {PROJECTION: None}, {"VLLM_DCP_PROJECT_BEFORE_MERGE": raw})
+        config = build_config(path)
+        assert config.project_before_merge is on and config.dcp == 2
+        assert config.projection_source == f"server.env VLLM_DCP_PROJECT_BEFORE_MERGE={raw}"
+        assert f"projection before the DCP merge: {'on' if on else 'off'} (server.env VLLM_DCP_PROJECT_BEFORE_MERGE=" \
+               f"{raw})" in format_plan(plan(config))
+    off = build_config(_profile_with(tmp_path, {PROJECTION: None}, {"VLLM_DCP_PROJECT_BEFORE_MERGE": "0"}))
     result = plan(off)
     assert result.w_uv_dcp_bytes == 0 and result.config.a2a_head_dim == 512
-    assert build_config(_profile_with_env(tmp_path, "0"), project_before_merge=True).projects_before_merge
+    overridden = build_config(_profile_with(tmp_path, {PROJECTION: None}, {"VLLM_DCP_PROJECT_BEFORE_MERGE": "0"}),
+                              project_before_merge=True)
+    assert overridden.projects_before_merge and overridden.projection_source == "--project-before-merge"
 
 
-@pytest.mark.parametrize("value", ["yes", ""])
-def test_profile_env_that_vllm_cannot_read_is_one_line(tmp_path, capsys, value):
-    path = _profile_with_env(tmp_path, value)
-    with pytest.raises(ValueError, match=r"server\.env\.VLLM_DCP_PROJECT_BEFORE_MERGE must be an integer"):
+def test_a_profile_without_either_says_what_the_plan_assumed() -> None:
+    config = build_config("glm5.2-fp8-tp8-dcp8")
+    assert config.project_before_merge
+    assert config.projection_source.startswith("the profile sets neither --dcp-v-up-proj-before-merge nor "
+                                               "VLLM_DCP_PROJECT_BEFORE_MERGE: on")
+    assert build_config().projection_source.startswith("the default")
+    assert build_config(project_before_merge=False).projection_source == "--no-project-before-merge"
+
+
+def _refused(capsys, path: str, pattern: str) -> None:
+    """build_config refuses the profile, and the CLI says so in one line naming the field."""
+    with pytest.raises(ValueError, match=pattern):
         build_config(path)
     assert cli.main(["workspace-plan", "--profile", path]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "VLLM_DCP_PROJECT_BEFORE_MERGE" in err and repr(value) in err
+    assert err.count("\n") == 1 and err.startswith(f"error: {path}: "), err
+    assert re.search(pattern, err), err
+
+
+def test_both_spellings_in_one_profile_are_refused(tmp_path, capsys) -> None:
+    path = _profile_with(tmp_path, env={"VLLM_DCP_PROJECT_BEFORE_MERGE": "1"})
+    _refused(capsys, path, r"server\.args --dcp-v-up-proj-before-merge 'on' and "
+                           r"server\.env\.VLLM_DCP_PROJECT_BEFORE_MERGE both set the projection")
+
+
+@pytest.mark.parametrize(("args", "env", "pattern"), [
+    ({PROJECTION: "yes"}, {}, r"server\.args: --dcp-v-up-proj-before-merge 'yes': expected on, off, auto"),
+    ({PROJECTION: "auto", "--dcp-comm-backend": "nccl"}, {},
+     r"server\.args: --dcp-comm-backend 'nccl': expected ag_rs or a2a"),
+    ({PROJECTION: "auto"}, {"VLLM_USE_DIRECT_DCP_A2A": "on"},
+     r"server\.env\.VLLM_USE_DIRECT_DCP_A2A must be an integer .*got 'on'"),
+    ({PROJECTION: None}, {"VLLM_DCP_PROJECT_BEFORE_MERGE": "yes"},
+     r"server\.env\.VLLM_DCP_PROJECT_BEFORE_MERGE must be an integer .*got 'yes'"),
+    ({PROJECTION: None}, {"VLLM_DCP_PROJECT_BEFORE_MERGE": ""},
+     r"server\.env\.VLLM_DCP_PROJECT_BEFORE_MERGE must be an integer .*got ''"),
+])
+def test_a_value_a_build_would_refuse_is_one_line(tmp_path, capsys, args, env, pattern) -> None:
+    _refused(capsys, _profile_with(tmp_path, args, env), pattern)
+
+
+def test_the_argument_without_its_value_is_one_line(tmp_path, capsys) -> None:
+    import yaml
+
+    path = Path(_profile_with(tmp_path, {PROJECTION: None}))
+    doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    doc["server"]["args"].append(PROJECTION)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False), encoding="utf-8")
+    _refused(capsys, str(path), r"server\.args: --dcp-v-up-proj-before-merge is the last argument, without its value")
+
+
+def test_auto_is_resolved_with_the_installed_builds_defaults() -> None:
+    """What auto_projects takes for a profile that names no backend or direct switch is what a build with the
+    argument (our 0.34.0 series) gives GLM-5: a2a, and the direct A2A where symmetric memory serves."""
+    import vllm
+
+    from overlay.regress.workspace_plan import AUTO_DEFAULT_BACKEND
+    from overlay.releases.facts import release_facts
+
+    facts = release_facts(Path(vllm.__file__).parent.parent)
+    if facts.projection_switch != "argument":
+        pytest.skip(f"vLLM {facts.release} has no {PROJECTION} (its switch: {facts.projection_switch}): no auto")
+    assert facts.dcp_comm_backend == AUTO_DEFAULT_BACKEND
+    assert facts.direct_a2a_default is None  # unset: direct where symmetric memory serves (one node)
 
 
 @pytest.mark.parametrize("profile", shipped_profiles())

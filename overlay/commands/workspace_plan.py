@@ -16,7 +16,10 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp = sub.add_parser("workspace-plan", help=HELP, description=HELP)
     add_vllm(sp)
     sp.add_argument("--profile", help="regress profile name or YAML: TP, DCP, batching, speculation from its "
-                                      "serve arguments, the projection from its env (flags override)")
+                                      "serve arguments, the projection from its --dcp-v-up-proj-before-merge "
+                                      "auto|on|off (0.34.0's; auto resolved for its --dcp-comm-backend and "
+                                      "VLLM_USE_DIRECT_DCP_A2A) or its env VLLM_DCP_PROJECT_BEFORE_MERGE "
+                                      "(0.28.0's), never both (flags override)")
     sp.add_argument("--tp", type=int, help="tensor parallel size (default 8)")
     sp.add_argument("--dcp", type=int, help="decode context parallel size (default 8)")
     sp.add_argument("--num-heads", type=int, help="attention heads of the model (default 64, GLM-5)")
@@ -26,8 +29,9 @@ def configure_parser(sub: argparse._SubParsersAction) -> None:
     sp.add_argument("--num-layers", type=int,
                     help="MLA layers, each with its own W_UV_dcp (default 78, GLM-5; an MTP draft's layer is one more)")
     sp.add_argument("--project-before-merge", action=argparse.BooleanOptionalAction, default=None,
-                    help="VLLM_DCP_PROJECT_BEFORE_MERGE (default on): the A2A output at v_head_dim and W_UV "
-                         "gathered over DCP; off: at kv_lora_rank, no gathered W_UV")
+                    help="the projection through W_UV before the DCP merge, whatever the build's switch "
+                         "(default on, or the profile's): the A2A output at v_head_dim and W_UV gathered over "
+                         "DCP; off: at kv_lora_rank, no gathered W_UV")
     sp.add_argument("--max-num-seqs", type=int,
                     help="default 128 (the seed's setup; a profile without the flag: vLLM's 1024)")
     sp.add_argument("--speculative-tokens", type=int, help="num_speculative_tokens (default 0)")

@@ -16,10 +16,9 @@ gathered heads (``DCP * H`` unless the backend pads the query, e.g. FlashMLA's f
 64 or 128), ``T`` the token capacity of ``get_dcp_workspace_max_num_tokens``, the decode formula
 ``min(max_num_batched_tokens, max(max_num_seqs * (1 + k * s), cudagraph_capture))`` with ``s``
 speculative tokens, ``k = 2`` with parallel drafting else 1, and ``D`` the head dimension the
-DCP manager's combine is built for: ``v_head_dim`` with our ``dcp-project-before-merge.patch``
-(on by default, ``VLLM_DCP_PROJECT_BEFORE_MERGE=1``), ``kv_lora_rank`` with it off (0.28.0's).
-Steps above the capacity (sparse-MLA forced-MQA prefill) take the NCCL paths with the patched
-series; on the unpatched 0.28.0 they crash.
+DCP manager's combine is built for: ``v_head_dim`` while the layers project through ``W_UV`` before the
+merge, ``kv_lora_rank`` while they do not. Steps above the capacity (sparse-MLA forced-MQA prefill) take the
+NCCL paths with the patched series; on the unpatched 0.28.0 they crash.
 
 With the projection on, every MLA layer also all-gathers ``W_UV`` over the DCP group in
 ``process_weights_after_loading``: ``W_UV_dcp`` ``[DCP * H, kv_lora_rank, v_head_dim]`` in the
@@ -27,6 +26,14 @@ model dtype, ``(DCP - 1) * H * kv_lora_rank * v_head_dim * dtype_bytes`` bytes m
 GPU than ``W_UV`` alone (GLM-5 at TP8 x DCP8: 14 MiB, 1092 MiB over its 78 layers). It is
 allocated inside vLLM's model loader, so vLLM counts it in the model's weight memory before it
 sizes the KV cache. At DCP 1 there is no DCP manager: no workspace, no ``W_UV_dcp``.
+
+The projection's switch is spelled per build (``overlay/releases/projection.py``): our 0.28.0 series reads
+``VLLM_DCP_PROJECT_BEFORE_MERGE`` (1 on, 0 off, unset on), our 0.34.0 series the engine argument
+``--dcp-v-up-proj-before-merge auto|on|off`` and not the variable. A profile's server is read in either
+spelling, never both (a build reads one: the other would be ignored). ``auto`` is resolved as 0.34.0's series
+resolves it for the profile's transport (:func:`auto_projects`): projected over the NCCL All-to-All only,
+not over ag_rs nor the direct symmetric-memory A2A. Without either the plan projects (0.28.0's default, and
+``--project-before-merge``'s), and says so.
 
 Sizes here are the requested bytes; the symmetric-memory allocator may round each buffer up.
 ``tests/test_workspace_plan.py`` checks the capacity and workspace formulas against vLLM's own
@@ -40,6 +47,9 @@ from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from overlay.errors import one_line, shown
+from overlay.releases.derive import DIRECT_A2A_ENV, PROJECTION_ENV
+from overlay.releases.projection import ARGUMENT as PROJECT_ARG
+from overlay.releases.projection import VALUES as PROJECT_VALUES
 
 if TYPE_CHECKING:
     from overlay.regress.profiles import ServerSpec
@@ -51,8 +61,13 @@ _LSE_BYTES = 4  # float32
 HOPPER_DEFAULT_MAX_CAPTURE = 512
 SERVE_DEFAULT_MAX_NUM_SEQS = 1024
 SERVE_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-PROJECT_ENV = "VLLM_DCP_PROJECT_BEFORE_MERGE"
-"""The switch of ``dcp-project-before-merge.patch`` (vLLM reads ``bool(int(value))``, default "1")."""
+PROJECT_ENV = PROJECTION_ENV
+"""0.28.0's switch (``dcp-project-before-merge.patch``; vLLM reads ``bool(int(value))``, default "1")."""
+COMM_BACKEND_ARG = "--dcp-comm-backend"
+COMM_BACKENDS = ("ag_rs", "a2a")
+AUTO_DEFAULT_BACKEND = "a2a"
+"""GLM-5's comm backend on 0.34.0 when none is named (its config hook's ``set_dcp_defaults(comm_backend="a2a")``;
+``ReleaseFacts.dcp_comm_backend``): what ``auto`` is resolved for without ``--dcp-comm-backend``."""
 
 
 def tokens_per_seq(speculative_tokens: int = 0, parallel_drafting: bool = False) -> int:
@@ -160,6 +175,8 @@ def _field_problems(config: ServingConfig) -> list[str]:
         value = getattr(config, name)
         if not isinstance(value, bool):
             problems.append(f"{_flag(name)} must be true or false, got {value!r}")
+    if not isinstance(config.projection_source, str):
+        problems.append(f"projection_source must be a string, got {config.projection_source!r}")
     return problems
 
 
@@ -203,7 +220,8 @@ class ServingConfig:
     qk_rope_head_dim: int = 64
     v_head_dim: int = 256
     num_layers: int = 78  # MLA layers of the model (GLM-5's decoder layers; an MTP draft's is one more)
-    project_before_merge: bool = True  # VLLM_DCP_PROJECT_BEFORE_MERGE (dcp-project-before-merge.patch)
+    project_before_merge: bool = True  # the projection through W_UV before the DCP merge (each build's switch)
+    projection_source: str = ""  # how it was set, for the text ("server.args --dcp-v-up-proj-before-merge on")
     max_num_seqs: int = 128
     speculative_tokens: int = 0
     parallel_drafting: bool = False
@@ -297,12 +315,17 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:9.1f} MB ({n / 2**20:7.1f} MiB)"
 
 
+def _said(c: ServingConfig) -> str:
+    """How the projection was set, for a line of the plan ("" when the config does not say)."""
+    return f" ({c.projection_source})" if c.projection_source else ""
+
+
 def _w_uv_line(p: Plan) -> str:
     c = p.config
     if c.dcp == 1:
         return "W_UV_dcp: none (DCP 1: no merge to project before)"
     if not c.project_before_merge:
-        return f"W_UV_dcp: none (projection off, {PROJECT_ENV}=0: the merge exchanges kv_lora_rank {c.kv_lora_rank})"
+        return f"W_UV_dcp: none (projection off: the merge exchanges kv_lora_rank {c.kv_lora_rank}, no W_UV gathered)"
     return (f"W_UV_dcp: {p.w_uv_dcp_layer_bytes / 2**20:.1f} MiB per layer x {c.num_layers} layers = "
             f"{p.w_uv_dcp_bytes / 2**30:.2f} GiB per GPU ({p.w_uv_dcp_bytes / 2**20:.1f} MiB), "
             "counted in the model's weight memory "
@@ -316,9 +339,9 @@ def format_plan(p: Plan) -> str:
             + (" (parallel drafting)" if c.parallel_drafting else "")) if c.speculative_tokens else "no speculation"
     q_heads = c.q_padded_heads or c.dcp * c.heads_per_rank
     projection = ("off at DCP 1" if c.dcp == 1 else
-                  f"on ({PROJECT_ENV}=1): the A2A output holds v_head_dim {c.v_head_dim} per head"
+                  f"on{_said(c)}: the A2A output holds v_head_dim {c.v_head_dim} per head"
                   if c.project_before_merge else
-                  f"off ({PROJECT_ENV}=0): the A2A output holds kv_lora_rank {c.kv_lora_rank} per head")
+                  f"off{_said(c)}: the A2A output holds kv_lora_rank {c.kv_lora_rank} per head")
     lines = [
         f"TP {c.tp}, DCP {c.dcp}, {c.num_heads} heads ({c.heads_per_rank} per TP rank), "
         f"kv_lora_rank {c.kv_lora_rank}, v_head_dim {c.v_head_dim}, rope {c.qk_rope_head_dim}, "
@@ -347,16 +370,65 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _project_before_merge(env: dict[str, str], where: str) -> bool | None:
-    """``VLLM_DCP_PROJECT_BEFORE_MERGE`` of a profile's server environment as vLLM reads it (None: unset)."""
-    raw = env.get(PROJECT_ENV)
+def _env_bool(env: dict[str, str], name: str, where: str, meaning: str) -> bool | None:
+    """A variable of a profile's server environment as vLLM reads it, ``bool(int(value))`` (None: unset)."""
+    raw = env.get(name)
     if raw is None:
         return None
     try:
         return bool(int(raw))
     except ValueError:
-        raise ValueError(f"{where}: server.env.{PROJECT_ENV} must be an integer (0 off, 1 on; vLLM reads "
+        raise ValueError(f"{where}: server.env.{name} must be an integer ({meaning}; vLLM reads "
                          f"bool(int(value))), got {raw!r}") from None
+
+
+def auto_projects(backend: str | None, direct: bool | None) -> tuple[bool, str]:
+    """Whether our 0.34.0 series projects before the merge under ``--dcp-v-up-proj-before-merge auto``, and why.
+
+    ``auto`` is upstream's policy (``dcp-v-up-proj-before-merge-config.patch``): ``MLADCPManager`` registers a
+    projected combine over the NCCL All-to-All only; over ag_rs, and over the direct symmetric-memory A2A that
+    ``--dcp-comm-backend a2a`` takes where ``VLLM_USE_DIRECT_DCP_A2A`` is 1, or unset on one node with
+    symmetric memory (what this plan sizes its A2A workspace for), it merges the latent output and gathers no
+    ``W_UV``. ``backend`` None: GLM-5's default (:data:`AUTO_DEFAULT_BACKEND`).
+    """
+    named = backend is not None
+    backend = backend or AUTO_DEFAULT_BACKEND
+    said = f"{COMM_BACKEND_ARG} {backend}" if named else f"{backend}, GLM-5's default on 0.34.0"
+    if backend == "ag_rs":
+        return False, f"{said}: auto projects over the NCCL a2a only"
+    if direct is False:
+        return True, f"{said} over NCCL ({DIRECT_A2A_ENV}=0): auto projects there"
+    how = f"{DIRECT_A2A_ENV}=1" if direct else f"{DIRECT_A2A_ENV} unset: direct on one node"
+    return False, f"{said} over the direct A2A ({how}): auto projects over the NCCL a2a only"
+
+
+def _projection(server: ServerSpec, where: str) -> tuple[bool, str] | None:
+    """(on, how the profile says it) from its server arguments (our 0.34.0 series' engine argument, ``auto``
+    resolved for its transport) or its environment (0.28.0's variable); None when it sets neither.
+    ValueError, one line naming the field: both set, or a value the build would refuse."""
+    value = server.arg_value(PROJECT_ARG)
+    if value is None and PROJECT_ARG in server.args:
+        raise ValueError(f"{where}: server.args: {PROJECT_ARG} is the last argument, without its value "
+                         f"({', '.join(PROJECT_VALUES)})")
+    env = _env_bool(server.env, PROJECT_ENV, where, "0 off, 1 on")
+    if value is not None and PROJECT_ENV in server.env:
+        raise ValueError(f"{where}: server.args {PROJECT_ARG} {shown(value)} and server.env.{PROJECT_ENV} both set "
+                         "the projection, and a build reads only one (our 0.34.0 series the argument, 0.28.0's "
+                         "the variable): keep the one of the build this profile runs")
+    if value is None:
+        return None if env is None else (env, f"server.env {PROJECT_ENV}={server.env[PROJECT_ENV]}")
+    if value not in PROJECT_VALUES:
+        raise ValueError(f"{where}: server.args: {PROJECT_ARG} {shown(value)}: expected "
+                         f"{', '.join(PROJECT_VALUES)}")
+    said = f"server.args {PROJECT_ARG} {value}"
+    if value != "auto":
+        return value == "on", said
+    backend = server.arg_value(COMM_BACKEND_ARG)
+    if backend is not None and backend not in COMM_BACKENDS:
+        raise ValueError(f"{where}: server.args: {COMM_BACKEND_ARG} {shown(backend)}: expected "
+                         f"{' or '.join(COMM_BACKENDS)}")
+    on, why = auto_projects(backend, _env_bool(server.env, DIRECT_A2A_ENV, where, "0 NCCL, 1 direct"))
+    return on, f"{said}, {why}"
 
 
 def config_from_profile(name_or_path: str) -> dict[str, Any]:
@@ -368,9 +440,12 @@ def config_from_profile(name_or_path: str) -> dict[str, Any]:
         found = _server_args(server)
     except ValueError as exc:
         raise ValueError(f"--profile {name_or_path}: server.args: {one_line(str(exc))}") from None
-    project = _project_before_merge(server.env, name_or_path)
-    if project is not None:
-        found["project_before_merge"] = project
+    projection = _projection(server, name_or_path)
+    if projection is None:
+        found["projection_source"] = (f"the profile sets neither {PROJECT_ARG} nor {PROJECT_ENV}: on, as "
+                                      "0.28.0's series by default; 0.34.0's series takes auto")
+    else:
+        found["project_before_merge"], found["projection_source"] = projection
     return found
 
 
@@ -405,4 +480,10 @@ def build_config(profile: str | None = None, **overrides: Any) -> ServingConfig:
     """ServingConfig from defaults, then a profile's serve arguments, then explicit overrides."""
     values: dict[str, Any] = config_from_profile(profile) if profile else {}
     values.update({k: v for k, v in overrides.items() if v is not None})
+    project = overrides.get("project_before_merge")
+    if overrides.get("projection_source") is None:  # the text names what decided: the flag, the profile, the default
+        if isinstance(project, bool):
+            values["projection_source"] = "--project-before-merge" if project else "--no-project-before-merge"
+        else:
+            values.setdefault("projection_source", "the default; --no-project-before-merge for off")
     return replace(ServingConfig(), **values)

@@ -150,6 +150,20 @@ def test_only_harness_errors_mean_the_tests_cannot_run(tmp_path: Path, tree: Pat
     assert run.first_error().startswith("AttributeError: module 'vllm.fix' has no attribute 'gone' (test_a, at ")
 
 
+def test_a_run_takes_the_marker_expression_it_is_given(tmp_path: Path, tree: Path) -> None:
+    """``marks`` selects the run's tests (``-m``): by default every test but the GPU ones."""
+    tests = _write(tmp_path, {"conftest.py": "def pytest_configure(config):\n    for m in ('long', 'gpu'):\n"
+                                             "        config.addinivalue_line('markers', m)\n",
+                              "test_m.py": "import pytest\n\n\ndef test_short():\n    pass\n\n\n"
+                                           "@pytest.mark.long\ndef test_long():\n    pass\n\n\n"
+                                           "@pytest.mark.gpu\ndef test_gpu():\n    pass\n"})
+    everything = run_files([tests / "test_m.py"], tree, cwd=tests)
+    short = run_files([tests / "test_m.py"], tree, cwd=tests, marks="not gpu and not long")
+    long = run_files([tests / "test_m.py"], tree, cwd=tests, marks="long and not gpu")
+    assert (everything.passed, short.passed, long.passed) == (("test_short", "test_long"), ("test_short",),
+                                                              ("test_long",))
+
+
 def test_an_import_error_of_a_test_only_name_is_a_harness_error(tmp_path: Path, tree: Path) -> None:
     tests = _write(tmp_path, {"test_z.py": "from helper_gone import thing\n\n\ndef test_a():\n    pass\n"})
     run = run_files([tests / "test_z.py"], tree, cwd=tests)

@@ -171,8 +171,10 @@ def pytest_runner(tests_dir: Path, *, cwd: Path | None = None, timeout: float = 
     return PytestRunner(tests_dir, cwd=cwd, timeout=timeout, deps=deps)
 
 
-def run_files(files: list[Path], tree: Path, *, cwd: Path, timeout: float = 900, deps: Path | None = None) -> TestRun:
-    """pytest on ``files`` with ``import vllm`` resolving to ``tree``; what each test did.
+def run_files(files: list[Path], tree: Path, *, cwd: Path, timeout: float = 900, deps: Path | None = None,
+              marks: str = "not gpu") -> TestRun:
+    """pytest on ``files`` with ``import vllm`` resolving to ``tree``; what each test did. ``marks``: the
+    run's marker expression (``-m``; every test but the GPU ones unless told).
 
     With ``deps`` (a release's dependency folder) the run's Python starts with ``-S``: its path is the
     tree, ``deps``, this environment's torch and this tool, whatever else this environment holds.
@@ -199,7 +201,7 @@ def run_files(files: list[Path], tree: Path, *, cwd: Path, timeout: float = 900,
         else:
             first = [str(tree), str(_TOOL_ROOT)]
             env["PYTHONPATH"] = os.pathsep.join([*first, *filter(None, [env.get("PYTHONPATH")])])
-        cmd = [*python, "-m", "pytest", *map(str, files), "-m", "not gpu", "-q", "-p", "no:cacheprovider",
+        cmd = [*python, "-m", "pytest", *map(str, files), "-m", marks, "-q", "-p", "no:cacheprovider",
                "-p", "overlay.maintain.rebase.failkind", "-o", "addopts=", f"--junitxml={junit}"]
         try:
             proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False,

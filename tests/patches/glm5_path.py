@@ -23,20 +23,23 @@ pack, exchange and selector kernels from ``dcp_topk_standins``), the direct A2A 
 the release's own argument checks), the symmetric-memory allocation and direct query gather
 (``dcp_direct_harness``), the NCCL a2a pack kernels and the ag_rs correction kernel (torch), and the
 dense-MHA prefill's kernels (``glm5_prefill_standins``: FlashAttention by the release's own CPU
-prefill backend, the fp8 context gather with its host checks, the LSE merge op). Not run: the
+prefill backend, or where it has none (0.28.0) by our torch one of FlashAttention's varlen contract, the fp8
+context gather with its host checks, the LSE merge op with the CUDA op's contract). Not run: the
 projections, norms and RoPE before the attention (0.29.0+: fused Triton kernels), identical at every
 DCP size and touched by no patch: the harness hands the section the query and KV they give.
 
 A step (:class:`Case`) is what a server hands the layer: decodes, MTP-5 verification, prefills (the
-release routes them: sparse MQA, or dense MHA when the longest prefill is at most ``index_topk``),
+release's metadata builder routes them, 0.28.0 on: sparse MQA, or dense MHA when the longest prefill is at
+most ``index_topk``),
 mixed batches, with CUDA-graph padding rows outside or inside the metadata and long-context LSEs.
 ``CASES`` are the steps the projection patch's tests run (``index_topk`` 128); ``STEPS`` the rest
 (``test_glm5_steps.py``; ``index_topk`` 512, so that a prefill past the 256-token decode threshold can
 still be dense).
 
 Every rank writes one report (:func:`worker`): per run (transport, projection switch) the combine
-calls it saw (which op, the head dim it carried), per case the paths it took (dense MHA, sparse MQA,
-the context KV gather), its seconds and its output, saved as a tensor, or the error it raised.
+calls it saw (which op, the head dim it carried), per case the route the release's metadata builder chose
+(``prefill.use_dense_mha``) and the paths it took (dense MHA, sparse MQA, the context KV gather), its seconds
+and its output, saved as a tensor, or the error it raised.
 ``test_dcp_project_before_merge__glm5_path.py`` and ``test_glm5_steps.py`` compare DCP 2 (and 4)
 against DCP 1.
 """
@@ -96,8 +99,9 @@ class Case:
 
     @property
     def dense(self) -> bool:
-        """0.29.0+ routes the step's prefills to dense MHA (``_use_dense_mha_prefill``: the longest
-        prefill sequence at most ``index_topk``)."""
+        """The release routes the step's prefills to dense MHA (0.28.0 on: the metadata builder's
+        ``use_dense_mha``, 0.34.0 through ``_use_dense_mha_prefill``: the longest prefill sequence at most
+        ``index_topk``)."""
         return 0 < self.prefill_max_seq_len <= TOPK
 
     @property
@@ -555,6 +559,8 @@ def run_step(path: ModelPath, module: Any, layer: Any, vllm_config: Any, name: s
     cache, table = rank_cache(step, rank, world)
     layer.kv_cache = cache
     metadata = build_metadata(vllm_config, layer.layer_name, name, table)
+    prefill = getattr(metadata, "prefill", None)
+    _ROUTE["dense"] = None if prefill is None else getattr(prefill, "use_dense_mha", None)
     # 0.29.0+: forward's fused_norm_rope clears the buffer and the indexer (install_indexer) fills it; 0.28.0's
     # section (forward_impl) starts after the indexer: the buffer holds the step's global top-k
     layer.impl.topk_indices_buffer[:num_tokens] = -1 if path.entry == "sparse_indexer_and_attn" else step.topk
@@ -643,6 +649,7 @@ def install_indexer(path: ModelPath, steps: dict[str, Any]) -> None:
 
 
 _STEP: dict[str, tuple[str, Step]] = {}  # the step run_step is running, for the indexer stand-in
+_ROUTE: dict[str, bool | None] = {}  # "dense": the release's route of the step's prefills (None: no prefill)
 
 
 def indexer_row_groups(step: Step) -> list[slice]:
@@ -799,6 +806,7 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
                     dims.clear()
                     steps.clear()
                     before = dict(calls)
+                    _ROUTE.clear()
                     started = time.perf_counter()
                     try:
                         out = run_step(path, module, layer, vc, name, rank, world)
@@ -814,6 +822,7 @@ def worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, sys_p
                     result["seconds"] = round(time.perf_counter() - started, 3)
                     result["combines"] = list(dims)
                     result["steps"] = dict(steps)
+                    result["dense_route"] = _ROUTE.get("dense")
                     result["direct_a2a_calls"] = calls.get("direct_a2a", 0) - before.get("direct_a2a", 0)
                     run["cases"][name] = result
                     if world > 1:

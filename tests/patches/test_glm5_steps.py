@@ -12,13 +12,16 @@ the two on each transport):
   FULL decode graph's padded requests of ``1 + k`` rows inside it (Model Runner V2's uniform batch);
 - LSEs as long contexts make them (a common score offset of about 543: ``exp`` of it overflows float32),
   through the decode merge and through the dense prefill's context merge;
-- the dense-MHA prefill of short prompts (0.29.0+): without context, over cached context (under DCP the
+- the dense-MHA prefill of short prompts (0.28.0 on): without context, over cached context (under DCP the
   context is gathered from every rank's shard, ``kv_gather``), exactly at ``index_topk`` and one past it
   (where the release sends the step to the sparse MQA path instead), and mixed with MTP-5 decodes.
 
 Every rank's rows of the real tokens equal DCP 1's (which equals attention computed in float64), and every
-step took the path its shape sends it on. Each rank set runs once per module; DCP 4 (four gloo ranks, minutes
-on two cores) is marked ``long`` and runs in ``make test-long``.
+step took the path its shape sends it on, as the release's own metadata builder routed it. Each rank set runs
+once per module; DCP 4 (four gloo ranks, minutes on two cores) is marked ``long`` and runs in ``make
+test-long``. This file runs here on the installed release; ``tests/test_patches_against_base.py`` runs it on
+every other carried release's patched tree in that release's environment (0.28.0, production's: its dense
+prefill through ``glm5_prefill_standins``' FlashAttention and merge stand-ins).
 """
 
 from __future__ import annotations
@@ -112,14 +115,19 @@ def test_dcp_step_equals_dcp1(dcp1, request: pytest.FixtureRequest, world: int, 
 def test_each_step_takes_its_path(dcp1, request: pytest.FixtureRequest, world: int, case: str) -> None:
     """The shape decides the path, as the release routes it: a prefill whose longest sequence is at most
     ``index_topk`` runs dense MHA (over DCP its cached context is gathered from every rank), one token past it
-    the sparse MQA path; decodes always run sparse MQA and, under DCP, a merge."""
+    the sparse MQA path; decodes always run sparse MQA and, under DCP, a merge. The release's metadata builder
+    chose that route (``prefill.use_dense_mha``; no prefill metadata for a step of decodes)."""
     spec = g.case_of(case)
     has_context = any(s > q for q, s in zip(spec.query_lens, spec.seq_lens, strict=True) if q > g.DECODE_THRESHOLD)
+    # a step of decodes builds no prefill metadata, or (0.28.0, whose builder splits a batch of unequal short
+    # queries at the first longer one) prefill metadata routed to sparse MQA
+    routes = (spec.dense,) if spec.prefill_max_seq_len else (None, False)
     for size, (_, reps) in ((1, dcp1), (world, request.getfixturevalue(f"dcp{world}"))):
         for transport, project in _runs(size):
             for rank, result in enumerate(g.case_results(reps, transport, project, case)):
                 g.raise_for(result, rank)
                 steps, where = result["steps"], f"DCP {size} {transport} {project} rank {rank}"
+                assert result["dense_route"] in routes, (where, result["dense_route"])
                 assert steps.get("dense_mha", 0) == int(spec.dense), (where, steps)
                 assert steps.get("mqa", 0) == int(spec.merges), (where, steps)
                 gathered = size > 1 and spec.dense and has_context
@@ -128,15 +136,24 @@ def test_each_step_takes_its_path(dcp1, request: pytest.FixtureRequest, world: i
                     assert bool(result["combines"]) == spec.merges, (where, result["combines"])
 
 
-def test_the_routing_threshold_is_index_topk() -> None:
-    """The two threshold cases sit on either side of the release's own routing function."""
+def test_the_routing_threshold_is_index_topk(dcp1) -> None:
+    """The two threshold cases sit on either side of the release's own routing: its metadata builder routed
+    the prefill at ``index_topk`` to dense MHA and the one a token past it to sparse MQA (every release), and
+    its routing function, where it has one (0.34.0's ``_use_dense_mha_prefill``), says the same."""
+    _, (rep,) = dcp1
+    at, past = g.case_of("dense_at_topk"), g.case_of("mqa_past_topk")
+    assert at.prefill_max_seq_len == g.TOPK and past.prefill_max_seq_len == g.TOPK + 1
+    run = rep["runs"][0]["cases"]
+    assert (run["dense_at_topk"]["dense_route"], run["mqa_past_topk"]["dense_route"]) == (True, False), (
+        run["dense_at_topk"]["dense_route"], run["mqa_past_topk"]["dense_route"])
+    assert at.dense and not past.dense
     try:
         sparse = importlib.import_module("vllm.model_executor.layers.attention.sparse_mla_attention")
     except ImportError:
         sparse = None
     route = getattr(sparse, "_use_dense_mha_prefill", None)
-    if route is None:
-        pytest.skip("this release routes no sparse-MLA prefill to dense MHA")
+    if route is None:  # 0.28.0: the builder's own expression, read above
+        return
 
     class _Attention:
         hisparse_config = None
@@ -145,9 +162,8 @@ def test_the_routing_threshold_is_index_topk() -> None:
     class _Config:
         attention_config = _Attention()
 
-    at, past = g.case_of("dense_at_topk"), g.case_of("mqa_past_topk")
-    assert route(_Config(), at.prefill_max_seq_len, g.TOPK) and at.dense
-    assert not route(_Config(), past.prefill_max_seq_len, g.TOPK) and not past.dense
+    assert route(_Config(), at.prefill_max_seq_len, g.TOPK)
+    assert not route(_Config(), past.prefill_max_seq_len, g.TOPK)
 
 
 def test_each_dcp2_step_merges_the_ranks_topk_as_the_release_does(dcp1, dcp2) -> None:

@@ -11,7 +11,8 @@ own fix, not an earlier patch's (on the bare base a test can fail through an ear
 Every other carried release (``patches/<release>/``, found by :func:`overlay.build.pins.carried_releases`,
 none named here) runs in an environment of its own: its whole resolved dependency set on its own torch
 (``overlay.maintain.rebase.deps.release_deps``); its patch tests run there on its patched tree, where they
-must pass, and on each prefix, where they must fail.
+must pass, and on each prefix, where they must fail; so do the tools' tests that model vLLM's code
+(``RELEASE_BOUND``) and GLM-5's steps (``GLM5_STEPS``) on its patched tree.
 """
 
 from __future__ import annotations
@@ -113,6 +114,32 @@ def test_tools_agree_with_each_release(release: str, file: Path) -> None:
     tree = prefix_tree(PATCHES, release, SERIES[release].patches)
     run = run_files([file], tree, cwd=REPO, timeout=900, deps=_deps(release))
     assert run.status == "passed", f"vLLM {release}: {describe(run)}: {run.first_error()}"
+
+
+# GLM-5's own attention on every step a server hands it (``glm5_path.STEPS``) and the dense-MHA prefill's
+# stand-ins it runs on: not a patch's tests but the build as a whole, so each carried release runs them on its
+# patched tree (the installed release's run in this process). DCP 1 and 2 cost about 50 s in its environment on
+# two cores (``make test``); DCP 4, about a minute more, runs with the long tests.
+GLM5_STEPS = [TESTS / "test_glm5_prefill_standins.py", TESTS / "test_glm5_steps.py"]
+
+
+def _glm5_steps_cases() -> list[Any]:
+    return [pytest.param(r, marks, id=f"{r}-{part}", marks=long)
+            for r in RELEASES if r != INSTALLED
+            for part, marks, long in (("dcp2", "not gpu and not long", ()),
+                                      ("dcp4", "long and not gpu", pytest.mark.long))]
+
+
+@pytest.mark.parametrize(("release", "marks"), _glm5_steps_cases())
+def test_glm5_steps_pass_on_each_release(release: str, marks: str) -> None:
+    """Every GLM-5 step the release has (the dense-MHA prefill included, with its FlashAttention and merge
+    stand-ins where the release has no CPU ones) at DCP 2 (``dcp2``: with DCP 1 against float64 attention) and
+    DCP 4 (``dcp4``) equals DCP 1 on every transport and switch value, on the release's patched tree in its own
+    environment; the stand-ins hold to their contracts there."""
+    tree = prefix_tree(PATCHES, release, SERIES[release].patches)
+    run = run_files(GLM5_STEPS, tree, cwd=REPO, timeout=900, deps=_deps(release), marks=marks)
+    assert run.status == "passed", f"vLLM {release}: {describe(run)}: {run.first_error()}"
+    assert run.passed, f"vLLM {release}: no GLM-5 step ran ({describe(run)})"
 
 
 @pytest.mark.parametrize("release", RELEASES)

@@ -106,7 +106,8 @@ def test_dcp_step_equals_dcp1(dcp1, request: pytest.FixtureRequest, world: int, 
                 out = torch.load(g.output_file(tmp, world, transport, project, case, rank))
                 _close(out, whole[:, rank * width:(rank + 1) * width], what)
             except (AssertionError, compat.BehaviourFailure) as exc:
-                failures.append(f"{what}: {exc}".splitlines()[0])
+                line = (str(exc).splitlines() or [""])[0]  # _close's messages already name the run
+                failures.append(line if line.startswith(what) else f"{what}: {line}")
     assert not failures, "\n".join(failures)
 
 

@@ -16,6 +16,9 @@ A launched server must also run what its profile says: vLLM starts without a ``V
 read and only logs "Unknown vLLM environment variable detected: NAME" (0.34.0 so ignores 0.28.0's
 ``VLLM_DCP_PROJECT_BEFORE_MERGE``). Once it is ready, :meth:`Server.check_env_read` reads its log for such a
 line about a variable the profile's ``server.env`` sets, and refuses the run as a harness failure naming it.
+Arguments are the other way round: ``vllm serve`` refuses one it does not take ("unrecognized arguments", exit
+2; 0.28.0 so refuses 0.34.0's ``--dcp-v-up-proj-before-merge``); a server that exits before it is ready with that
+in its log is a harness failure naming ``server.args`` (:meth:`Server.check_args_taken`), not a regression.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ from overlay.releases.projection import PROJECTION_ENV
 
 UNKNOWN_ENV = re.compile(r"Unknown vLLM environment variable detected: ([A-Za-z0-9_]+)")
 """What vLLM (0.28.0 and 0.34.0: ``validate_environ``) logs for a ``VLLM_*`` variable it does not read."""
+UNKNOWN_ARGS = re.compile(r"error: unrecognized arguments: (.+?)\s*$")
+"""What ``vllm serve``'s argument parser (argparse) prints, before it exits with status 2, for arguments it does not
+take (0.28.0 so refuses 0.34.0's ``--dcp-v-up-proj-before-merge``)."""
 
 
 class Server:
@@ -117,6 +123,23 @@ class Server:
                            f"\"Unknown vLLM environment variable detected: {unread[0]}\"), so the server does not run "
                            f"what the profile says; set {it} the way that build reads {it}, or remove {it}{hint}")
 
+    def check_args_taken(self) -> None:
+        """Raise RegressError (one line naming ``server.args``) when the launched server's log says its argument
+        parser refused arguments: a server that cannot start with the profile's arguments is the profile's
+        mismatch with the build, not a regression of the build."""
+        if self.log_path is None or not self.log_path.exists():
+            return
+        with self.log_path.open(encoding="utf-8", errors="replace") as log:
+            refused = [m.group(1) for m in map(UNKNOWN_ARGS.search, log) if m]
+        if not refused:
+            return
+        hint = (f"; 0.28.0's series takes the projection as server.env {PROJECTION_ENV}=1|0"
+                if PROJECTION_ARGUMENT in refused[-1] else "")
+        log_name = self.log_path.name
+        raise RegressError(f"server.args: the vLLM this profile started does not take {refused[-1]} ({log_name}: "
+                           f"\"unrecognized arguments\") and stopped at start-up; give the arguments that build "
+                           f"takes{hint}")
+
     def wait_ready(self, timeout_s: float, progress: Callable[[str], None], poll_s: float = 2.0,
                    refused_timeout_s: float | None = None) -> float:
         """Block until ready; return the seconds it took. Raise ServerDied or RegressError.
@@ -132,6 +155,7 @@ class Server:
         while True:
             rc = self.exited()
             if rc is not None:
+                self.check_args_taken()
                 raise ServerDied("startup", f"vllm serve exited with status {rc} before it was ready"
                                  + self._tail_suffix())
             try:

@@ -165,6 +165,24 @@ def test_launch_mode_server_exiting_at_startup_is_a_regression(tmp_path: Path) -
                                   "ready; server log ends: RuntimeError: DCP is not supported by FLASHMLA_SPARSE")
 
 
+def test_launch_mode_server_refusing_a_profile_argument_is_a_harness_failure(tmp_path: Path) -> None:
+    """A profile giving an argument the started vLLM does not take (0.34.0's --dcp-v-up-proj-before-merge on
+    0.28.0): argparse stops it at start-up; that is the profile's mismatch with the build, not a regression."""
+    fake = _fake_vllm(tmp_path, "import sys\nprint('usage: vllm serve [model_tag] [options]', file=sys.stderr)\n"
+                                "print('vllm serve: error: unrecognized arguments: --dcp-v-up-proj-before-merge on',"
+                                " file=sys.stderr)\nsys.exit(2)\n")
+    profile = make_profile(tmp_path, **{"server.vllm_bin": str(fake), "server.port": free_port()})
+    run = run_cli(profile, tmp_path / "out", "--ready-timeout", "30")
+    assert run.code == 2, run.stderr
+    [finding] = run.findings()
+    assert finding["kind"] == "harness"
+    assert finding["message"] == (
+        "server.args: the vLLM this profile started does not take --dcp-v-up-proj-before-merge on (server.log: "
+        "\"unrecognized arguments\") and stopped at start-up; give the arguments that build takes; 0.28.0's series "
+        "takes the projection as server.env VLLM_DCP_PROJECT_BEFORE_MERGE=1|0")
+    assert (run.out / "verdict").read_text().strip() == "harness"
+
+
 # What vLLM's validate_environ does at start-up (0.28.0 and 0.34.0): a VLLM_* variable it does not read is
 # logged, not refused, and the server starts without it. The fake reads VLLM_USE_DIRECT_DCP_A2A only.
 _IGNORING_VLLM = f"""

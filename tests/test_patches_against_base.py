@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -33,6 +33,9 @@ from overlay.maintain import rebase  # not its test_file/test_files by name: pyt
 from overlay.maintain.rebase.testrun import describe, run_files
 from overlay.maintain.trees import base_tree, prefix_tree
 from tests.releasekit import installed_release
+
+if TYPE_CHECKING:  # not imported by name at run time: pytest would collect a Test* class
+    from overlay.maintain.rebase.testrun import TestRun
 
 REPO = Path(__file__).resolve().parent.parent
 PATCHES = REPO / "patches"
@@ -50,6 +53,12 @@ def _deps(release: str) -> Path | None:
     from overlay.maintain.rebase.deps import release_deps
 
     return release_deps(release, fetch_wheel(load_pin(PATCHES, release)))
+
+
+def _on_patched_tree(release: str, files: list[Path], marks: str = "not gpu") -> TestRun:
+    """pytest on ``files`` against ``release`` with its whole series, in that release's environment."""
+    tree = prefix_tree(PATCHES, release, SERIES[release].patches)
+    return run_files(files, tree, cwd=REPO, timeout=900, deps=_deps(release), marks=marks)
 
 
 def _files(release: str) -> list[tuple[int, Path]]:
@@ -96,9 +105,7 @@ def test_patch_tests_fail_without_the_patch(release: str, index: int, file: Path
 def test_patch_tests_pass_on_their_release(release: str, file: Path) -> None:
     """A carried release that is not installed here: its patches' tests pass on its patched tree, in its own
     environment (the installed release's pass in this process)."""
-    series = SERIES[release]
-    tree = prefix_tree(PATCHES, release, series.patches)
-    run = run_files([file], tree, cwd=REPO, timeout=900, deps=_deps(release))
+    run = _on_patched_tree(release, [file])
     assert run.status == "passed", f"vLLM {release} with its series: {describe(run)}: {run.first_error()}"
 
 
@@ -111,8 +118,7 @@ RELEASE_BOUND = [REPO / "tests" / "test_workspace_plan.py"]
 def test_tools_agree_with_each_release(release: str, file: Path) -> None:
     """The tools that model vLLM's own code (the workspace planner) agree with every carried release's, on its
     patched tree in its own environment (the installed release's run in this process)."""
-    tree = prefix_tree(PATCHES, release, SERIES[release].patches)
-    run = run_files([file], tree, cwd=REPO, timeout=900, deps=_deps(release))
+    run = _on_patched_tree(release, [file])
     assert run.status == "passed", f"vLLM {release}: {describe(run)}: {run.first_error()}"
 
 
@@ -136,8 +142,7 @@ def test_glm5_steps_pass_on_each_release(release: str, marks: str) -> None:
     stand-ins where the release has no CPU ones) at DCP 2 (``dcp2``: with DCP 1 against float64 attention) and
     DCP 4 (``dcp4``) equals DCP 1 on every transport and switch value, on the release's patched tree in its own
     environment; the stand-ins hold to their contracts there."""
-    tree = prefix_tree(PATCHES, release, SERIES[release].patches)
-    run = run_files(GLM5_STEPS, tree, cwd=REPO, timeout=900, deps=_deps(release), marks=marks)
+    run = _on_patched_tree(release, GLM5_STEPS, marks)
     assert run.status == "passed", f"vLLM {release}: {describe(run)}: {run.first_error()}"
     assert run.passed, f"vLLM {release}: no GLM-5 step ran ({describe(run)})"
 

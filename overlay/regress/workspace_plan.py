@@ -61,8 +61,6 @@ _LSE_BYTES = 4  # float32
 HOPPER_DEFAULT_MAX_CAPTURE = 512
 SERVE_DEFAULT_MAX_NUM_SEQS = 1024
 SERVE_DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-PROJECT_ENV = PROJECTION_ENV
-"""0.28.0's switch (``dcp-project-before-merge.patch``; vLLM reads ``bool(int(value))``, default "1")."""
 COMM_BACKEND_ARG = "--dcp-comm-backend"
 COMM_BACKENDS = ("ag_rs", "a2a")
 AUTO_DEFAULT_BACKEND = "a2a"
@@ -410,13 +408,13 @@ def _projection(server: ServerSpec, where: str) -> tuple[bool, str] | None:
     if value is None and PROJECT_ARG in server.args:
         raise ValueError(f"{where}: server.args: {PROJECT_ARG} is the last argument, without its value "
                          f"({', '.join(PROJECT_VALUES)})")
-    env = _env_bool(server.env, PROJECT_ENV, where, "0 off, 1 on")
-    if value is not None and PROJECT_ENV in server.env:
-        raise ValueError(f"{where}: server.args {PROJECT_ARG} {shown(value)} and server.env.{PROJECT_ENV} both set "
+    env = _env_bool(server.env, PROJECTION_ENV, where, "0 off, 1 on")
+    if value is not None and PROJECTION_ENV in server.env:
+        raise ValueError(f"{where}: server.args {PROJECT_ARG} {shown(value)} and server.env.{PROJECTION_ENV} both set "
                          "the projection, and a build reads only one (our 0.34.0 series the argument, 0.28.0's "
                          "the variable): keep the one of the build this profile runs")
     if value is None:
-        return None if env is None else (env, f"server.env {PROJECT_ENV}={server.env[PROJECT_ENV]}")
+        return None if env is None else (env, f"server.env {PROJECTION_ENV}={server.env[PROJECTION_ENV]}")
     if value not in PROJECT_VALUES:
         raise ValueError(f"{where}: server.args: {PROJECT_ARG} {shown(value)}: expected "
                          f"{', '.join(PROJECT_VALUES)}")
@@ -442,7 +440,7 @@ def config_from_profile(name_or_path: str) -> dict[str, Any]:
         raise ValueError(f"--profile {name_or_path}: server.args: {one_line(str(exc))}") from None
     projection = _projection(server, name_or_path)
     if projection is None:
-        found["projection_source"] = (f"the profile sets neither {PROJECT_ARG} nor {PROJECT_ENV}: on, as "
+        found["projection_source"] = (f"the profile sets neither {PROJECT_ARG} nor {PROJECTION_ENV}: on, as "
                                       "0.28.0's series by default; 0.34.0's series takes auto")
     else:
         found["project_before_merge"], found["projection_source"] = projection

@@ -53,15 +53,9 @@ def build(reports: list[dict[str, Any]], transport: str, value: str) -> list[dic
 
 def result(reports: list[dict[str, Any]], transport: str, value: str, case: str) -> list[dict[str, Any]]:
     """Each rank's result of ``case`` in that build, raised as the failure it was where it failed."""
-    out = []
-    for rank, record in enumerate(build(reports, transport, value)):
-        res = record["cases"][case]
-        if not res["ok"]:
-            message = f"rank {rank}: {res['error']}\n" + "".join(res.get("where", []))
-            if res.get("error_kind") == "harness":
-                raise compat.HarnessError(message)
-            raise compat.BehaviourFailure(message)
-        out.append(res)
+    out = [record["cases"][case] for record in build(reports, transport, value)]
+    for rank, res in enumerate(out):
+        g.raise_for(res, rank)
     return out
 
 
